@@ -1,0 +1,1 @@
+"""jobplane: versioned job templates, durable runs, cooperative workers."""

@@ -1,0 +1,5 @@
+"""`python -m jobplane` is the `jobplane` command."""
+
+from jobplane.cli import main
+
+main()

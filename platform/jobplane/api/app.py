@@ -1,0 +1,32 @@
+"""The FastAPI application."""
+
+from collections.abc import AsyncIterator
+from contextlib import asynccontextmanager
+
+from fastapi import FastAPI
+
+from jobplane.api import errors
+from jobplane.api.routes import health, runs, templates
+from jobplane.backends import Backends, open_backends
+from jobplane.settings import Settings
+
+
+def create_app(settings: Settings, backends: Backends | None = None) -> FastAPI:
+    """Build the app; it opens its own backends unless given some (tests, `jobplane dev`)."""
+
+    @asynccontextmanager
+    async def lifespan(app: FastAPI) -> AsyncIterator[None]:
+        if backends is not None:
+            app.state.store, app.state.queue = backends.store, backends.queue
+            yield
+            return
+        async with open_backends(settings) as opened:
+            app.state.store, app.state.queue = opened.store, opened.queue
+            yield
+
+    app = FastAPI(title="jobplane", version="1", lifespan=lifespan)
+    app.state.settings = settings
+    errors.install(app)
+    for module in (health, templates, runs):
+        app.include_router(module.router)
+    return app

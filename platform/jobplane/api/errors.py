@@ -1,0 +1,60 @@
+"""Every error leaves the API as {"error": {"code", "message", "details"}}."""
+
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from pydantic import BaseModel
+from redis.exceptions import RedisError
+from starlette.exceptions import HTTPException
+
+from jobplane.errors import JobplaneError
+
+_HTTP_CODES = {401: "Unauthorized", 403: "Forbidden", 404: "NotFound", 405: "NotFound"}
+
+
+class ErrorBody(BaseModel):
+    code: str
+    message: str
+    details: dict[str, Any] = {}
+
+
+class ErrorResponse(BaseModel):
+    error: ErrorBody
+
+
+def error_response(status: int, code: str, message: str, details: dict[str, Any]) -> JSONResponse:
+    body = {"error": {"code": code, "message": message, "details": details}}
+    return JSONResponse(body, status_code=status)
+
+
+def install(app: FastAPI) -> None:
+    @app.exception_handler(JobplaneError)
+    async def domain(_: Request, exc: JobplaneError) -> JSONResponse:
+        return error_response(exc.status, exc.code, exc.message, exc.details)
+
+    @app.exception_handler(RequestValidationError)
+    async def invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        errors = [
+            {
+                "pointer": "".join(f"/{p}" for p in err["loc"][1:]),
+                "message": err["msg"],
+            }
+            for err in exc.errors()
+        ]
+        return error_response(422, "ValidationFailed", "invalid request", {"errors": errors})
+
+    @app.exception_handler(HTTPException)
+    async def http(_: Request, exc: HTTPException) -> JSONResponse:
+        code = _HTTP_CODES.get(exc.status_code, "Error")
+        return error_response(exc.status_code, code, str(exc.detail), {})
+
+    @app.exception_handler(RedisError)
+    async def redis_down(_: Request, exc: RedisError) -> JSONResponse:
+        return error_response(503, "Unavailable", f"Redis unavailable: {exc}", {})
+
+
+ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
+    status: {"model": ErrorResponse} for status in (401, 403, 404, 409, 413, 422)
+}

@@ -1,0 +1,128 @@
+"""`jobplane dev`: local servers unless URLs are set; then API, worker and scheduler together."""
+
+import asyncio
+import logging
+import secrets
+import sys
+from pathlib import Path
+
+import uvicorn
+
+from jobplane.api import create_app
+from jobplane.backends import Backends, open_backends
+from jobplane.cli.render import LiveView
+from jobplane.devstack.servers import LocalStack
+from jobplane.model import TERMINAL
+from jobplane.process import HTTPServer, serve_http, stop_on_signals
+from jobplane.runs import RunRequest, RunService
+from jobplane.scheduler import Scheduler
+from jobplane.settings import Settings
+from jobplane.templates import load_path
+from jobplane.worker import Worker
+from jobplane.worker.handlers import load_modules
+
+DEMO_PAYLOAD = {"target": "demo", "sleepSeconds": 3}
+
+
+async def run_dev(settings: Settings, templates: Path, demo: bool, exit_after_demo: bool) -> int:
+    """Returns the exit code: 0, or 1 when the demo run did not succeed."""
+    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
+    load_modules(settings.handlers)
+    stop = asyncio.Event()
+    stop_on_signals(stop)
+    stack = None
+    if not settings.mongodb_url or not settings.redis_url:
+        stack = LocalStack(settings.data_dir)
+        await asyncio.to_thread(stack.start)
+        settings = settings.model_copy(
+            update={
+                "mongodb_url": settings.mongodb_url or stack.mongo_url,
+                "redis_url": settings.redis_url or stack.redis_url,
+            }
+        )
+    settings = settings.model_copy(update={"admin_key": settings.admin_key or _admin_key(settings)})
+    try:
+        async with open_backends(settings) as backends:
+            return await _serve(
+                settings, backends, stop, templates if demo else None, exit_after_demo
+            )
+    finally:
+        if stack is not None:
+            await asyncio.to_thread(stack.stop)
+
+
+async def _serve(
+    settings: Settings,
+    backends: Backends,
+    stop: asyncio.Event,
+    demo_templates: Path | None,
+    exit_after_demo: bool,
+) -> int:
+    config = uvicorn.Config(
+        create_app(settings, backends),
+        host=settings.host,
+        port=settings.port,
+        log_level="warning",
+    )
+    server = HTTPServer(config)
+    worker = Worker(backends.store, backends.queue, settings)
+    scheduler = Scheduler(backends.store, backends.queue, settings)
+    parts = [
+        asyncio.create_task(serve_http(server, stop)),
+        asyncio.create_task(worker.run(stop, drain_seconds=5)),
+        asyncio.create_task(scheduler.run(stop)),
+    ]
+    # uvicorn exposes readiness only as a flag.
+    while not server.started and not parts[0].done():  # noqa: ASYNC110
+        await asyncio.sleep(0.05)
+    if parts[0].done():  # the port was taken, say; the error was logged
+        stop.set()
+        await asyncio.gather(*parts, return_exceptions=True)
+        return 1
+    url = f"http://{settings.host}:{settings.port}"
+    print(f"jobplane is up at {url}  (docs: {url}/docs)")
+    print(f"  admin API key: {settings.admin_key}")
+    print(f"  MongoDB: {settings.mongodb_url}")
+    print(f"  Redis:   {settings.redis_url}")
+    print(f"  data:    {settings.data_dir.resolve()}")
+    code = 0
+    if demo_templates is not None:
+        code = await _demo(backends, demo_templates, stop)
+        if exit_after_demo:
+            stop.set()
+    if not stop.is_set():
+        print("Ctrl-C stops jobplane and the servers it started.", flush=True)
+    await stop.wait()
+    await asyncio.gather(*parts)
+    return code
+
+
+async def _demo(backends: Backends, templates: Path, stop: asyncio.Event) -> int:
+    """Register the shipped templates, create a `demo_long_task` run and watch it finish."""
+    for spec in load_path(templates):
+        template, created = await backends.store.register_template(spec)
+        print(f"template {template.type} v{template.version}{' (new)' if created else ''}")
+    service = RunService(backends.store, backends.queue)
+    request = RunRequest("demo_long_task", "system", "demo", dict(DEMO_PAYLOAD))
+    run = await service.create(request, "user:demo")
+    print(f"demo run {run.id} created; watching it:")
+    view = LiveView(sys.stdout.isatty())
+    while not stop.is_set():
+        run = await service.get(run.id)
+        view.show(run)
+        if run.status in TERMINAL:
+            return 0 if run.status == "succeeded" else 1
+        await asyncio.sleep(0.2)
+    return 1
+
+
+def _admin_key(settings: Settings) -> str:
+    """A bootstrap admin key kept in the data directory, so restarts print the same one."""
+    path = settings.data_dir / "admin_key"
+    if path.exists():
+        return path.read_text().strip()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    key = "jp_admin_" + secrets.token_urlsafe(24)
+    path.write_text(key + "\n")
+    path.chmod(0o600)
+    return key

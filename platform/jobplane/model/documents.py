@@ -1,0 +1,163 @@
+"""The documents of the four collections, as pydantic models with camelCase aliases.
+
+Python code uses snake_case attributes; MongoDB and the HTTP API see the camelCase aliases.
+Only the store converts between these models and BSON.
+"""
+
+from datetime import datetime
+from typing import Annotated, Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+from pydantic.alias_generators import to_camel
+
+from jobplane.model.status import RunStatus, StepStatus
+
+Scope = Literal["user", "account", "system"]
+# Identifiers authors choose; kept to a safe alphabet so they are fine as key parts and in URLs.
+Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,100}$")]
+# Step ids become MongoDB field names (`outputs.<id>`), so no dots.
+StepId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,100}$")]
+
+
+class Document(BaseModel):
+    # Stored documents may carry fields a newer version added; inputs forbid unknown fields.
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="ignore")
+
+
+class Spec(Document):
+    model_config = ConfigDict(extra="forbid")
+
+
+class StepSpec(Spec):
+    id: StepId
+    name: str = ""
+    handler: Annotated[str, Field(min_length=1, max_length=200)]
+    worker_type: Literal["inline", "external"] = "inline"
+    timeout_seconds: Annotated[float, Field(gt=0)] | None = None
+    cancelable: bool = True
+
+
+class CancelPolicy(Spec):
+    supported: bool = True
+    mode: Literal["cooperative"] = "cooperative"
+    grace_seconds: Annotated[float, Field(ge=0)] = 30
+
+
+class RetryPolicy(Spec):
+    """Either an explicit `backoffSeconds` list or exponential backoff with jitter."""
+
+    max_attempts: Annotated[int, Field(ge=1, le=100)] = 1
+    backoff_seconds: list[Annotated[float, Field(ge=0)]] | None = None
+    initial_seconds: Annotated[float, Field(ge=0)] = 1
+    multiplier: Annotated[float, Field(ge=1)] = 2
+    max_seconds: Annotated[float, Field(ge=0)] = 3600
+    jitter: Literal["full", "equal", "none"] = "full"
+
+
+class TemplateSpec(Spec):
+    """What a template author registers."""
+
+    type: Name
+    name: str = ""
+    description: str = ""
+    enabled: bool = True
+    payload_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
+    repeatable: bool = True
+    concurrency_policy: Literal["allow", "reject_same_scope", "queue_same_scope"] = "allow"
+    dedupe_keys: list[str] = Field(default_factory=list)
+    timeout_seconds: Annotated[float, Field(gt=0)] | None = None
+    cancel_policy: CancelPolicy = Field(default_factory=CancelPolicy)
+    retry_policy: RetryPolicy = Field(default_factory=RetryPolicy)
+    steps: Annotated[list[StepSpec], Field(min_length=1)]
+    schedulable: bool = False
+    priority: Annotated[int, Field(ge=-100, le=100)] = 0
+    queue: Name = "default"
+
+
+class Template(TemplateSpec):
+    """A registered, immutable version of a template."""
+
+    model_config = ConfigDict(extra="ignore")
+
+    version: int
+    create_at: datetime
+    update_at: datetime
+
+    def step_index(self, step_id: str) -> int:
+        return next(i for i, s in enumerate(self.steps) if s.id == step_id)
+
+
+class StepProgress(Document):
+    id: str
+    status: StepStatus = StepStatus.PENDING
+    started_at: datetime | None = None
+    completed_at: datetime | None = None
+    percentage: float = 0
+    message: str | None = None
+    error: str | None = None
+
+
+class Progress(Document):
+    summary: str = ""
+    percentage: float = 0
+    steps: list[StepProgress] = Field(default_factory=list)
+
+
+class RunError(Document):
+    code: str
+    message: str
+    step: str | None = None
+    attempt: int = 0
+
+
+class Run(Document):
+    id: str
+    template_type: str
+    template_version: int
+    scope: Scope
+    scope_id: str
+    status: RunStatus
+    phase: str | None = None
+    payload: dict[str, Any] = Field(default_factory=dict)
+    priority: int = 0
+    queue: str = "default"
+    progress: Progress = Field(default_factory=Progress)
+    # Each finished step's return value, so a retried run resumes instead of restarting.
+    outputs: dict[str, Any] = Field(default_factory=dict)
+    result: Any = None
+    error: RunError | None = None
+    attempt: int = 0
+    max_attempts: int = 1
+    not_before: datetime | None = None
+    locked_by: str | None = None
+    lease_token: str | None = None
+    locked_until: datetime | None = None
+    heartbeat_at: datetime | None = None
+    cancel_requested_at: datetime | None = None
+    cancel_reason: str | None = None
+    cancel_requested_by: str | None = None
+    dedupe_key: str | None = None
+    idempotency_key: str | None = None
+    schedule_id: str | None = None
+    scheduled_for: datetime | None = None
+    rerun_of: str | None = None
+    scheduled_at: datetime | None = None
+    started_at: datetime | None = None
+    completed_at: datetime | None = None
+    create_at: datetime
+    update_at: datetime
+    version: int = 1
+
+
+class Event(Document):
+    id: str
+    job_id: str
+    type: str
+    from_: RunStatus | None = Field(default=None, alias="from")
+    to: RunStatus | None = None
+    message: str | None = None
+    metadata: dict[str, Any] = Field(default_factory=dict)
+    actor: str
+    scope: Scope | None = None
+    scope_id: str | None = None
+    create_at: datetime

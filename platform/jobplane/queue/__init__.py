@@ -1,0 +1,1 @@
+"""Redis: queues, owner-checked locks and leases, cancel signals."""

@@ -1,0 +1,100 @@
+"""The run service: template lookup, payload validation, durable insert, then enqueue."""
+
+import logging
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, Literal
+
+from jsonschema import Draft202012Validator
+from redis.exceptions import RedisError
+
+from jobplane.errors import NotFound, TemplateDisabled, ValidationFailed
+from jobplane.model import Run, Template
+from jobplane.queue.redis import QueueEntry, RedisQueue
+from jobplane.store import Lost, MongoStore, NewRun
+
+log = logging.getLogger("jobplane.runs")
+
+
+@dataclass(frozen=True)
+class RunRequest:
+    template_type: str
+    scope: Literal["user", "account", "system"]
+    scope_id: str
+    payload: dict[str, Any] = field(default_factory=dict)
+    template_version: int | None = None
+    priority: int | None = None
+    delay_seconds: float | None = None
+    not_before: datetime | None = None
+    idempotency_key: str | None = None
+
+
+class RunService:
+    def __init__(self, store: MongoStore, queue: RedisQueue) -> None:
+        self.store = store
+        self.queue = queue
+
+    async def create(self, request: RunRequest, actor: str) -> Run:
+        """Validate, write the run to MongoDB, then queue it in Redis.
+
+        If Redis is unreachable the run stays `pending` in MongoDB, durable, and the
+        reconciler queues it once Redis is back: an accepted run is never lost.
+        """
+        template = await self.store.get_template(request.template_type, request.template_version)
+        if template is None:
+            raise NotFound(f"template {request.template_type!r} not found")
+        if not template.enabled:
+            raise TemplateDisabled(f"template {template.type!r} is disabled")
+        validate_payload(template, request.payload)
+        not_before = request.not_before
+        if request.delay_seconds:
+            not_before = self.store.clock.now() + timedelta(seconds=request.delay_seconds)
+        run = await self.store.insert_run(
+            NewRun(
+                template=template,
+                scope=request.scope,
+                scope_id=request.scope_id,
+                payload=request.payload,
+                priority=request.priority,
+                not_before=not_before,
+                idempotency_key=request.idempotency_key,
+            ),
+            actor,
+        )
+        await self.enqueue(run, actor)
+        return run
+
+    async def enqueue(self, run: Run, actor: str) -> bool:
+        """Push a pending run to Redis and mark it `queued`; False leaves it to the reconciler."""
+        try:
+            await self.queue.push(
+                [QueueEntry(run.id, run.queue, run.priority, run.not_before)],
+                self.store.clock.now(),
+            )
+        except (RedisError, OSError) as exc:
+            log.warning("run %s stays pending, Redis push failed: %s", run.id, exc)
+            return False
+        # A worker may already have claimed it (pending is claimable); then this move is lost.
+        return not isinstance(await self.store.enqueue(run.id, actor), Lost)
+
+    async def get(self, run_id: str) -> Run:
+        run = await self.store.get_run(run_id)
+        if run is None:
+            raise NotFound(f"run {run_id!r} not found")
+        return run
+
+
+def validate_payload(template: Template, payload: dict[str, Any]) -> None:
+    validator = Draft202012Validator(template.payload_schema)
+    errors = sorted(validator.iter_errors(payload), key=lambda e: list(e.absolute_path))
+    if errors:
+        raise ValidationFailed(
+            "payload does not match the template's payloadSchema",
+            [
+                {
+                    "pointer": "/payload" + "".join(f"/{p}" for p in e.absolute_path),
+                    "message": e.message,
+                }
+                for e in errors
+            ],
+        )

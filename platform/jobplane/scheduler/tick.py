@@ -1,0 +1,89 @@
+"""One scheduler is active at a time, through the owner-checked Redis lock.
+
+Each tick reaps expired leases and reconciles Redis with MongoDB: pending runs are queued and
+queued runs missing from Redis (after a flush or failover) are pushed again. Redis sorted sets
+ignore a second add of the same id, and MongoDB decides every claim, so a redundant push costs
+a wasted pop, never a second execution.
+"""
+
+import asyncio
+import contextlib
+import logging
+import os
+
+from jobplane.clock import Clock, SystemClock
+from jobplane.model import RunStatus
+from jobplane.queue.redis import QueueEntry, RedisQueue
+from jobplane.settings import Settings
+from jobplane.store import Lost, MongoStore
+
+log = logging.getLogger("jobplane.scheduler")
+
+
+class Scheduler:
+    def __init__(
+        self,
+        store: MongoStore,
+        queue: RedisQueue,
+        settings: Settings,
+        clock: Clock | None = None,
+        owner: str | None = None,
+    ) -> None:
+        self.store = store
+        self.queue = queue
+        self.settings = settings
+        self.clock = clock or SystemClock()
+        self.owner = owner or f"scheduler-{os.getpid()}-{os.urandom(4).hex()}"
+
+    async def run(self, stop: asyncio.Event) -> None:
+        lock = self.queue.keys.scheduler_lock
+        ttl = self.settings.scheduler_lock_seconds
+        interval = min(self.settings.reconcile_seconds, ttl / 3)
+        try:
+            while not stop.is_set():
+                try:
+                    if await self.queue.acquire_lock(lock, self.owner, ttl):
+                        await self.tick()
+                except Exception:
+                    log.exception("scheduler tick failed; retrying")
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), interval)
+        finally:
+            with contextlib.suppress(Exception):
+                await self.queue.release_lock(lock, self.owner)
+
+    async def tick(self) -> None:
+        reaped = await self.reap()
+        queued = await self.reconcile()
+        if reaped or queued:
+            log.info("tick: reaped %d, queued %d", reaped, queued)
+
+    async def reap(self) -> int:
+        """Recover runs whose lease expired; requeued runs go back to Redis."""
+        moved = 0
+        for run in await self.store.expired_leases(self.settings.reap_batch):
+            outcome = await self.store.reap(run)
+            if isinstance(outcome, Lost):
+                continue
+            moved += 1
+            if outcome.to == RunStatus.QUEUED:
+                entry = QueueEntry(run.id, run.queue, run.priority, run.not_before)
+                await self.queue.push([entry], self.clock.now())
+        return moved
+
+    async def reconcile(self) -> int:
+        """Queue pending runs and re-push queued runs that Redis lost."""
+        pushed = 0
+        after: str | None = None
+        while True:
+            runs = await self.store.claimable(after, self.settings.reap_batch)
+            if not runs:
+                return pushed
+            after = runs[-1].id
+            entries = [QueueEntry(r.id, r.queue, r.priority, r.not_before) for r in runs]
+            missing = await self.queue.missing(entries)
+            await self.queue.push(missing, self.clock.now())
+            pushed += len(missing)
+            for run in runs:
+                if run.status == RunStatus.PENDING:
+                    await self.store.enqueue(run.id, "scheduler")

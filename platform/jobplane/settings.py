@@ -1,0 +1,47 @@
+"""Settings from `JOBPLANE_*` environment variables; every one is listed in the README."""
+
+from pathlib import Path
+from typing import Annotated
+
+from pydantic import BeforeValidator, Field
+from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+
+def _split(value: object) -> object:
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(",") if part.strip()]
+    return value
+
+
+# Comma-separated in the environment: JOBPLANE_QUEUES=default,reports
+CommaList = Annotated[list[str], NoDecode, BeforeValidator(_split)]
+
+
+class Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix="JOBPLANE_", extra="ignore")
+
+    # Unset URLs make `jobplane dev` start local servers from the `local` extra.
+    mongodb_url: str | None = None
+    redis_url: str | None = None
+    db: str = "jobplane"
+    # Prefix for every Redis key, so several deployments (or tests) can share one Redis.
+    redis_prefix: str = ""
+    # "majority" keeps an acknowledged write through a failover; "1" trades that for speed.
+    write_concern: str = "majority"
+    admin_key: str | None = None
+    data_dir: Path = Path(".jobplane")
+    host: str = "127.0.0.1"
+    port: int = 8000
+
+    worker_id: str | None = None
+    worker_concurrency: Annotated[int, Field(ge=1)] = 16
+    queues: CommaList = Field(default_factory=lambda: ["default"])
+    handlers: CommaList = Field(default_factory=list)
+    lease_seconds: Annotated[float, Field(gt=0)] = 30
+    heartbeat_seconds: Annotated[float, Field(gt=0)] = 10
+    # How long a worker blocks on an empty queue before looking again (also bounds delayed runs).
+    poll_seconds: Annotated[float, Field(gt=0)] = 1.0
+
+    reconcile_seconds: Annotated[float, Field(gt=0)] = 10
+    reap_batch: Annotated[int, Field(ge=1)] = 500
+    scheduler_lock_seconds: Annotated[float, Field(gt=0)] = 15

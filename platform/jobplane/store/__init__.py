@@ -1,0 +1,12 @@
+"""MongoDB, the source of truth: templates, runs, schedules and the event trail."""
+
+from jobplane.store.mongo import (
+    DuplicateRun,
+    Lease,
+    Lost,
+    MongoStore,
+    Moved,
+    NewRun,
+)
+
+__all__ = ["DuplicateRun", "Lease", "Lost", "MongoStore", "Moved", "NewRun"]

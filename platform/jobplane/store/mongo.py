@@ -1,0 +1,882 @@
+"""The MongoDB store: the only code that reads or writes jobplane's collections.
+
+Every change of a run's status is one named method built on `_transition`: a single conditional
+`find_one_and_update` whose filter names the source statuses from `TRANSITIONS` (plus `lockedBy`
+and `leaseToken` for worker writes), followed by the matching `job_events` entry. A filter that
+matches nothing is a lost race; it comes back as `Lost` and is never retried here.
+"""
+
+import asyncio
+import secrets
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass, field
+from datetime import datetime, timedelta
+from typing import Any, Literal
+
+from bson import ObjectId
+from pymongo import ASCENDING, DESCENDING, AsyncMongoClient, IndexModel, ReturnDocument
+from pymongo.asynchronous.collection import AsyncCollection
+from pymongo.errors import DuplicateKeyError
+from pymongo.write_concern import WriteConcern
+
+from jobplane.clock import Clock, SystemClock
+from jobplane.errors import ConcurrencyConflict
+from jobplane.model import (
+    CLAIMABLE,
+    LEASED,
+    TRANSITIONS,
+    Event,
+    Progress,
+    Run,
+    RunError,
+    RunStatus,
+    StepProgress,
+    StepStatus,
+    Template,
+    TemplateSpec,
+)
+
+Doc = dict[str, Any]
+
+# Fields the event of a transition needs from the document it moved.
+_EVENT_FIELDS = {"status": 1, "scope": 1, "scopeId": 1, "leaseToken": 1, "lockedBy": 1}
+# A run holds these only while a worker owns it.
+_LEASE_FIELDS = ("lockedBy", "leaseToken", "lockedUntil")
+# Array filters: the step a worker was in, and steps that will not run now (a step that failed
+# in an earlier attempt is retried later, so it counts as not done).
+_RUNNING_STEP = {"r.status": StepStatus.RUNNING}
+_UNDONE_STEP = {"p.status": {"$in": [StepStatus.PENDING, StepStatus.FAILED]}}
+
+
+@dataclass(frozen=True)
+class Lease:
+    """Proof of ownership that every worker write carries."""
+
+    run_id: str
+    worker_id: str
+    token: str
+
+    @property
+    def actor(self) -> str:
+        return f"worker:{self.worker_id}"
+
+    @property
+    def owner(self) -> str:
+        """The value of the run's Redis lock."""
+        return f"{self.worker_id}:{self.token}"
+
+
+@dataclass(frozen=True)
+class Moved:
+    """A transition that took place."""
+
+    run_id: str
+    from_: RunStatus
+    to: RunStatus
+
+
+@dataclass(frozen=True)
+class Lost:
+    """A write whose filter matched nothing: the caller lost a race.
+
+    `reason` is "missing" (no such run), "lease" (another claim superseded the caller's lease;
+    a `stale_write_rejected` event was recorded) or "status" (the run is in `status`, from which
+    the write is not allowed).
+    """
+
+    run_id: str
+    reason: Literal["missing", "lease", "status"]
+    status: RunStatus | None = None
+
+
+@dataclass(frozen=True)
+class NewRun:
+    template: Template
+    scope: Literal["user", "account", "system"]
+    scope_id: str
+    payload: dict[str, Any] = field(default_factory=dict)
+    priority: int | None = None
+    not_before: datetime | None = None
+    dedupe_key: str | None = None
+    idempotency_key: str | None = None
+    schedule_id: str | None = None
+    scheduled_for: datetime | None = None
+    rerun_of: str | None = None
+
+
+class DuplicateRun(Exception):
+    """A run with this idempotency key (or schedule fire time) already exists."""
+
+    def __init__(self, run: Run) -> None:
+        super().__init__(f"run {run.id} already exists")
+        self.run = run
+
+
+def object_id(run_id: str) -> ObjectId | None:
+    return ObjectId(run_id) if ObjectId.is_valid(run_id) else None
+
+
+class _EventWriter:
+    """Group commit for `job_events`: callers wait until their events are durable.
+
+    While one `insert_many` is in flight, new events gather and go out together in the next,
+    so a busy worker writes events in bulk and an idle one pays no extra latency.
+    """
+
+    def __init__(self, collection: AsyncCollection[Doc]) -> None:
+        self._collection = collection
+        self._pending: list[tuple[list[Doc], asyncio.Future[None]]] = []
+        self._flusher: asyncio.Task[None] | None = None
+
+    async def write(self, docs: list[Doc]) -> None:
+        if not docs:
+            return
+        future = asyncio.get_running_loop().create_future()
+        self._pending.append((docs, future))
+        if self._flusher is None:
+            self._flusher = asyncio.create_task(self._flush())
+        await asyncio.shield(future)
+
+    async def _flush(self) -> None:
+        try:
+            while self._pending:
+                batch, self._pending = self._pending, []
+                docs = [d for group, _ in batch for d in group]
+                try:
+                    await self._collection.insert_many(docs, ordered=False)
+                except Exception as exc:
+                    for _, future in batch:
+                        future.set_exception(exc)
+                else:
+                    for _, future in batch:
+                        future.set_result(None)
+        finally:
+            self._flusher = None
+
+
+class MongoStore:
+    def __init__(
+        self,
+        client: AsyncMongoClient[Doc],
+        db_name: str,
+        write_concern: str = "majority",
+        clock: Clock | None = None,
+    ) -> None:
+        self.client = client
+        w: int | str = int(write_concern) if write_concern.isdigit() else write_concern
+        self.db = client.get_database(db_name, write_concern=WriteConcern(w=w))
+        self.templates: AsyncCollection[Doc] = self.db["job_templates"]
+        self.runs: AsyncCollection[Doc] = self.db["job_runs"]
+        self.schedules: AsyncCollection[Doc] = self.db["job_schedules"]
+        self.events: AsyncCollection[Doc] = self.db["job_events"]
+        self.clock: Clock = clock or SystemClock()
+        self._events = _EventWriter(self.events)
+
+    @classmethod
+    def connect(
+        cls, url: str, db_name: str, write_concern: str = "majority", clock: Clock | None = None
+    ) -> "MongoStore":
+        client: AsyncMongoClient[Doc] = AsyncMongoClient(url, tz_aware=True, retryWrites=True)
+        return cls(client, db_name, write_concern, clock)
+
+    async def close(self) -> None:
+        await self.client.close()
+
+    async def ping(self) -> None:
+        await self.db.command("ping")
+
+    async def ensure_indexes(self) -> None:
+        """Create every index; safe to run at each start-up and from several processes."""
+        await self.templates.create_indexes(
+            [IndexModel([("type", ASCENDING), ("version", ASCENDING)], unique=True)]
+        )
+        has = {"$exists": True}
+        await self.runs.create_indexes(
+            [
+                # Claim path: the reconciler finds claimable runs missing from Redis.
+                IndexModel([("status", ASCENDING), ("_id", ASCENDING)]),
+                # Lease expiry: the reaper's scan of leased runs whose lease ran out.
+                IndexModel([("status", ASCENDING), ("lockedUntil", ASCENDING)]),
+                IndexModel(
+                    [("dedupeKey", ASCENDING)],
+                    unique=True,
+                    partialFilterExpression={"dedupeKey": has},
+                ),
+                IndexModel(
+                    [("scope", ASCENDING), ("scopeId", ASCENDING), ("idempotencyKey", ASCENDING)],
+                    unique=True,
+                    partialFilterExpression={"idempotencyKey": has},
+                ),
+                IndexModel(
+                    [("scheduleId", ASCENDING), ("scheduledFor", ASCENDING)],
+                    unique=True,
+                    partialFilterExpression={"scheduleId": has},
+                ),
+                IndexModel([("scope", ASCENDING), ("scopeId", ASCENDING), ("_id", DESCENDING)]),
+                IndexModel([("templateType", ASCENDING), ("_id", DESCENDING)]),
+            ]
+        )
+        await self.schedules.create_indexes(
+            [IndexModel([("enabled", ASCENDING), ("nextRunAt", ASCENDING)])]
+        )
+        await self.events.create_indexes(
+            [
+                IndexModel([("jobId", ASCENDING), ("createAt", ASCENDING), ("_id", ASCENDING)]),
+                IndexModel([("scope", ASCENDING), ("scopeId", ASCENDING), ("createAt", ASCENDING)]),
+                IndexModel([("type", ASCENDING), ("createAt", ASCENDING)]),
+                IndexModel([("actor", ASCENDING), ("createAt", ASCENDING)]),
+                IndexModel([("createAt", ASCENDING)]),
+            ]
+        )
+
+    # -- templates -----------------------------------------------------------------------------
+
+    async def register_template(self, spec: TemplateSpec) -> tuple[Template, bool]:
+        """Store `spec` as the next version of its type; an unchanged spec returns the latest.
+
+        Returns the template and whether a new version was created. Two authors registering at
+        once race on the unique (type, version) index; the loser re-reads and tries again.
+        """
+        definition = _definition(spec)
+        while True:
+            latest = await self.get_template(spec.type)
+            if latest is not None and _definition(latest) == definition:
+                return latest, False
+            now = self.clock.now()
+            doc = spec.model_dump(by_alias=True, mode="json")
+            doc |= {
+                "version": latest.version + 1 if latest else 1,
+                "enabled": latest.enabled if latest else spec.enabled,
+                "createAt": now,
+                "updateAt": now,
+            }
+            try:
+                await self.templates.insert_one(doc)
+            except DuplicateKeyError:
+                continue
+            return _template(doc), True
+
+    async def get_template(self, type_: str, version: int | None = None) -> Template | None:
+        query: Doc = {"type": type_}
+        if version is not None:
+            query["version"] = version
+        doc = await self.templates.find_one(query, sort=[("version", DESCENDING)])
+        return _template(doc) if doc else None
+
+    # -- runs ----------------------------------------------------------------------------------
+
+    async def insert_run(self, new: NewRun, actor: str) -> Run:
+        """Write a new `pending` run and its `created` event.
+
+        The unique indexes decide dedupe and idempotency, so concurrent creates cannot both win.
+        """
+        t = new.template
+        now = self.clock.now()
+        run = Run(
+            id=str(ObjectId()),
+            template_type=t.type,
+            template_version=t.version,
+            scope=new.scope,
+            scope_id=new.scope_id,
+            status=RunStatus.PENDING,
+            payload=new.payload,
+            priority=t.priority if new.priority is None else new.priority,
+            queue=t.queue,
+            progress=Progress(steps=[StepProgress(id=s.id) for s in t.steps]),
+            max_attempts=t.retry_policy.max_attempts,
+            not_before=new.not_before,
+            dedupe_key=new.dedupe_key,
+            idempotency_key=new.idempotency_key,
+            schedule_id=new.schedule_id,
+            scheduled_for=new.scheduled_for,
+            rerun_of=new.rerun_of,
+            create_at=now,
+            update_at=now,
+        )
+        doc = run.model_dump(by_alias=True, exclude_none=True)
+        doc["_id"] = ObjectId(doc.pop("id"))
+        try:
+            await self.runs.insert_one(doc)
+        except DuplicateKeyError as exc:
+            await self._raise_duplicate(exc, new)
+        await self._events.write(
+            [_event(run.id, "created", actor, doc, to=RunStatus.PENDING, now=now)]
+        )
+        return run
+
+    async def _raise_duplicate(self, exc: DuplicateKeyError, new: NewRun) -> None:
+        key = (exc.details or {}).get("keyPattern", {})
+        if "dedupeKey" in key:
+            active = await self.runs.find_one({"dedupeKey": new.dedupe_key}, {"_id": 1})
+            raise ConcurrencyConflict(str(active["_id"]) if active else None) from exc
+        if "idempotencyKey" in key:
+            query = {"scope": new.scope, "scopeId": new.scope_id}
+            query["idempotencyKey"] = new.idempotency_key  # type: ignore[assignment]
+        else:
+            query = {"scheduleId": new.schedule_id, "scheduledFor": new.scheduled_for}  # type: ignore[dict-item]
+        existing = await self.runs.find_one(query)
+        if existing is None:  # removed between our insert and this read; report the original
+            raise exc
+        raise DuplicateRun(_run(existing)) from exc
+
+    async def get_run(self, run_id: str) -> Run | None:
+        oid = object_id(run_id)
+        doc = await self.runs.find_one({"_id": oid}) if oid else None
+        return _run(doc) if doc else None
+
+    async def events_of(self, run_id: str) -> list[Event]:
+        cursor = self.events.find({"jobId": run_id}).sort([("createAt", 1), ("_id", 1)])
+        return [_event_model(d) async for d in cursor]
+
+    async def claimable(self, after: str | None, limit: int) -> list[Run]:
+        """Pending and queued runs in id order, for the reconciler to check against Redis."""
+        query: Doc = {"status": {"$in": sorted(CLAIMABLE)}}
+        if after:
+            query["_id"] = {"$gt": ObjectId(after)}
+        cursor = self.runs.find(query).sort("_id", 1).limit(limit)
+        return [_run(d) async for d in cursor]
+
+    # -- transitions without a lease -----------------------------------------------------------
+
+    async def enqueue(self, run_id: str, actor: str) -> Moved | Lost:
+        return await self._transition("enqueue", run_id, actor)
+
+    async def cancel(self, run_id: str, actor: str, reason: str | None) -> Moved | Lost:
+        """A run no worker holds yet ends at once; its pending steps are skipped."""
+        now = self.clock.now()
+        return await self._transition(
+            "cancel",
+            run_id,
+            actor,
+            set_={
+                "cancelRequestedAt": now,
+                "cancelReason": reason,
+                "cancelRequestedBy": actor,
+                "completedAt": now,
+                "progress.steps.$[p].status": StepStatus.SKIPPED,
+            },
+            unset=["dedupeKey"],
+            array_filters=[_UNDONE_STEP],
+            message=reason,
+        )
+
+    async def request_cancel(self, run_id: str, actor: str, reason: str | None) -> Moved | Lost:
+        """Ask the worker holding the run to stop; it converges via `acknowledge_cancel`."""
+        now = self.clock.now()
+        return await self._transition(
+            "request_cancel",
+            run_id,
+            actor,
+            set_={"cancelRequestedAt": now, "cancelReason": reason, "cancelRequestedBy": actor},
+            also=[("cancel_requested", reason, {})],
+            message=reason,
+        )
+
+    async def claim(
+        self, run_ids: Sequence[str], worker_id: str, lease_seconds: float
+    ) -> list[tuple[Run, Lease]]:
+        """Lease every claimable run among `run_ids` to `worker_id` under a fresh token.
+
+        One conditional `update_many` per source status and one read-back take the leases;
+        ids whose runs are no longer claimable (cancelled, claimed by another worker, not yet
+        due) are simply not returned.
+        """
+        oids = [oid for oid in map(object_id, run_ids) if oid]
+        if not oids:
+            return []
+        now = self.clock.now()
+        tokens = {s: secrets.token_hex(12) for s in (RunStatus.QUEUED, RunStatus.PENDING)}
+        due = {"$or": [{"notBefore": None}, {"notBefore": {"$lte": now}}]}
+        for source, token in tokens.items():
+            result = await self.runs.update_many(
+                {"_id": {"$in": oids}, "status": source, **due},
+                {
+                    "$set": {
+                        "status": RunStatus.RUNNING,
+                        "lockedBy": worker_id,
+                        "leaseToken": token,
+                        "lockedUntil": now + timedelta(seconds=lease_seconds),
+                        "heartbeatAt": now,
+                        "updateAt": now,
+                    },
+                    # $min on a missing field sets it: the first claim's time is kept.
+                    "$min": {"startedAt": now},
+                    "$inc": {"attempt": 1, "version": 1},
+                },
+            )
+            if source is RunStatus.QUEUED and result.modified_count == len(oids):
+                break
+        docs = await self.runs.find(
+            {"_id": {"$in": oids}, "lockedBy": worker_id, "leaseToken": {"$in": [*tokens.values()]}}
+        ).to_list()
+        source_of = {token: source for source, token in tokens.items()}
+        claimed: list[tuple[Run, Lease]] = []
+        events: list[Doc] = []
+        for doc in docs:
+            run = _run(doc)
+            lease = Lease(run.id, worker_id, doc["leaseToken"])
+            claimed.append((run, lease))
+            meta = {"transition": "claim", "attempt": run.attempt, "lease": lease.token[:8]}
+            events.append(
+                _event(
+                    run.id,
+                    "status_changed",
+                    lease.actor,
+                    doc,
+                    from_=source_of[lease.token],
+                    to=RunStatus.RUNNING,
+                    now=now,
+                    metadata=meta,
+                )
+            )
+        await self._events.write(events)
+        return claimed
+
+    async def expired_leases(self, limit: int) -> list[Run]:
+        """Leased runs whose `lockedUntil` has passed, oldest lease first."""
+        query = {"status": {"$in": sorted(LEASED)}, "lockedUntil": {"$lt": self.clock.now()}}
+        cursor = self.runs.find(query).sort("lockedUntil", 1).limit(limit)
+        return [_run(d) async for d in cursor]
+
+    async def reap(self, run: Run) -> Moved | Lost:
+        """Recover a run whose lease expired, as seen in `run`.
+
+        A cancel-requested run is cancelled; one with attempts left is queued again (the lost
+        lease counted as an attempt, so a poison run cannot loop forever); the rest expire.
+        The filter repeats the expired lease, so a heartbeat that renewed it meanwhile wins.
+        """
+        now = self.clock.now()
+        lease = {"leaseToken": run.lease_token, "lockedUntil": {"$lt": now}}
+        stopped = {"progress.steps.$[r].status": StepStatus.FAILED, "completedAt": now}
+        error = RunError(
+            code="lease_expired",
+            message=f"lease of {run.locked_by} expired at {run.locked_until}",
+            step=run.phase,
+            attempt=run.attempt,
+        ).model_dump(by_alias=True)
+        running = [_RUNNING_STEP]
+        lease_event = (
+            "lease_expired",
+            f"lease of {run.locked_by} expired",
+            {"attempt": run.attempt},
+        )
+        if run.status is RunStatus.CANCEL_REQUESTED:
+            stopped["progress.steps.$[r].status"] = StepStatus.CANCELLED
+            return await self._transition(
+                "reap_cancel",
+                run.id,
+                "reaper",
+                extra=lease,
+                set_=stopped,
+                unset=[*_LEASE_FIELDS, "dedupeKey"],
+                array_filters=running,
+                also=[lease_event],
+            )
+        if run.attempt < run.max_attempts:
+            return await self._transition(
+                "reap_requeue",
+                run.id,
+                "reaper",
+                extra=lease,
+                set_={"error": error, "progress.steps.$[r].status": StepStatus.PENDING},
+                unset=list(_LEASE_FIELDS),
+                array_filters=running,
+                also=[lease_event],
+            )
+        return await self._transition(
+            "reap_expire",
+            run.id,
+            "reaper",
+            extra=lease,
+            set_={**stopped, "error": error},
+            unset=[*_LEASE_FIELDS, "dedupeKey"],
+            array_filters=running,
+            also=[lease_event],
+        )
+
+    # -- worker writes: fenced by lockedBy + leaseToken ----------------------------------------
+
+    async def heartbeat(
+        self, worker_id: str, leases: Iterable[Lease], lease_seconds: float
+    ) -> tuple[set[str], set[str]]:
+        """Renew many leases at once.
+
+        Returns the ids still held and, among them, those whose cancel was requested. A lease
+        not renewed was lost; its run is recorded as `stale_write_rejected`.
+        """
+        by_token: dict[str, list[ObjectId]] = {}
+        wanted: dict[str, Lease] = {}
+        for lease in leases:
+            by_token.setdefault(lease.token, []).append(ObjectId(lease.run_id))
+            wanted[lease.run_id] = lease
+        if not wanted:
+            return set(), set()
+        now = self.clock.now()
+        held_filter = {
+            "lockedBy": worker_id,
+            "status": {"$in": sorted(LEASED)},
+            "$or": [{"leaseToken": t, "_id": {"$in": ids}} for t, ids in by_token.items()],
+        }
+        until = now + timedelta(seconds=lease_seconds)
+        await self.runs.update_many(
+            held_filter, {"$set": {"lockedUntil": until, "heartbeatAt": now}}
+        )
+        docs = await self.runs.find(held_filter, {"status": 1}).to_list()
+        held = {str(d["_id"]) for d in docs}
+        cancel = {str(d["_id"]) for d in docs if d["status"] == RunStatus.CANCEL_REQUESTED}
+        for run_id in wanted.keys() - held:
+            await self._lost(run_id, wanted[run_id], "heartbeat")
+        return held, cancel
+
+    async def start_step(self, lease: Lease, index: int, step_id: str) -> Lost | None:
+        now = self.clock.now()
+        return await self._fenced_write(
+            lease,
+            "start_step",
+            {"$set": {"phase": step_id, **_step_started(index, now)}},
+            [("step_started", step_id, {"step": step_id})],
+            now,
+        )
+
+    async def finish_step(
+        self,
+        lease: Lease,
+        index: int,
+        step_id: str,
+        output: Any,
+        percentage: float,
+        next_step: tuple[int, str] | None = None,
+    ) -> Lost | None:
+        """Record a step's success and, in the same write, the start of the next one."""
+        now = self.clock.now()
+        update = {**_step_succeeded(index, step_id, output, now), "progress.percentage": percentage}
+        events: list[tuple[str, str | None, Doc]] = [("step_finished", step_id, {"step": step_id})]
+        if next_step:
+            update |= {"phase": next_step[1], **_step_started(next_step[0], now)}
+            events.append(("step_started", next_step[1], {"step": next_step[1]}))
+        return await self._fenced_write(lease, "finish_step", {"$set": update}, events, now)
+
+    async def report_progress(
+        self,
+        lease: Lease,
+        index: int,
+        step_percentage: float,
+        percentage: float,
+        message: str | None,
+    ) -> Lost | None:
+        """Progress is frequent, so it writes the run only; no event per tick."""
+        s = f"progress.steps.{index}"
+        update: Doc = {f"{s}.percentage": step_percentage, f"{s}.message": message}
+        if message is not None:
+            update["progress.summary"] = message
+        # $max: the run's progress never goes back, whatever order writes land in.
+        write = {"$set": update, "$max": {"progress.percentage": percentage}}
+        return await self._fenced_write(lease, "progress", write, [], self.clock.now())
+
+    async def complete(
+        self, lease: Lease, index: int, step_id: str, output: Any, result: Any
+    ) -> Moved | Lost:
+        now = self.clock.now()
+        return await self._transition(
+            "complete",
+            lease.run_id,
+            lease.actor,
+            lease=lease,
+            set_={
+                **_step_succeeded(index, step_id, output, now),
+                "result": result,
+                "completedAt": now,
+                "progress.percentage": 100,
+            },
+            unset=["leaseToken", "lockedUntil", "dedupeKey"],
+            before=[("step_finished", None, {"step": step_id})],
+        )
+
+    async def fail(self, lease: Lease, index: int, error: RunError) -> Moved | Lost:
+        """End the run `failed`: retries exhausted or a non-retryable error (a dead letter)."""
+        now = self.clock.now()
+        return await self._transition(
+            "fail",
+            lease.run_id,
+            lease.actor,
+            lease=lease,
+            set_={**_step_failed(index, error, now), "error": _error(error), "completedAt": now},
+            unset=["leaseToken", "lockedUntil", "dedupeKey"],
+            before=[("step_finished", error.message, {"step": error.step, "status": "failed"})],
+            message=error.message,
+        )
+
+    async def retry(
+        self, lease: Lease, index: int, error: RunError, not_before: datetime
+    ) -> Moved | Lost:
+        """Queue the run again after a retryable failure; it resumes at the failed step."""
+        now = self.clock.now()
+        return await self._transition(
+            "retry",
+            lease.run_id,
+            lease.actor,
+            lease=lease,
+            set_={
+                **_step_failed(index, error, now),
+                "error": _error(error),
+                "notBefore": not_before,
+            },
+            unset=list(_LEASE_FIELDS),
+            before=[("step_finished", error.message, {"step": error.step, "status": "failed"})],
+            message=error.message,
+            also=[("retry_scheduled", None, {"notBefore": not_before.isoformat()})],
+        )
+
+    async def release(self, lease: Lease) -> Moved | Lost:
+        """Hand a run back on shutdown without spending the attempt it was on."""
+        return await self._transition(
+            "release",
+            lease.run_id,
+            lease.actor,
+            lease=lease,
+            set_={"progress.steps.$[r].status": StepStatus.PENDING},
+            unset=list(_LEASE_FIELDS),
+            inc={"attempt": -1},
+            array_filters=[{"r.status": StepStatus.RUNNING}],
+        )
+
+    async def acknowledge_cancel(self, lease: Lease) -> Moved | Lost:
+        """The worker stopped: the step it was in is cancelled and the steps not done skipped."""
+        now = self.clock.now()
+        return await self._transition(
+            "acknowledge_cancel",
+            lease.run_id,
+            lease.actor,
+            lease=lease,
+            set_={
+                "completedAt": now,
+                "progress.steps.$[r].status": StepStatus.CANCELLED,
+                "progress.steps.$[r].completedAt": now,
+                "progress.steps.$[p].status": StepStatus.SKIPPED,
+            },
+            unset=["leaseToken", "lockedUntil", "dedupeKey"],
+            array_filters=[_RUNNING_STEP, _UNDONE_STEP],
+        )
+
+    async def wait_worker(self, lease: Lease, index: int, step_id: str) -> Moved | Lost:
+        """Hand the current step to an external worker."""
+        now = self.clock.now()
+        return await self._transition(
+            "wait_worker",
+            lease.run_id,
+            lease.actor,
+            lease=lease,
+            set_={"phase": step_id, **_step_started(index, now)},
+        )
+
+    async def resume(self, lease: Lease) -> Moved | Lost:
+        """The external step is done; an inline worker carries on."""
+        return await self._transition("resume", lease.run_id, lease.actor, lease=lease)
+
+    # -- the machinery -------------------------------------------------------------------------
+
+    async def _transition(
+        self,
+        name: str,
+        run_id: str,
+        actor: str,
+        *,
+        lease: Lease | None = None,
+        extra: Mapping[str, Any] | None = None,
+        set_: Mapping[str, Any] | None = None,
+        unset: Sequence[str] = (),
+        inc: Mapping[str, int] | None = None,
+        array_filters: list[Doc] | None = None,
+        before: Sequence[tuple[str, str | None, Doc]] = (),
+        also: Sequence[tuple[str, str | None, Doc]] = (),
+        message: str | None = None,
+    ) -> Moved | Lost:
+        """Apply the named transition as one conditional write, then record its events.
+
+        `before` events are written ahead of the `status_changed` event, `also` after it.
+        """
+        t = TRANSITIONS[name]
+        oid = object_id(run_id)
+        if oid is None:
+            return Lost(run_id, "missing")
+        query: Doc = {"_id": oid, "status": {"$in": sorted(t.sources)}}
+        if t.fenced:
+            assert lease is not None, f"{name} is a worker write and needs a lease"
+            query |= {"lockedBy": lease.worker_id, "leaseToken": lease.token}
+        query |= extra or {}
+        now = self.clock.now()
+        update: Doc = {
+            "$set": {"status": t.target, "updateAt": now, **(set_ or {})},
+            "$inc": {"version": 1, **(inc or {})},
+        }
+        if unset:
+            update["$unset"] = dict.fromkeys(unset, "")
+        doc = await self.runs.find_one_and_update(
+            query,
+            update,
+            projection=_EVENT_FIELDS,
+            return_document=ReturnDocument.BEFORE,
+            array_filters=array_filters,
+        )
+        if doc is None:
+            return await self._lost(run_id, lease, name)
+        from_ = RunStatus(doc["status"])
+        meta = {"transition": name}
+        events = [
+            _event(run_id, kind, actor, doc, message=m, metadata=md, now=now)
+            for kind, m, md in before
+        ]
+        events.append(
+            _event(
+                run_id,
+                "status_changed",
+                actor,
+                doc,
+                from_=from_,
+                to=t.target,
+                message=message,
+                now=now,
+                metadata=meta,
+            )
+        )
+        events += [
+            _event(run_id, kind, actor, doc, message=m, metadata=md, now=now)
+            for kind, m, md in also
+        ]
+        await self._events.write(events)
+        return Moved(run_id, from_, t.target)
+
+    async def _fenced_write(
+        self,
+        lease: Lease,
+        what: str,
+        update: Doc,
+        events: Sequence[tuple[str, str | None, Doc]],
+        now: datetime,
+    ) -> Lost | None:
+        """A worker write that changes no status, allowed while the lease is held."""
+        query = {
+            "_id": ObjectId(lease.run_id),
+            "status": {"$in": sorted(LEASED)},
+            "lockedBy": lease.worker_id,
+            "leaseToken": lease.token,
+        }
+        update["$set"]["updateAt"] = now
+        update["$inc"] = {"version": 1}
+        doc = await self.runs.find_one_and_update(query, update, projection=_EVENT_FIELDS)
+        if doc is None:
+            return await self._lost(lease.run_id, lease, what)
+        await self._events.write(
+            [
+                _event(lease.run_id, kind, lease.actor, doc, message=m, metadata=meta, now=now)
+                for kind, m, meta in events
+            ]
+        )
+        return None
+
+    async def _lost(self, run_id: str, lease: Lease | None, what: str) -> Lost:
+        """Say why a write matched nothing; a superseded lease is put on the record."""
+        oid = object_id(run_id)
+        doc = await self.runs.find_one({"_id": oid}, _EVENT_FIELDS) if oid else None
+        if doc is None:
+            return Lost(run_id, "missing")
+        status = RunStatus(doc["status"])
+        holder = (doc.get("lockedBy"), doc.get("leaseToken"))
+        if lease is not None and holder != (lease.worker_id, lease.token):
+            meta = {"write": what, "lease": lease.token[:8], "worker": lease.worker_id}
+            message = f"{what} from a superseded lease rejected"
+            await self._events.write(
+                [
+                    _event(
+                        run_id,
+                        "stale_write_rejected",
+                        lease.actor,
+                        doc,
+                        message=message,
+                        metadata=meta,
+                        now=self.clock.now(),
+                    )
+                ]
+            )
+            return Lost(run_id, "lease", status)
+        return Lost(run_id, "status", status)
+
+
+# -- conversion to and from BSON: here and nowhere else ------------------------------------------
+
+
+def _definition(spec: TemplateSpec) -> Doc:
+    """What makes two registrations the same version: everything an author wrote but `enabled`."""
+    return TemplateSpec.model_validate(spec.model_dump()).model_dump(
+        by_alias=True, mode="json", exclude={"enabled"}
+    )
+
+
+def _template(doc: Doc) -> Template:
+    return Template.model_validate({k: v for k, v in doc.items() if k != "_id"})
+
+
+def _run(doc: Doc) -> Run:
+    doc = dict(doc)
+    doc["id"] = str(doc.pop("_id"))
+    return Run.model_validate(doc)
+
+
+def _event_model(doc: Doc) -> Event:
+    doc = dict(doc)
+    doc["id"] = str(doc.pop("_id"))
+    return Event.model_validate(doc)
+
+
+def _event(
+    run_id: str,
+    kind: str,
+    actor: str,
+    run_doc: Doc,
+    *,
+    now: datetime,
+    from_: RunStatus | None = None,
+    to: RunStatus | None = None,
+    message: str | None = None,
+    metadata: Doc | None = None,
+) -> Doc:
+    event: Doc = {
+        "jobId": run_id,
+        "type": kind,
+        "actor": actor,
+        "scope": run_doc.get("scope"),
+        "scopeId": run_doc.get("scopeId"),
+        "metadata": metadata or {},
+        "createAt": now,
+    }
+    if from_ is not None:
+        event["from"] = from_.value
+    if to is not None:
+        event["to"] = to.value
+    if message is not None:
+        event["message"] = message
+    return event
+
+
+def _error(error: RunError) -> Doc:
+    return error.model_dump(by_alias=True)
+
+
+def _step_started(index: int, now: datetime) -> Doc:
+    s = f"progress.steps.{index}"
+    return {f"{s}.status": StepStatus.RUNNING, f"{s}.startedAt": now, f"{s}.percentage": 0}
+
+
+def _step_succeeded(index: int, step_id: str, output: Any, now: datetime) -> Doc:
+    s = f"progress.steps.{index}"
+    return {
+        f"{s}.status": StepStatus.SUCCEEDED,
+        f"{s}.completedAt": now,
+        f"{s}.percentage": 100,
+        f"outputs.{step_id}": output,
+    }
+
+
+def _step_failed(index: int, error: RunError, now: datetime) -> Doc:
+    s = f"progress.steps.{index}"
+    return {f"{s}.status": StepStatus.FAILED, f"{s}.completedAt": now, f"{s}.error": error.message}

@@ -1,0 +1,69 @@
+"""Turn template files into validated `TemplateSpec`s.
+
+YAML is parsed with the safe loader only, and with a size cap, so a file cannot construct
+Python objects or balloon through aliases.
+"""
+
+import json
+from pathlib import Path
+from typing import Any
+
+import yaml
+from jsonschema import Draft202012Validator
+from jsonschema.exceptions import SchemaError
+from pydantic import ValidationError
+
+from jobplane.errors import ValidationFailed
+from jobplane.model import TemplateSpec
+
+MAX_TEMPLATE_BYTES = 1 << 20
+SUFFIXES = {".yaml", ".yml", ".json"}
+
+
+def parse_template(text: str | bytes, yaml_syntax: bool) -> TemplateSpec:
+    """Parse and validate one template; raises `ValidationFailed` with a pointer per problem."""
+    if len(text) > MAX_TEMPLATE_BYTES:
+        raise ValidationFailed("template too large", [{"pointer": "", "message": "over 1 MiB"}])
+    try:
+        data: Any = yaml.safe_load(text) if yaml_syntax else json.loads(text)
+    except (yaml.YAMLError, ValueError) as exc:
+        kind = "YAML" if yaml_syntax else "JSON"
+        raise ValidationFailed(f"malformed {kind}", [{"pointer": "", "message": str(exc)}]) from exc
+    try:
+        spec = TemplateSpec.model_validate(data)
+    except ValidationError as exc:
+        raise ValidationFailed("invalid template", pydantic_errors(exc)) from exc
+    try:
+        Draft202012Validator.check_schema(spec.payload_schema)
+    except SchemaError as exc:
+        pointer = "/payloadSchema" + "".join(f"/{p}" for p in exc.absolute_path)
+        raise ValidationFailed(
+            "payloadSchema is not a valid JSON Schema",
+            [{"pointer": pointer, "message": exc.message}],
+        ) from exc
+    ids = [s.id for s in spec.steps]
+    if len(set(ids)) != len(ids):
+        raise ValidationFailed(
+            "step ids must be unique", [{"pointer": "/steps", "message": f"ids: {ids}"}]
+        )
+    return spec
+
+
+def load_file(path: Path) -> TemplateSpec:
+    return parse_template(path.read_bytes(), yaml_syntax=path.suffix != ".json")
+
+
+def load_path(path: Path) -> list[TemplateSpec]:
+    """One file, or every template file in a directory (sorted by name)."""
+    if path.is_dir():
+        return [load_file(p) for p in sorted(path.iterdir()) if p.suffix in SUFFIXES]
+    return [load_file(path)]
+
+
+def pydantic_errors(exc: ValidationError) -> list[dict[str, Any]]:
+    """Pydantic's errors as `{pointer, message}` with JSON pointers (RFC 6901)."""
+    out = []
+    for err in exc.errors():
+        parts = [str(p).replace("~", "~0").replace("/", "~1") for p in err["loc"]]
+        out.append({"pointer": "".join(f"/{p}" for p in parts), "message": err["msg"]})
+    return out

@@ -1,0 +1,139 @@
+"""What a step handler sees: its payload, earlier outputs, progress, heartbeat and cancel."""
+
+import asyncio
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from jobplane.model import Run, StepSpec, Template
+
+
+class StepError(Exception):
+    """Base of the errors a handler raises on purpose."""
+
+    code = "step_error"
+
+
+class RetryableError(StepError):
+    """The step may succeed if the run is tried again (after backoff)."""
+
+    code = "retryable"
+
+
+class FatalError(StepError):
+    """Trying again cannot help: the run fails at once."""
+
+    code = "fatal"
+
+
+class StepTimeout(StepError):
+    """The step ran past its `timeoutSeconds`; retryable, like any transient failure."""
+
+    code = "step_timeout"
+
+
+class CancelRequested(Exception):
+    """Raised by `StepContext.checkpoint()` once a cancel was requested."""
+
+
+class StepContext:
+    """Passed to every handler. Its methods are plain calls, safe from async and sync handlers.
+
+    `progress()` is throttled to a few writes a second per run; the latest value is always
+    written in the end. `checkpoint()` raises `CancelRequested` when the run's cancel was
+    requested and the step is cancelable.
+    """
+
+    PROGRESS_INTERVAL = 0.25
+
+    def __init__(
+        self,
+        run: Run,
+        template: Template,
+        index: int,
+        outputs: dict[str, Any],
+        cancel: asyncio.Event,
+        write_progress: Callable[[float, str | None], Awaitable[None]],
+        renew: Callable[[], Awaitable[None]],
+    ) -> None:
+        self.run = run
+        self.template = template
+        self.index = index
+        self.step: StepSpec = template.steps[index]
+        self.payload = run.payload
+        self.outputs = outputs
+        self.attempt = run.attempt
+        self.log = logging.LoggerAdapter(
+            logging.getLogger("jobplane.step"), {"run_id": run.id, "step": self.step.id}
+        )
+        self._cancel = cancel
+        self._write_progress = write_progress
+        self._renew = renew
+        self._loop = asyncio.get_running_loop()
+        self._latest: tuple[float, str | None] | None = None
+        self._last_write = 0.0
+        self._writer: asyncio.Task[None] | None = None
+        self._writing = False
+        self._background: set[asyncio.Task[None]] = set()
+
+    @property
+    def cancelled(self) -> bool:
+        return self._cancel.is_set() and self.step.cancelable
+
+    def checkpoint(self) -> None:
+        if self.cancelled:
+            raise CancelRequested(self.run.id)
+
+    def progress(self, percentage: float, message: str | None = None) -> None:
+        self._loop.call_soon_threadsafe(
+            self._set_progress, max(0.0, min(100.0, percentage)), message
+        )
+
+    def heartbeat(self) -> None:
+        self._loop.call_soon_threadsafe(self._spawn, self._renew())
+
+    async def close(self, write_latest: bool) -> None:
+        """Settle progress when the step ends: no write may land after the step's own.
+
+        A write in flight is awaited; a throttled one is written only if asked (a succeeded
+        step's final write supersedes it).
+        """
+        if self._writer is not None:
+            if not self._writing:
+                self._writer.cancel()
+            await asyncio.wait([self._writer])
+        if write_latest:
+            await self._write_latest()
+
+    def _set_progress(self, percentage: float, message: str | None) -> None:
+        self._latest = (percentage, message)
+        if self._writer is None:
+            self._writer = self._loop.create_task(self._write_throttled())
+
+    async def _write_throttled(self) -> None:
+        try:
+            while self._latest is not None:
+                delay = self._last_write + self.PROGRESS_INTERVAL - time.monotonic()
+                if delay > 0:
+                    await asyncio.sleep(delay)
+                self._writing = True
+                try:
+                    await self._write_latest()
+                finally:
+                    self._writing = False
+        finally:
+            self._writer = None
+
+    async def _write_latest(self) -> None:
+        if self._latest is None:
+            return
+        percentage, message = self._latest
+        self._latest = None
+        self._last_write = time.monotonic()
+        await self._write_progress(percentage, message)
+
+    def _spawn(self, coro: Awaitable[None]) -> None:
+        task: asyncio.Task[None] = self._loop.create_task(coro)  # type: ignore[arg-type]
+        self._background.add(task)
+        task.add_done_callback(self._background.discard)

@@ -1,0 +1,88 @@
+"""Step handlers by name: a registry, the decorator that fills it, and the built-ins.
+
+A step's `handler` is looked up by its registered name first; a name of the form
+`package.module:function` is imported on first use.
+"""
+
+import asyncio
+import importlib
+from collections.abc import Awaitable, Callable
+from typing import Any
+
+from jobplane.worker.context import FatalError, RetryableError, StepContext
+
+Handler = Callable[[StepContext], Awaitable[Any]] | Callable[[StepContext], Any]
+
+
+class HandlerRegistry:
+    def __init__(self) -> None:
+        self._handlers: dict[str, Handler] = {}
+
+    def register(self, name: str) -> Callable[[Handler], Handler]:
+        def decorate(fn: Handler) -> Handler:
+            self._handlers[name] = fn
+            return fn
+
+        return decorate
+
+    def resolve(self, name: str) -> Handler | None:
+        if name in self._handlers:
+            return self._handlers[name]
+        module, _, attr = name.partition(":")
+        if not attr:
+            return None
+        try:
+            fn: Handler = getattr(importlib.import_module(module), attr)
+        except (ImportError, AttributeError):
+            return None
+        self._handlers[name] = fn
+        return fn
+
+    def __contains__(self, name: str) -> bool:
+        return self.resolve(name) is not None
+
+
+registry = HandlerRegistry()
+handler = registry.register
+
+
+def load_modules(modules: list[str]) -> None:
+    """Import handler modules (JOBPLANE_HANDLERS) so their decorators register them."""
+    for module in modules:
+        importlib.import_module(module)
+
+
+# -- built-ins, so shipped templates work out of the box ------------------------------------------
+
+
+@handler("builtin.noop")
+async def noop(ctx: StepContext) -> None:
+    return None
+
+
+@handler("builtin.sleep")
+async def sleep(ctx: StepContext) -> dict[str, float]:
+    """Sleep `payload.sleepSeconds` in slices, reporting progress and honouring cancel."""
+    total = float(ctx.payload.get("sleepSeconds", 1))
+    slice_ = min(0.1, total) or 0.1
+    slept = 0.0
+    while slept < total:
+        ctx.checkpoint()
+        await asyncio.sleep(min(slice_, total - slept))
+        slept += slice_
+        ctx.progress(min(100.0, 100 * slept / total) if total else 100, f"slept {slept:.1f}s")
+    return {"sleptSeconds": total}
+
+
+@handler("builtin.fail")
+async def fail(ctx: StepContext) -> None:
+    """Fail retryably while `attempt <= payload.failTimes`; fatally when `payload.fatal`."""
+    if ctx.payload.get("fatal"):
+        raise FatalError("builtin.fail: fatal by request")
+    if ctx.attempt <= int(ctx.payload.get("failTimes", 0)):
+        raise RetryableError(f"builtin.fail: failing attempt {ctx.attempt}")
+
+
+@handler("builtin.echo")
+async def echo(ctx: StepContext) -> dict[str, Any]:
+    return ctx.payload

@@ -1,0 +1,337 @@
+"""The worker: claims runs, keeps their leases alive, and runs their steps in order.
+
+One claim loop fills free slots (a batch per Redis call), one heartbeat loop renews every
+lease this worker holds, and one listener turns Redis cancel signals into flags. A run whose
+lease is lost has its task cancelled at once and writes nothing more.
+"""
+
+import asyncio
+import contextlib
+import logging
+import os
+import socket
+import traceback
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from jobplane.clock import Clock, SystemClock
+from jobplane.model import Run, RunError, RunStatus, StepStatus, Template
+from jobplane.queue.redis import QueueEntry, RedisQueue
+from jobplane.settings import Settings
+from jobplane.store import Lease, Lost, MongoStore
+from jobplane.worker.backoff import backoff_seconds
+from jobplane.worker.context import (
+    CancelRequested,
+    FatalError,
+    StepContext,
+    StepError,
+    StepTimeout,
+)
+from jobplane.worker.handlers import HandlerRegistry, registry
+
+log = logging.getLogger("jobplane.worker")
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
+
+
+@dataclass
+class _Held:
+    """A run this worker holds, with what it needs to stop it."""
+
+    run: Run
+    lease: Lease
+    cancel: asyncio.Event = field(default_factory=asyncio.Event)
+    task: asyncio.Task[None] | None = None
+
+
+class _LeaseLost(Exception):
+    """Another worker owns the run now (or it was removed): stop without writing."""
+
+
+class Worker:
+    def __init__(
+        self,
+        store: MongoStore,
+        queue: RedisQueue,
+        settings: Settings,
+        handlers: HandlerRegistry = registry,
+        worker_id: str | None = None,
+        clock: Clock | None = None,
+    ) -> None:
+        self.store = store
+        self.queue = queue
+        self.settings = settings
+        self.handlers = handlers
+        self.id = worker_id or settings.worker_id or default_worker_id()
+        self.clock = clock or SystemClock()
+        self.held: dict[str, _Held] = {}
+        self._templates: dict[tuple[str, int], Template] = {}
+        self._slot_free = asyncio.Event()
+
+    # -- lifecycle -----------------------------------------------------------------------------
+
+    async def run(self, stop: asyncio.Event, drain_seconds: float = 30) -> None:
+        """Work until `stop` is set, then drain: running steps get `drain_seconds` to finish,
+        and runs still unfinished are released back to `queued` without spending an attempt."""
+        log.info("worker %s started, queues %s", self.id, self.settings.queues)
+        loops = [
+            asyncio.create_task(self._claim_loop(stop)),
+            asyncio.create_task(self._heartbeat_loop()),
+            asyncio.create_task(self._cancel_listener()),
+        ]
+        try:
+            await stop.wait()
+            await loops[0]
+            tasks = [h.task for h in self.held.values() if h.task]
+            if tasks:
+                await asyncio.wait(tasks, timeout=drain_seconds)
+            await self._release_all()
+        finally:
+            for task in loops:
+                task.cancel()
+            await asyncio.gather(*loops, return_exceptions=True)
+        log.info("worker %s stopped", self.id)
+
+    async def _release_all(self) -> None:
+        for held in list(self.held.values()):
+            if held.task:
+                held.task.cancel()
+                with contextlib.suppress(asyncio.CancelledError):
+                    await held.task
+            moved = await self.store.release(held.lease)
+            await self.queue.release_run(held.run.id, held.lease.owner)
+            if not isinstance(moved, Lost):
+                await self._push(held.run)
+            self.held.pop(held.run.id, None)
+
+    # -- claiming ------------------------------------------------------------------------------
+
+    async def _claim_loop(self, stop: asyncio.Event) -> None:
+        queues = self.settings.queues
+        while not stop.is_set():
+            free = self.settings.worker_concurrency - len(self.held)
+            if free <= 0:
+                self._slot_free.clear()
+                await self._slot_free.wait()
+                continue
+            try:
+                ids = await self._next_ids(queues, free)
+                if ids:
+                    await self.claim(ids)
+            except Exception:
+                # MongoDB or Redis unreachable: back off, the runs wait safely where they are.
+                log.exception("claim failed; retrying")
+                await asyncio.sleep(self.settings.poll_seconds)
+
+    async def _next_ids(self, queues: list[str], free: int) -> list[str]:
+        now = self.clock.now()
+        popped = await self.queue.pop(queues, free, now)
+        if popped.run_ids:
+            return popped.run_ids
+        block = self.settings.poll_seconds
+        if popped.next_due is not None:
+            block = min(block, max(0.01, (popped.next_due - now).total_seconds()))
+        run_id = await self.queue.wait(queues, block)
+        return [run_id] if run_id else []
+
+    async def claim(self, run_ids: list[str]) -> list[Run]:
+        """Take the leases MongoDB grants among `run_ids` and start their runs."""
+        claimed = await self.store.claim(run_ids, self.id, self.settings.lease_seconds)
+        if not claimed:
+            return []
+        await self.queue.lock_runs(
+            {run.id: lease.owner for run, lease in claimed}, self.settings.lease_seconds
+        )
+        for run, lease in claimed:
+            held = _Held(run, lease)
+            self.held[run.id] = held
+            held.task = asyncio.create_task(self._execute(held))
+        return [run for run, _ in claimed]
+
+    # -- executing -----------------------------------------------------------------------------
+
+    async def _execute(self, held: _Held) -> None:
+        try:
+            await self._run_steps(held)
+        except (_LeaseLost, asyncio.CancelledError):
+            log.warning("run %s: lease lost, stopped without writing", held.run.id)
+        except Exception:
+            log.exception("run %s: worker error", held.run.id)
+        finally:
+            self.held.pop(held.run.id, None)
+            with contextlib.suppress(Exception):
+                await self.queue.release_run(held.run.id, held.lease.owner)
+            self._slot_free.set()
+
+    async def _run_steps(self, held: _Held) -> None:
+        run, lease = held.run, held.lease
+        template = await self._template(run)
+        steps = template.steps
+        # Resume, don't restart: steps that succeeded in an earlier attempt keep their outputs.
+        done = {s.id for s in run.progress.steps if s.status == StepStatus.SUCCEEDED}
+        first = next((i for i, s in enumerate(steps) if s.id not in done), len(steps))
+        outputs = dict(run.outputs)
+        if first == len(steps):  # every step succeeded before a crash cut the final write short
+            last = steps[-1].id
+            output = outputs.get(last)
+            self._check(await self.store.complete(lease, first - 1, last, output, output))
+            return
+        self._check(await self.store.start_step(lease, first, steps[first].id))
+        for index in range(first, len(steps)):
+            step = steps[index]
+            if held.cancel.is_set():
+                await self._acknowledge_cancel(held)
+                return
+            if step.worker_type == "external":
+                # The run waits for an external worker's callback; this worker lets go of it.
+                self._check(await self.store.wait_worker(lease, index, step.id))
+                return
+            try:
+                output = await self._call(held, template, index, outputs)
+            except CancelRequested:
+                await self._acknowledge_cancel(held)
+                return
+            except Exception as exc:
+                await self._failed(held, template, index, exc)
+                return
+            outputs[step.id] = output
+            if index + 1 == len(steps):
+                moved = await self.store.complete(lease, index, step.id, output, output)
+                if isinstance(moved, Lost) and moved.status == RunStatus.CANCEL_REQUESTED:
+                    await self._acknowledge_cancel(held)
+                    return
+                self._check(moved)
+            else:
+                percentage = 100 * (index + 1) / len(steps)
+                nxt = (index + 1, steps[index + 1].id)
+                self._check(
+                    await self.store.finish_step(lease, index, step.id, output, percentage, nxt)
+                )
+
+    async def _call(
+        self, held: _Held, template: Template, index: int, outputs: dict[str, Any]
+    ) -> Any:
+        step = template.steps[index]
+        handler = self.handlers.resolve(step.handler)
+        if handler is None:
+            raise FatalError(f"unknown handler {step.handler!r} for step {step.id!r}")
+        n = len(template.steps)
+
+        async def write_progress(percentage: float, message: str | None) -> None:
+            overall = 100 * (index + percentage / 100) / n
+            self._check(
+                await self.store.report_progress(held.lease, index, percentage, overall, message)
+            )
+
+        async def renew() -> None:
+            await self._renew([held])
+
+        ctx = StepContext(held.run, template, index, outputs, held.cancel, write_progress, renew)
+        succeeded = False
+        try:
+            if asyncio.iscoroutinefunction(handler):
+                call = handler(ctx)
+            else:
+                call = asyncio.to_thread(handler, ctx)
+            async with asyncio.timeout(step.timeout_seconds):
+                output = await call
+            succeeded = True
+            return output
+        except TimeoutError as exc:
+            raise StepTimeout(f"step {step.id!r} exceeded {step.timeout_seconds}s") from exc
+        finally:
+            await ctx.close(write_latest=not succeeded)
+
+    async def _failed(self, held: _Held, template: Template, index: int, exc: Exception) -> None:
+        run, lease = held.run, held.lease
+        code = exc.code if isinstance(exc, StepError) else "step_error"
+        summary = "".join(traceback.format_exception_only(exc)).strip()
+        error = RunError(
+            code=code, message=summary, step=template.steps[index].id, attempt=run.attempt
+        )
+        if isinstance(exc, FatalError) or run.attempt >= run.max_attempts:
+            self._check(await self.store.fail(lease, index, error))
+            return
+        delay = backoff_seconds(template.retry_policy, run.attempt)
+        not_before = self.clock.now() + timedelta(seconds=delay)
+        self._check(await self.store.retry(lease, index, error, not_before))
+        await self._push(run.model_copy(update={"not_before": not_before}))
+
+    async def _acknowledge_cancel(self, held: _Held) -> None:
+        self._check(await self.store.acknowledge_cancel(held.lease))
+
+    def _check(self, outcome: object) -> None:
+        """Stop the run when a write was lost: someone else decides its fate now."""
+        if isinstance(outcome, Lost):
+            raise _LeaseLost(outcome.reason)
+
+    async def _push(self, run: Run) -> None:
+        entry = QueueEntry(run.id, run.queue, run.priority, run.not_before)
+        try:
+            await self.queue.push([entry], self.clock.now())
+        except Exception:
+            log.warning("run %s: Redis push failed; the reconciler will queue it", run.id)
+
+    async def _template(self, run: Run) -> Template:
+        key = (run.template_type, run.template_version)
+        if key not in self._templates:
+            template = await self.store.get_template(*key)
+            if template is None:
+                raise FatalError(f"template {key[0]} v{key[1]} not found")
+            # Versions are immutable, so a cached one never goes stale.
+            self._templates[key] = template
+        return self._templates[key]
+
+    # -- leases and signals --------------------------------------------------------------------
+
+    async def _heartbeat_loop(self) -> None:
+        while True:
+            await asyncio.sleep(self.settings.heartbeat_seconds)
+            try:
+                await self._renew(list(self.held.values()))
+                await self.queue.mark_alive(
+                    self.id, 3 * self.settings.heartbeat_seconds, len(self.held)
+                )
+            except Exception:
+                log.exception("heartbeat failed; retrying at the next beat")
+
+    async def _renew(self, helds: list[_Held]) -> None:
+        """Renew leases in MongoDB (the truth) and mirror them in Redis."""
+        if not helds:
+            return
+        ttl = self.settings.lease_seconds
+        kept, cancel = await self.store.heartbeat(self.id, [h.lease for h in helds], ttl)
+        for held in helds:
+            if held.run.id not in kept:
+                if held.task:
+                    held.task.cancel()
+            elif held.run.id in cancel:
+                held.cancel.set()
+        owners = {h.run.id: h.lease.owner for h in helds if h.run.id in kept}
+        refreshed = await self.queue.refresh_runs(owners, ttl)
+        # A lock missing in Redis (flushed, failed over) is restored from MongoDB's word.
+        missing = {run_id: owners[run_id] for run_id, ok in refreshed.items() if not ok}
+        if missing:
+            await self.queue.lock_runs(missing, ttl)
+
+    async def _cancel_listener(self) -> None:
+        while True:
+            try:
+                async with self.queue.redis.pubsub() as pubsub:
+                    await pubsub.subscribe(self.queue.keys.cancel_channel)
+                    async for message in pubsub.listen():
+                        if message["type"] != "message":
+                            continue
+                        run_id = message["data"]
+                        run_id = run_id.decode() if isinstance(run_id, bytes) else run_id
+                        if run_id in self.held:
+                            self.held[run_id].cancel.set()
+            except asyncio.CancelledError:
+                raise
+            except Exception:
+                # Heartbeats also carry cancels from MongoDB, so a gap here only adds latency.
+                log.warning("cancel listener lost Redis; reconnecting")
+                await asyncio.sleep(1)

@@ -1,0 +1,41 @@
+"""Test helpers that put runs into a given state directly, bypassing the transitions.
+
+Only tests write lifecycle fields like this: it is how a table-walking test starts a run in
+every status.
+"""
+
+from datetime import timedelta
+from typing import Any
+
+from jobplane.model import Run, RunStatus, Template
+from jobplane.store import Lease, MongoStore, NewRun
+
+WORKER = "w-test"
+TOKEN = "token-test"
+
+
+async def run_in(
+    store: MongoStore, template: Template, status: RunStatus, **fields: Any
+) -> tuple[Run, Lease]:
+    """A run of `template` in `status`, held by WORKER/TOKEN with a lease that has expired."""
+    run = await store.insert_run(NewRun(template, "user", "u1"), "user:test")
+    now = store.clock.now()
+    doc: dict[str, Any] = {
+        "status": status.value,
+        "lockedBy": WORKER,
+        "leaseToken": TOKEN,
+        "lockedUntil": now - timedelta(seconds=1),
+        "attempt": 1,
+        "maxAttempts": 3,
+    }
+    doc.update(fields)
+    await store.runs.update_one({"_id": _oid(run.id)}, {"$set": doc})
+    fresh = await store.get_run(run.id)
+    assert fresh is not None
+    return fresh, Lease(run.id, WORKER, TOKEN)
+
+
+def _oid(run_id: str) -> Any:
+    from bson import ObjectId
+
+    return ObjectId(run_id)

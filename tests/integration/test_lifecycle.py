@@ -1,0 +1,123 @@
+"""A run's whole life, end to end, with a worker on real MongoDB + Redis."""
+
+from pathlib import Path
+
+from jobplane.backends import Backends
+from jobplane.model import RunStatus, StepStatus
+from jobplane.runs import RunRequest, RunService
+from jobplane.settings import Settings
+from jobplane.templates import load_file
+from tests.integration.conftest import Register
+from tests.integration.workers import running, settled
+
+TEMPLATES = Path(__file__).parents[2] / "templates"
+
+
+async def test_demo_long_task_runs_to_success(backends: Backends, settings: Settings) -> None:
+    store = backends.store
+    await store.register_template(load_file(TEMPLATES / "demo_long_task.yaml"))
+    service = RunService(store, backends.queue)
+    payload = {"target": "t", "sleepSeconds": 0.5}
+    run = await service.create(RunRequest("demo_long_task", "user", "u1", payload), "user:alice")
+    assert run.status == RunStatus.PENDING and run.template_version == 1
+
+    progress_seen: list[float] = []
+    async with running(backends, settings):
+        while (current := await service.get(run.id)).status != RunStatus.SUCCEEDED:
+            progress_seen.append(current.progress.percentage)
+            assert current.status in {RunStatus.QUEUED, RunStatus.RUNNING}
+    assert progress_seen == sorted(progress_seen), "progress never goes back"
+    assert any(0 < p < 100 for p in progress_seen), "progress is visible mid-run"
+
+    done = await service.get(run.id)
+    assert done.progress.percentage == 100
+    assert [s.status for s in done.progress.steps] == [StepStatus.SUCCEEDED] * 3
+    assert all(s.started_at and s.completed_at for s in done.progress.steps)
+    assert done.result == payload  # finalize is builtin.echo
+    assert set(done.outputs) == {"prepare", "execute", "finalize"}
+    assert done.attempt == 1 and done.completed_at and done.started_at
+    assert done.locked_until is None and done.lease_token is None
+
+    story = [(e.type, e.from_, e.to, e.metadata.get("step")) for e in await store.events_of(run.id)]
+    S = RunStatus
+    assert story == [
+        ("created", None, S.PENDING, None),
+        ("status_changed", S.PENDING, S.QUEUED, None),
+        ("status_changed", S.QUEUED, S.RUNNING, None),
+        ("step_started", None, None, "prepare"),
+        ("step_finished", None, None, "prepare"),
+        ("step_started", None, None, "execute"),
+        ("step_finished", None, None, "execute"),
+        ("step_started", None, None, "finalize"),
+        ("step_finished", None, None, "finalize"),
+        ("status_changed", S.RUNNING, S.SUCCEEDED, None),
+    ]
+    actors = [e.actor for e in await store.events_of(run.id)]
+    assert actors[:2] == ["user:alice", "user:alice"]
+    assert all(a.startswith("worker:") for a in actors[2:])
+
+
+async def test_retryable_failure_resumes_at_the_failed_step(
+    backends: Backends, settings: Settings, register: Register
+) -> None:
+    steps = [
+        {"id": "first", "handler": "builtin.echo"},
+        {"id": "flaky", "handler": "builtin.fail"},
+    ]
+    policy = {"maxAttempts": 3, "backoffSeconds": [0, 0]}
+    await register("flaky", steps=steps, retryPolicy=policy)
+    service = RunService(backends.store, backends.queue)
+    run = await service.create(RunRequest("flaky", "user", "u1", {"failTimes": 2}), "user:a")
+    async with running(backends, settings):
+        [done] = await settled(backends.store, [run.id])
+    assert done.status == RunStatus.SUCCEEDED and done.attempt == 3
+    events = await backends.store.events_of(run.id)
+    started = [e.metadata["step"] for e in events if e.type == "step_started"]
+    assert started == ["first", "flaky", "flaky", "flaky"], "first ran once, flaky three times"
+    assert done.error is not None and done.error.attempt == 2  # the last error is kept
+
+
+async def test_fatal_error_and_exhausted_attempts_fail(
+    backends: Backends, settings: Settings, register: Register
+) -> None:
+    policy = {"maxAttempts": 2, "backoffSeconds": [0]}
+    await register("failing", steps=[{"id": "f", "handler": "builtin.fail"}], retryPolicy=policy)
+    await register("unknown", steps=[{"id": "u", "handler": "nowhere.to_be:found"}])
+    service = RunService(backends.store, backends.queue)
+    fatal = await service.create(RunRequest("failing", "user", "u", {"fatal": True}), "user:a")
+    spent = await service.create(RunRequest("failing", "user", "u", {"failTimes": 5}), "user:a")
+    unknown = await service.create(RunRequest("unknown", "user", "u"), "user:a")
+    async with running(backends, settings):
+        runs = await settled(backends.store, [fatal.id, spent.id, unknown.id])
+    by_id = {r.id: r for r in runs}
+    assert by_id[fatal.id].status == RunStatus.FAILED and by_id[fatal.id].attempt == 1
+    assert by_id[fatal.id].error.code == "fatal"  # type: ignore[union-attr]
+    assert by_id[spent.id].status == RunStatus.FAILED and by_id[spent.id].attempt == 2
+    assert by_id[unknown.id].status == RunStatus.FAILED and by_id[unknown.id].attempt == 1
+    assert "nowhere.to_be:found" in by_id[unknown.id].error.message  # type: ignore[union-attr]
+    assert by_id[unknown.id].progress.steps[0].status == StepStatus.FAILED
+
+
+async def test_priority_orders_the_queue(
+    backends: Backends, settings: Settings, register: Register
+) -> None:
+    await register()
+    service = RunService(backends.store, backends.queue)
+    low = await service.create(RunRequest("t_noop", "user", "u", priority=-5), "user:a")
+    mid = await service.create(RunRequest("t_noop", "user", "u"), "user:a")
+    high = await service.create(RunRequest("t_noop", "user", "u", priority=5), "user:a")
+    popped = await backends.queue.pop(settings.queues, 10, backends.store.clock.now())
+    assert popped.run_ids == [high.id, mid.id, low.id]
+
+
+async def test_delayed_run_waits_for_not_before(
+    backends: Backends, settings: Settings, register: Register
+) -> None:
+    await register()
+    service = RunService(backends.store, backends.queue)
+    run = await service.create(RunRequest("t_noop", "user", "u", delay_seconds=0.6), "user:a")
+    assert run.not_before is not None
+    async with running(backends, settings):
+        [done] = await settled(backends.store, [run.id])
+    assert done.status == RunStatus.SUCCEEDED
+    assert done.started_at is not None and done.started_at >= run.not_before

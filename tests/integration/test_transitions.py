@@ -1,0 +1,152 @@
+"""Every named transition against every status, on the real database."""
+
+from collections.abc import Awaitable, Callable
+
+import pytest
+
+from jobplane.model import TRANSITIONS, RunError, RunStatus
+from jobplane.store import Lease, Lost, MongoStore, Moved
+from tests.integration.conftest import Register
+from tests.integration.runs import TOKEN, WORKER, run_in
+
+
+@pytest.mark.parametrize("name", sorted(TRANSITIONS))
+async def test_each_transition_moves_only_from_its_sources(
+    store: MongoStore, register: Register, name: str
+) -> None:
+    template = await register()
+    t = TRANSITIONS[name]
+    for status in RunStatus:
+        run, lease = await run_in(store, template, status)
+        outcome = await store._transition(name, run.id, "test", lease=lease)
+        after = await store.get_run(run.id)
+        assert after is not None
+        events = await store.events_of(run.id)
+        changes = [e for e in events if e.type == "status_changed"]
+        if status in t.sources:
+            assert outcome == Moved(run.id, status, t.target), (name, status)
+            assert after.status == t.target
+            assert after.version == run.version + 1
+            assert [(e.from_, e.to) for e in changes] == [(status, t.target)]
+            assert changes[0].metadata["transition"] == name
+        else:
+            assert outcome == Lost(run.id, "status", status), (name, status)
+            assert after == run, "a refused transition must not write anything"
+            assert changes == []
+
+
+@pytest.mark.parametrize("name", sorted(n for n, t in TRANSITIONS.items() if t.fenced))
+async def test_fenced_transitions_reject_a_superseded_lease(
+    store: MongoStore, register: Register, name: str
+) -> None:
+    template = await register()
+    source = sorted(TRANSITIONS[name].sources)[0]
+    run, _ = await run_in(store, template, source)
+    zombie = Lease(run.id, WORKER, "older-token")
+    outcome = await store._transition(name, run.id, "test", lease=zombie)
+    assert outcome == Lost(run.id, "lease", source)
+    assert await store.get_run(run.id) == run
+    events = await store.events_of(run.id)
+    assert [e.type for e in events][-1] == "stale_write_rejected"
+    assert events[-1].metadata["write"] == name
+
+
+async def test_unknown_and_malformed_ids_are_missing(store: MongoStore) -> None:
+    assert await store.cancel("not-an-id", "user:x", None) == Lost("not-an-id", "missing")
+    ghost = "0123456789abcdef01234567"
+    assert await store.cancel(ghost, "user:x", None) == Lost(ghost, "missing")
+
+
+Op = Callable[[MongoStore, str, Lease], Awaitable[object]]
+ERROR = RunError(code="boom", message="boom", step="only", attempt=1)
+
+# The public methods, each with the transition it performs.
+OPS: dict[str, tuple[str, Op]] = {
+    "enqueue": ("enqueue", lambda s, i, le: s.enqueue(i, "user:t")),
+    "cancel": ("cancel", lambda s, i, le: s.cancel(i, "user:t", "why")),
+    "request_cancel": ("request_cancel", lambda s, i, le: s.request_cancel(i, "user:t", "why")),
+    "complete": ("complete", lambda s, i, le: s.complete(le, 0, "only", 1, 1)),
+    "fail": ("fail", lambda s, i, le: s.fail(le, 0, ERROR)),
+    "retry": ("retry", lambda s, i, le: s.retry(le, 0, ERROR, s.clock.now())),
+    "release": ("release", lambda s, i, le: s.release(le)),
+    "acknowledge_cancel": ("acknowledge_cancel", lambda s, i, le: s.acknowledge_cancel(le)),
+    "wait_worker": ("wait_worker", lambda s, i, le: s.wait_worker(le, 0, "only")),
+    "resume": ("resume", lambda s, i, le: s.resume(le)),
+}
+
+
+@pytest.mark.parametrize("op", sorted(OPS))
+async def test_public_methods_follow_the_table(
+    store: MongoStore, register: Register, op: str
+) -> None:
+    template = await register()
+    name, call = OPS[op]
+    for status in RunStatus:
+        run, lease = await run_in(store, template, status)
+        outcome = await call(store, run.id, lease)
+        after = await store.get_run(run.id)
+        assert after is not None
+        if status in TRANSITIONS[name].sources:
+            assert isinstance(outcome, Moved), (op, status, outcome)
+            assert after.status == TRANSITIONS[name].target
+        else:
+            assert isinstance(outcome, Lost), (op, status)
+            assert after == run
+
+
+async def test_claim_takes_only_claimable_runs(store: MongoStore, register: Register) -> None:
+    template = await register()
+    runs = {s: (await run_in(store, template, s, notBefore=None))[0] for s in RunStatus}
+    claimed = await store.claim([r.id for r in runs.values()], "w2", 5)
+    assert {run.id for run, _ in claimed} == {runs[RunStatus.PENDING].id, runs[RunStatus.QUEUED].id}
+    for run, lease in claimed:
+        assert run.status == RunStatus.RUNNING
+        assert run.locked_by == "w2" and run.lease_token == lease.token
+        assert run.attempt == 2  # run_in starts at attempt 1; a claim counts one more
+        events = await store.events_of(run.id)
+        assert events[-1].to == RunStatus.RUNNING
+        assert (
+            events[-1].from_
+            == runs[
+                RunStatus.PENDING if run.id == runs[RunStatus.PENDING].id else RunStatus.QUEUED
+            ].status
+        )
+    for status in set(RunStatus) - {RunStatus.PENDING, RunStatus.QUEUED}:
+        assert await store.get_run(runs[status].id) == runs[status]
+
+
+async def test_claim_respects_not_before(store: MongoStore, register: Register) -> None:
+    from datetime import timedelta
+
+    template = await register()
+    later = store.clock.now() + timedelta(hours=1)
+    run, _ = await run_in(store, template, RunStatus.QUEUED, notBefore=later)
+    assert await store.claim([run.id], "w2", 5) == []
+
+
+async def test_reap_picks_the_transition_for_the_run(store: MongoStore, register: Register) -> None:
+    template = await register()
+    retryable, _ = await run_in(store, template, RunStatus.RUNNING, attempt=1, maxAttempts=3)
+    spent, _ = await run_in(store, template, RunStatus.RUNNING, attempt=3, maxAttempts=3)
+    cancelling, _ = await run_in(store, template, RunStatus.CANCEL_REQUESTED)
+    expired = {r.id for r in await store.expired_leases(100)}
+    assert {retryable.id, spent.id, cancelling.id} <= expired
+    assert await store.reap(retryable) == Moved(retryable.id, RunStatus.RUNNING, RunStatus.QUEUED)
+    assert await store.reap(spent) == Moved(spent.id, RunStatus.RUNNING, RunStatus.EXPIRED)
+    assert await store.reap(cancelling) == Moved(
+        cancelling.id, RunStatus.CANCEL_REQUESTED, RunStatus.CANCELLED
+    )
+    for run in (retryable, spent, cancelling):
+        types = [e.type for e in await store.events_of(run.id)]
+        assert types[-2:] == ["status_changed", "lease_expired"]
+    requeued = await store.get_run(retryable.id)
+    assert requeued is not None and requeued.lease_token is None and requeued.attempt == 1
+
+
+async def test_reap_loses_to_a_renewed_lease(store: MongoStore, register: Register) -> None:
+    template = await register()
+    run, lease = await run_in(store, template, RunStatus.RUNNING)
+    held, _ = await store.heartbeat(WORKER, [lease], 30)
+    assert held == {run.id}
+    assert await store.reap(run) == Lost(run.id, "status", RunStatus.RUNNING)
+    assert TOKEN == (await store.get_run(run.id)).lease_token  # type: ignore[union-attr]

@@ -1,0 +1,42 @@
+"""Running workers and schedulers inside a test, and waiting for runs to settle."""
+
+import asyncio
+from collections.abc import AsyncIterator, Iterable
+from contextlib import asynccontextmanager
+
+from jobplane.backends import Backends
+from jobplane.model import TERMINAL, Run
+from jobplane.scheduler import Scheduler
+from jobplane.settings import Settings
+from jobplane.store import MongoStore
+from jobplane.worker import Worker
+
+
+@asynccontextmanager
+async def running(
+    backends: Backends, settings: Settings, workers: int = 1, scheduler: bool = False
+) -> AsyncIterator[list[Worker]]:
+    """Workers (and a scheduler) on this event loop until the block ends."""
+    stop = asyncio.Event()
+    started = [Worker(backends.store, backends.queue, settings) for _ in range(workers)]
+    tasks = [asyncio.create_task(w.run(stop, drain_seconds=5)) for w in started]
+    if scheduler:
+        tasks.append(
+            asyncio.create_task(Scheduler(backends.store, backends.queue, settings).run(stop))
+        )
+    try:
+        yield started
+    finally:
+        stop.set()
+        await asyncio.gather(*tasks)
+
+
+async def settled(store: MongoStore, run_ids: Iterable[str], within: float = 60) -> list[Run]:
+    """Wait until every run is terminal; fails the test after `within` seconds."""
+    ids = list(run_ids)
+    async with asyncio.timeout(within):
+        while True:
+            runs = [await store.get_run(i) for i in ids]
+            if all(r is not None and r.status in TERMINAL for r in runs):
+                return [r for r in runs if r is not None]
+            await asyncio.sleep(0.05)
