@@ -160,4 +160,6 @@ class Event(Document):
     actor: str
     scope: Scope | None = None
     scope_id: str | None = None
+    # The run's `version` after the write this event records; orders a run's trail.
+    run_version: int
     create_at: datetime

@@ -39,7 +39,14 @@ from jobplane.model import (
 Doc = dict[str, Any]
 
 # Fields the event of a transition needs from the document it moved.
-_EVENT_FIELDS = {"status": 1, "scope": 1, "scopeId": 1, "leaseToken": 1, "lockedBy": 1}
+_EVENT_FIELDS = {
+    "status": 1,
+    "scope": 1,
+    "scopeId": 1,
+    "leaseToken": 1,
+    "lockedBy": 1,
+    "version": 1,
+}
 # A run holds these only while a worker owns it.
 _LEASE_FIELDS = ("lockedBy", "leaseToken", "lockedUntil")
 # Array filters: the step a worker was in, and steps that will not run now (a step that failed
@@ -221,7 +228,7 @@ class MongoStore:
         )
         await self.events.create_indexes(
             [
-                IndexModel([("jobId", ASCENDING), ("createAt", ASCENDING), ("_id", ASCENDING)]),
+                IndexModel([("jobId", ASCENDING), ("runVersion", ASCENDING), ("_id", ASCENDING)]),
                 IndexModel([("scope", ASCENDING), ("scopeId", ASCENDING), ("createAt", ASCENDING)]),
                 IndexModel([("type", ASCENDING), ("createAt", ASCENDING)]),
                 IndexModel([("actor", ASCENDING), ("createAt", ASCENDING)]),
@@ -300,7 +307,7 @@ class MongoStore:
         except DuplicateKeyError as exc:
             await self._raise_duplicate(exc, new)
         await self._events.write(
-            [_event(run.id, "created", actor, doc, to=RunStatus.PENDING, now=now)]
+            [_event(run.id, "created", actor, doc, 1, to=RunStatus.PENDING, now=now)]
         )
         return run
 
@@ -325,7 +332,10 @@ class MongoStore:
         return _run(doc) if doc else None
 
     async def events_of(self, run_id: str) -> list[Event]:
-        cursor = self.events.find({"jobId": run_id}).sort([("createAt", 1), ("_id", 1)])
+        # The run's version orders its trail: MongoDB serialized the writes that made it, while
+        # clocks of two processes (or two writes in one millisecond) cannot.
+        order = [("runVersion", 1), ("_id", 1)]
+        cursor = self.events.find({"jobId": run_id}).sort(order)
         return [_event_model(d) async for d in cursor]
 
     async def claimable(self, after: str | None, limit: int) -> list[Run]:
@@ -423,6 +433,7 @@ class MongoStore:
                     "status_changed",
                     lease.actor,
                     doc,
+                    doc["version"],
                     from_=source_of[lease.token],
                     to=RunStatus.RUNNING,
                     now=now,
@@ -721,9 +732,10 @@ class MongoStore:
         if doc is None:
             return await self._lost(run_id, lease, name)
         from_ = RunStatus(doc["status"])
+        version = doc["version"] + 1
         meta = {"transition": name}
         events = [
-            _event(run_id, kind, actor, doc, message=m, metadata=md, now=now)
+            _event(run_id, kind, actor, doc, version, message=m, metadata=md, now=now)
             for kind, m, md in before
         ]
         events.append(
@@ -732,6 +744,7 @@ class MongoStore:
                 "status_changed",
                 actor,
                 doc,
+                version,
                 from_=from_,
                 to=t.target,
                 message=message,
@@ -740,7 +753,7 @@ class MongoStore:
             )
         )
         events += [
-            _event(run_id, kind, actor, doc, message=m, metadata=md, now=now)
+            _event(run_id, kind, actor, doc, version, message=m, metadata=md, now=now)
             for kind, m, md in also
         ]
         await self._events.write(events)
@@ -768,7 +781,16 @@ class MongoStore:
             return await self._lost(lease.run_id, lease, what)
         await self._events.write(
             [
-                _event(lease.run_id, kind, lease.actor, doc, message=m, metadata=meta, now=now)
+                _event(
+                    lease.run_id,
+                    kind,
+                    lease.actor,
+                    doc,
+                    doc["version"] + 1,
+                    message=m,
+                    metadata=meta,
+                    now=now,
+                )
                 for kind, m, meta in events
             ]
         )
@@ -792,6 +814,7 @@ class MongoStore:
                         "stale_write_rejected",
                         lease.actor,
                         doc,
+                        doc["version"],
                         message=message,
                         metadata=meta,
                         now=self.clock.now(),
@@ -833,6 +856,7 @@ def _event(
     kind: str,
     actor: str,
     run_doc: Doc,
+    run_version: int,
     *,
     now: datetime,
     from_: RunStatus | None = None,
@@ -847,6 +871,7 @@ def _event(
         "scope": run_doc.get("scope"),
         "scopeId": run_doc.get("scopeId"),
         "metadata": metadata or {},
+        "runVersion": run_version,
         "createAt": now,
     }
     if from_ is not None:
