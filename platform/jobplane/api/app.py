@@ -16,16 +16,14 @@ def create_app(settings: Settings, backends: Backends | None = None) -> FastAPI:
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
-        if backends is not None:
-            app.state.store, app.state.queue = backends.store, backends.queue
-            yield
-            return
         async with open_backends(settings) as opened:
             app.state.store, app.state.queue = opened.store, opened.queue
             yield
 
-    app = FastAPI(title="jobplane", version="1", lifespan=lifespan)
+    app = FastAPI(title="jobplane", version="1", lifespan=None if backends else lifespan)
     app.state.settings = settings
+    if backends is not None:
+        app.state.store, app.state.queue = backends.store, backends.queue
     errors.install(app)
     for module in (health, templates, runs):
         app.include_router(module.router)

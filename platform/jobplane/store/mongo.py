@@ -830,9 +830,8 @@ class MongoStore:
 
 def _definition(spec: TemplateSpec) -> Doc:
     """What makes two registrations the same version: everything an author wrote but `enabled`."""
-    return TemplateSpec.model_validate(spec.model_dump()).model_dump(
-        by_alias=True, mode="json", exclude={"enabled"}
-    )
+    fields = set(TemplateSpec.model_fields) - {"enabled"}
+    return spec.model_dump(by_alias=True, mode="json", include=fields)
 
 
 def _template(doc: Doc) -> Template:

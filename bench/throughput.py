@@ -1,0 +1,453 @@
+"""How many no-op runs a second jobplane creates and finishes on this machine.
+
+No-op runs (one `builtin.noop` step) cost nothing to execute, so what is measured is the
+platform's own price per run: every MongoDB write, `job_events` insert and Redis call of the run
+lifecycle, and the Python around them. Three workloads, each on a fresh database and Redis prefix:
+
+create      `RunService.create` (the API's path without HTTP) from 32 concurrent callers in this
+            process, then strictly one after another for a smaller sample. The sequential figure
+            is bounded by the durable round trips of one create (with majority write concern
+            each write waits for the journal).
+drain       N runs created beforehand, then W `python -m jobplane worker` processes (each with
+            JOBPLANE_WORKER_CONCURRENCY=C) empty the queue. Measured window: the first claim's
+            `status_changed` event (`job_events.createAt`) to the last `job_runs.completedAt`;
+            the window from spawning the workers (Python start-up included) is shown too.
+end-to-end  The workers are started and idle; a producer then creates N runs (32 concurrent)
+            while they drain. Window: just before the first create to the last `completedAt`.
+
+For each workload the script also reads MongoDB's `serverStatus` (requests, opcounters, journal
+syncs) and `top` (time per collection), Redis `INFO commandstats` and the CPU time of every
+process before and after, and prints them per run: the cost of one run, not only the rate.
+
+MongoDB and Redis are started from the `local` extra's binaries in a temporary directory unless
+URLs are given; counters are server-wide, so give URLs only of servers nothing else uses.
+
+    .venv/bin/python bench/throughput.py [--runs N] [--workers W] [--concurrency C] [--repeat K]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import os
+import platform
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from pathlib import Path
+
+import pymongo
+import redis
+
+from jobplane.backends import Backends, open_backends
+from jobplane.devstack.servers import MongoServer, RedisServer, free_port
+from jobplane.model import RunStatus, TemplateSpec
+from jobplane.runs import RunService
+from jobplane.runs.service import RunRequest
+from jobplane.settings import Settings
+
+CALLERS = 32
+TEMPLATE = TemplateSpec.model_validate(
+    {"type": "bench_noop", "steps": [{"id": "only", "handler": "builtin.noop"}]}
+)
+REQUEST = RunRequest(template_type="bench_noop", scope="system", scope_id="bench")
+CLOCK_TICK = os.sysconf("SC_CLK_TCK")
+WORKLOADS = ("create", "drain", "e2e")
+
+
+# -- processes -------------------------------------------------------------------------------------
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU time of a live process, from /proc (0 once it is gone)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except OSError:
+        return 0.0
+    fields = stat[stat.rindex(")") + 2 :].split()
+    return (int(fields[11]) + int(fields[12])) / CLOCK_TICK
+
+
+@dataclass
+class Processes:
+    """The processes this benchmark owns; `close` ends every one still running, on any exit."""
+
+    log_dir: Path
+    servers: dict[str, int] = field(default_factory=dict)
+    workers: list[subprocess.Popen[bytes]] = field(default_factory=list)
+    logs: dict[int, Path] = field(default_factory=dict)
+
+    def start_workers(self, settings: Settings, count: int) -> None:
+        env = dict(os.environ)
+        for name, value in settings.model_dump(exclude_none=True).items():
+            if name in {"queues", "handlers"}:
+                value = ",".join(value)
+            env[f"JOBPLANE_{name.upper()}"] = str(value)
+        for _ in range(count):
+            path = self.log_dir / f"worker-{len(self.logs)}.log"
+            with path.open("wb") as log:
+                proc = subprocess.Popen(
+                    [sys.executable, "-m", "jobplane", "worker"],
+                    env=env,
+                    stdin=subprocess.DEVNULL,
+                    stdout=log,
+                    stderr=subprocess.STDOUT,
+                )
+            self.workers.append(proc)
+            self.logs[proc.pid] = path
+
+    async def workers_ready(self) -> None:
+        """Return once every worker logged that it started its loops."""
+        async with asyncio.timeout(60):
+            for proc in self.workers:
+                while b" started, queues " not in self.logs[proc.pid].read_bytes():
+                    self.check_workers()
+                    await asyncio.sleep(0.02)
+
+    def check_workers(self) -> None:
+        for proc in self.workers:
+            if proc.poll() is not None:
+                log = self.logs[proc.pid].read_text()[-3000:]
+                raise RuntimeError(f"worker {proc.pid} exited with {proc.returncode}:\n{log}")
+
+    def stop_workers(self, timeout: float = 30) -> None:
+        # All at once: each drains on SIGTERM, which takes up to a poll interval.
+        for proc in self.workers:
+            if proc.poll() is None:
+                proc.send_signal(signal.SIGTERM)
+        for proc in self.workers:
+            try:
+                proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.wait()
+        self.workers.clear()
+
+    def cpu(self) -> dict[str, float]:
+        times = os.times()
+        cpu = {"bench": times.user + times.system}
+        cpu |= {name: cpu_seconds(pid) for name, pid in self.servers.items()}
+        cpu["workers"] = sum(cpu_seconds(p.pid) for p in self.workers)
+        return cpu
+
+
+@contextlib.contextmanager
+def servers(args: argparse.Namespace) -> Iterator[tuple[str, str, Processes]]:
+    """MongoDB and Redis URLs (throwaway servers unless given) and the process registry."""
+    with tempfile.TemporaryDirectory(prefix="jobplane-bench-") as tmp, contextlib.ExitStack() as st:
+        root = Path(tmp)
+        procs = Processes(root)
+        st.callback(procs.stop_workers)
+        mongo_url, redis_url = args.mongodb_url, args.redis_url
+        if not mongo_url:
+            mongo = MongoServer(root / "mongo", free_port(), root / "mongod.log")
+            mongo.start()
+            st.callback(mongo.stop)
+            mongo_url, procs.servers["mongod"] = mongo.url, mongo.pid or 0
+        if not redis_url:
+            rds = RedisServer(root / "redis", free_port(), root / "redis.log")
+            rds.start()
+            st.callback(rds.stop)
+            redis_url, procs.servers["redis"] = rds.url, rds.pid or 0
+        yield mongo_url, redis_url, procs
+
+
+# -- counters --------------------------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Counters:
+    """Server-wide counters and CPU times at one instant; differences give the cost of a span."""
+
+    mongo: dict[str, float]
+    mongo_time: dict[str, float]  # microseconds mongod spent per collection (`top`)
+    redis: dict[str, float]
+    cpu: dict[str, float]
+
+    @staticmethod
+    async def read(backends: Backends, settings: Settings, procs: Processes) -> Counters:
+        admin = backends.store.client.admin
+        status = await admin.command("serverStatus")
+        mongo: dict[str, float] = {"requests": status["network"]["numRequests"]}
+        mongo |= {k: v for k, v in status["opcounters"].items() if isinstance(v, int)}
+        mongo["journal syncs"] = status["wiredTiger"]["log"]["log sync operations"]
+        top = (await admin.command("top"))["totals"]
+        prefix = f"{settings.db}."
+        mongo_time = {
+            ns.removeprefix(prefix): float(t["total"]["time"])
+            for ns, t in top.items()
+            if ns.startswith(prefix)
+        }
+        stats = await backends.queue.redis.info("commandstats")
+        calls = {k.removeprefix("cmdstat_"): float(v["calls"]) for k, v in stats.items()}
+        return Counters(mongo, mongo_time, calls, procs.cpu())
+
+    def per_run(self, later: Counters, runs: int, seconds: float) -> list[str]:
+        """Lines describing what `runs` runs cost between this reading and `later`."""
+
+        def delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
+            return {k: (b[k] - a.get(k, 0)) / runs for k in b if b[k] - a.get(k, 0) > 0}
+
+        mongo = delta(self.mongo, later.mongo)
+        mtime = delta(self.mongo_time, later.mongo_time)
+        rds = delta(self.redis, later.redis)
+        cpu = {k: later.cpu[k] - self.cpu.get(k, 0) for k in later.cpu}
+        busy = sum(cpu.values()) / seconds if seconds else 0
+        return [
+            "mongod per run: " + _fmt(mongo, "{:.2f}"),
+            "mongod time per run (top, µs): " + _fmt(mtime, "{:.0f}"),
+            f"redis per run: {sum(rds.values()):.2f} commands: " + _fmt(rds, "{:.2f}", 6),
+            "cpu ms per run: "
+            + _fmt({k: 1000 * v / runs for k, v in cpu.items()}, "{:.2f}")
+            + f"; {busy:.2f} cores busy of {os.cpu_count()}",
+        ]
+
+
+def _fmt(values: dict[str, float], spec: str, top: int = 12) -> str:
+    ranked = sorted(values.items(), key=lambda kv: -kv[1])[:top]
+    return ", ".join(f"{k} {spec.format(v)}" for k, v in ranked) or "-"
+
+
+# -- workloads -------------------------------------------------------------------------------------
+
+
+@dataclass
+class Bench:
+    args: argparse.Namespace
+    mongo_url: str
+    redis_url: str
+    procs: Processes
+    figures: dict[str, list[float]] = field(default_factory=dict)
+
+    def settings(self) -> Settings:
+        tag = os.urandom(4).hex()
+        return Settings(
+            mongodb_url=self.mongo_url,
+            redis_url=self.redis_url,
+            db=f"bench_{tag}",
+            redis_prefix=f"bench:{tag}:",
+            write_concern=self.args.write_concern,
+            worker_concurrency=self.args.concurrency,
+        )
+
+    @contextlib.asynccontextmanager
+    async def fresh(self) -> AsyncIterator[tuple[Settings, Backends, RunService]]:
+        """Backends on a new database and prefix, with the template; both dropped afterwards."""
+        settings = self.settings()
+        async with open_backends(settings) as backends:
+            try:
+                await backends.store.register_template(TEMPLATE)
+                yield settings, backends, RunService(backends.store, backends.queue)
+            finally:
+                self.procs.stop_workers()
+                await backends.store.client.drop_database(settings.db)
+                keys = [
+                    k async for k in backends.queue.redis.scan_iter(f"{settings.redis_prefix}*")
+                ]
+                if keys:
+                    await backends.queue.redis.delete(*keys)
+
+    def record(self, name: str, rate: float, line: str, details: Sequence[str] = ()) -> None:
+        self.figures.setdefault(name, []).append(rate)
+        print(f"  {name}: {rate:,.0f} runs/s ({line})", flush=True)
+        for detail in details:
+            print(f"      {detail}", flush=True)
+
+    async def create(self) -> None:
+        n, seq = self.args.runs, self.args.sequential_runs
+        async with self.fresh() as (settings, backends, service):
+            before = await Counters.read(backends, settings, self.procs)
+            seconds = await create_many(service, n, CALLERS)
+            after = await Counters.read(backends, settings, self.procs)
+            self.record(
+                f"create, {CALLERS} callers",
+                n / seconds,
+                f"{n} runs in {seconds:.2f} s",
+                before.per_run(after, n, seconds),
+            )
+            seconds = await create_many(service, seq, 1)
+            self.record("create, sequential", seq / seconds, f"{seq} runs in {seconds:.2f} s")
+
+    async def drain(self) -> None:
+        n, w = self.args.runs, self.args.workers
+        async with self.fresh() as (settings, backends, service):
+            await create_many(service, n, CALLERS)
+            spawned = datetime.now(UTC)
+            self.procs.start_workers(settings, w)
+            await self.procs.workers_ready()
+            before = await Counters.read(backends, settings, self.procs)
+            await self.wait_succeeded(backends, n)
+            after = await Counters.read(backends, settings, self.procs)
+            first = await backends.store.events.find_one(
+                {"type": "status_changed", "metadata.transition": "claim"}, sort=[("createAt", 1)]
+            )
+            last = await last_completed(backends)
+            assert first is not None
+            window = (last - first["createAt"]).total_seconds()
+            self.record(
+                "drain, first claim -> last done",
+                n / window,
+                f"{n} runs in {window:.2f} s",
+                before.per_run(after, n, window),
+            )
+            from_spawn = (last - spawned).total_seconds()
+            self.record("drain, from spawn", n / from_spawn, f"{from_spawn:.2f} s")
+
+    async def end_to_end(self) -> None:
+        n, w = self.args.runs, self.args.workers
+        async with self.fresh() as (settings, backends, service):
+            self.procs.start_workers(settings, w)
+            await self.procs.workers_ready()
+            await asyncio.sleep(0.5)  # let start-up settle so the workers are really idle
+            before = await Counters.read(backends, settings, self.procs)
+            started = datetime.now(UTC)
+            created = await create_many(service, n, CALLERS)
+            await self.wait_succeeded(backends, n)
+            after = await Counters.read(backends, settings, self.procs)
+            window = (await last_completed(backends) - started).total_seconds()
+            self.record(
+                "end-to-end, first create -> last done",
+                n / window,
+                f"{n} runs in {window:.2f} s; producer alone {n / created:,.0f} runs/s",
+                before.per_run(after, n, window),
+            )
+
+    async def wait_succeeded(self, backends: Backends, n: int) -> None:
+        deadline = time.monotonic() + max(120, n / 20)
+        while await backends.store.runs.count_documents({"status": RunStatus.SUCCEEDED}) < n:
+            self.procs.check_workers()
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"{n} runs did not all succeed in time")
+            await asyncio.sleep(0.2)
+
+
+async def create_many(service: RunService, n: int, callers: int) -> float:
+    """Create `n` runs from `callers` concurrent callers; returns the seconds it took."""
+    todo = iter(range(n))
+
+    async def caller() -> None:
+        for _ in todo:
+            await service.create(REQUEST, "user:bench")
+
+    started = time.perf_counter()
+    await asyncio.gather(*(caller() for _ in range(min(callers, n))))
+    return time.perf_counter() - started
+
+
+async def last_completed(backends: Backends) -> datetime:
+    doc = await backends.store.runs.find_one(
+        {"status": RunStatus.SUCCEEDED}, sort=[("completedAt", -1)]
+    )
+    assert doc is not None
+    completed: datetime = doc["completedAt"]
+    return completed
+
+
+# -- report ----------------------------------------------------------------------------------------
+
+
+def machine() -> str:
+    cpuinfo = Path("/proc/cpuinfo").read_text().splitlines()
+    model = next((ln.split(":", 1)[1].strip() for ln in cpuinfo if "model name" in ln), "?")
+    meminfo = Path("/proc/meminfo").read_text().split()
+    mem_gib = int(meminfo[meminfo.index("MemTotal:") + 1]) / 2**20
+    usable = len(os.sched_getaffinity(0))
+    return (
+        f"machine: {os.cpu_count()} cpus ({usable} usable), {model}, {mem_gib:.1f} GiB, "
+        f"{platform.platform()}"
+    )
+
+
+async def describe(bench: Bench) -> None:
+    print(machine())
+    settings = bench.settings()
+    async with open_backends(settings) as backends:
+        mongod = (await backends.store.client.admin.command("buildInfo"))["version"]
+        server = await backends.queue.redis.info("server")
+        await backends.store.client.drop_database(settings.db)
+    a = bench.args
+    hiredis = redis.utils.HIREDIS_AVAILABLE
+    print(
+        f"python {platform.python_version()}, mongod {mongod}, redis-server "
+        f"{server['redis_version']}, pymongo {pymongo.version}, redis-py {redis.__version__} "
+        f"(hiredis {'yes' if hiredis else 'no'})"
+    )
+    print(
+        f"runs {a.runs} (sequential {a.sequential_runs}), callers {CALLERS}, workers {a.workers}, "
+        f"worker concurrency {a.concurrency}, write concern {a.write_concern}, "
+        f"lease {settings.lease_seconds}s, heartbeat {settings.heartbeat_seconds}s, "
+        f"poll {settings.poll_seconds}s, repeat {a.repeat}"
+    )
+    print(f"mongodb {bench.mongo_url}, redis {bench.redis_url}\n", flush=True)
+
+
+def summary(figures: dict[str, list[float]]) -> None:
+    print(f"\n{'workload':40} {'median':>9} {'min':>9} {'max':>9}  each (runs/s)")
+    for name, rates in figures.items():
+        each = " ".join(f"{r:,.0f}" for r in rates)
+        print(
+            f"{name:40} {statistics.median(rates):9,.0f} {min(rates):9,.0f} {max(rates):9,.0f}"
+            f"  {each}"
+        )
+
+
+async def main_async(bench: Bench) -> None:
+    await describe(bench)
+    steps: dict[str, Callable[[], Awaitable[None]]] = {
+        "create": bench.create,
+        "drain": bench.drain,
+        "e2e": bench.end_to_end,
+    }
+    for i in range(bench.args.repeat):
+        print(f"round {i + 1} of {bench.args.repeat}", flush=True)
+        for name in bench.args.workloads:
+            await steps[name]()
+    summary(bench.figures)
+
+
+def parse(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=5000, help="runs per workload")
+    parser.add_argument("--sequential-runs", type=int, default=500)
+    parser.add_argument("--workers", type=int, default=2, help="worker processes")
+    parser.add_argument("--concurrency", type=int, default=32, help="JOBPLANE_WORKER_CONCURRENCY")
+    parser.add_argument("--mongodb-url")
+    parser.add_argument("--redis-url")
+    parser.add_argument("--write-concern", choices=["majority", "1"], default="majority")
+    parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument(
+        "--workloads",
+        type=lambda s: [w for w in s.split(",") if w],
+        default=list(WORKLOADS),
+        help="comma-separated subset of: " + ",".join(WORKLOADS),
+    )
+    args = parser.parse_args(argv)
+    if unknown := set(args.workloads) - set(WORKLOADS):
+        parser.error(f"unknown workloads: {', '.join(sorted(unknown))}")
+    return args
+
+
+def interrupt(signum: int, frame: object) -> None:
+    """SIGTERM unwinds like Ctrl-C, so the servers and workers are stopped either way."""
+    raise KeyboardInterrupt
+
+
+def main() -> None:
+    args = parse()
+    signal.signal(signal.SIGTERM, interrupt)
+    try:
+        with servers(args) as (mongo_url, redis_url, procs):
+            asyncio.run(main_async(Bench(args, mongo_url, redis_url, procs)))
+    except KeyboardInterrupt:
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()

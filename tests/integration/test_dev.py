@@ -1,0 +1,125 @@
+"""`jobplane dev` and the CLI as a user runs them: real processes, a real port, own servers."""
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+
+from jobplane.devstack import free_port
+
+ROOT = Path(__file__).parents[2]
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JOBPLANE_")}
+    env.update(extra)
+    return env
+
+
+def jobplane(
+    *args: str, env: dict[str, str], timeout: float = 60
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "jobplane", *args],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        check=False,
+    )
+
+
+def pid_alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().split(") ")[1][0]
+    except (FileNotFoundError, IndexError):
+        return False
+    return state != "Z"
+
+
+def recorded_pids(data_dir: Path) -> list[int]:
+    record = json.loads((data_dir / "stack.json").read_text())
+    return [record["mongo"]["pid"], record["redis"]["pid"]]
+
+
+@pytest.mark.slow
+def test_dev_demo_runs_to_completion_and_stops_its_servers(tmp_path: Path) -> None:
+    data = tmp_path / "data"
+    args = ["dev", "--demo", "--exit-after-demo", "--port", str(free_port())]
+    args += ["--data-dir", str(data), "--templates", str(ROOT / "templates")]
+    first = jobplane(*args, env=clean_env(), timeout=120)
+    assert first.returncode == 0, first.stdout + first.stderr
+    assert "admin API key: jp_admin_" in first.stdout
+    assert "demo_long_task v1 (new)" in first.stdout
+    assert "succeeded" in first.stdout
+    assert not any(pid_alive(p) for p in recorded_pids(data)), "servers it started are stopped"
+
+    # Starting again reuses the data: same key, templates unchanged, a second demo run.
+    second = jobplane(*args, env=clean_env(), timeout=120)
+    assert second.returncode == 0, second.stdout + second.stderr
+    key = (data / "admin_key").read_text().strip()
+    assert f"admin API key: {key}" in first.stdout and f"admin API key: {key}" in second.stdout
+    assert "demo_long_task v1\n" in second.stdout and "(new)" not in second.stdout
+
+
+@pytest.mark.slow
+def test_cli_against_a_running_dev_stack(tmp_path: Path) -> None:
+    data, port = tmp_path / "data", free_port()
+    url = f"http://127.0.0.1:{port}"
+    log = tmp_path / "dev.log"
+    with log.open("w") as out:
+        dev = subprocess.Popen(
+            [sys.executable, "-m", "jobplane", "dev", "--port", str(port), "--data-dir", str(data)],
+            env=clean_env(),
+            stdout=out,
+            stderr=subprocess.STDOUT,
+        )
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            assert dev.poll() is None, log.read_text()
+            try:
+                if httpx.get(f"{url}/readyz").status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            assert time.monotonic() < deadline, "dev stack did not become ready"
+            time.sleep(0.2)
+        env = clean_env(JOBPLANE_URL=url, JOBPLANE_API_KEY=(data / "admin_key").read_text().strip())
+
+        applied = jobplane("templates", "apply", str(ROOT / "templates"), env=env)
+        assert applied.returncode == 0, applied.stderr
+        assert "demo_long_task.yaml: demo_long_task v1" in applied.stdout
+
+        payload = json.dumps({"target": "cli", "sleepSeconds": 0.3})
+        created = jobplane(
+            "runs", "create", "demo_long_task", "--payload", payload, "--watch", env=env
+        )
+        assert created.returncode == 0, created.stderr
+        run_id = created.stdout.splitlines()[0]
+        assert "succeeded" in created.stdout and "100.0%" in created.stdout
+        shown = json.loads(jobplane("runs", "get", run_id, env=env).stdout)
+        assert shown["status"] == "succeeded" and shown["result"] == json.loads(payload)
+
+        bad = jobplane("runs", "create", "demo_long_task", "--payload", '{"target": 1}', env=env)
+        assert bad.returncode == 1
+        assert bad.stderr.strip().splitlines() == [
+            "error: ValidationFailed: payload does not match the template's payloadSchema"
+            " (/payload/target: 1 is not of type 'string')"
+        ]
+        unknown = jobplane("runs", "get", "nope", env=env)
+        assert unknown.returncode == 1 and "NotFound" in unknown.stderr
+        no_key = jobplane("runs", "get", run_id, env={**env, "JOBPLANE_API_KEY": "wrong"})
+        assert no_key.returncode == 1 and "Unauthorized" in no_key.stderr
+    finally:
+        dev.send_signal(signal.SIGTERM)
+        code = dev.wait(60)
+    assert code == 0, log.read_text()
+    assert "Ctrl-C stops jobplane" in log.read_text()
+    assert not any(pid_alive(p) for p in recorded_pids(data))
