@@ -319,13 +319,20 @@ class Bench:
                 before.per_run(after, n, window),
             )
 
-    async def wait_succeeded(self, backends: Backends, n: int) -> None:
-        deadline = time.monotonic() + max(120, n / 20)
-        while await backends.store.runs.count_documents({"status": RunStatus.SUCCEEDED}) < n:
-            self.procs.check_workers()
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"{n} runs did not all succeed in time")
+    async def wait_succeeded(self, backends: Backends, n: int, stall: float = 20) -> None:
+        """Poll until `n` runs succeeded; give up when none finished for `stall` seconds."""
+        runs = backends.store.runs
+        done, moved = 0, time.monotonic()
+        while done < n:
             await asyncio.sleep(0.2)
+            self.procs.check_workers()
+            now_done = await runs.count_documents({"status": RunStatus.SUCCEEDED})
+            if now_done > done:
+                done, moved = now_done, time.monotonic()
+            elif time.monotonic() - moved > stall:
+                pipeline = [{"$group": {"_id": "$status", "n": {"$sum": 1}}}]
+                counts = {d["_id"]: d["n"] async for d in await runs.aggregate(pipeline)}
+                raise RuntimeError(f"stalled at {done} of {n} succeeded; statuses {counts}")
 
 
 async def create_many(service: RunService, n: int, callers: int) -> float:

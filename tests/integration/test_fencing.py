@@ -52,7 +52,6 @@ async def test_zombie_writes_are_rejected_and_recorded(
         "complete",
         "fail",
         "retry",
-        "heartbeat",
     ]
     assert all(e.actor == "worker:zombie" for e in rejected)
 

@@ -69,7 +69,7 @@ OPS: dict[str, tuple[str, Op]] = {
     "fail": ("fail", lambda s, i, le: s.fail(le, 0, ERROR)),
     "retry": ("retry", lambda s, i, le: s.retry(le, 0, ERROR, s.clock.now())),
     "release": ("release", lambda s, i, le: s.release(le)),
-    "acknowledge_cancel": ("acknowledge_cancel", lambda s, i, le: s.acknowledge_cancel(le)),
+    "acknowledge_cancel": ("acknowledge_cancel", lambda s, i, le: s.acknowledge_cancel(le, True)),
     "wait_worker": ("wait_worker", lambda s, i, le: s.wait_worker(le, 0, "only")),
     "resume": ("resume", lambda s, i, le: s.resume(le)),
 }

@@ -512,15 +512,13 @@ class MongoStore:
     ) -> tuple[set[str], set[str]]:
         """Renew many leases at once.
 
-        Returns the ids still held and, among them, those whose cancel was requested. A lease
-        not renewed was lost; its run is recorded as `stale_write_rejected`.
+        Returns the ids still held and, among them, those whose cancel was requested. Only the
+        worker can tell a lease lost from a run it finished meanwhile, so nothing is recorded.
         """
         by_token: dict[str, list[ObjectId]] = {}
-        wanted: dict[str, Lease] = {}
         for lease in leases:
             by_token.setdefault(lease.token, []).append(ObjectId(lease.run_id))
-            wanted[lease.run_id] = lease
-        if not wanted:
+        if not by_token:
             return set(), set()
         now = self.clock.now()
         held_filter = {
@@ -535,8 +533,6 @@ class MongoStore:
         docs = await self.runs.find(held_filter, {"status": 1}).to_list()
         held = {str(d["_id"]) for d in docs}
         cancel = {str(d["_id"]) for d in docs if d["status"] == RunStatus.CANCEL_REQUESTED}
-        for run_id in wanted.keys() - held:
-            await self._lost(run_id, wanted[run_id], "heartbeat")
         return held, cancel
 
     async def start_step(self, lease: Lease, index: int, step_id: str) -> Lost | None:
@@ -651,9 +647,11 @@ class MongoStore:
             array_filters=[{"r.status": StepStatus.RUNNING}],
         )
 
-    async def acknowledge_cancel(self, lease: Lease) -> Moved | Lost:
-        """The worker stopped: the step it was in is cancelled and the steps not done skipped."""
+    async def acknowledge_cancel(self, lease: Lease, interrupted: bool) -> Moved | Lost:
+        """The worker stopped: steps not done are skipped, and the step it was in is cancelled
+        if a checkpoint interrupted it (skipped if the cancel came between steps)."""
         now = self.clock.now()
+        stopped = StepStatus.CANCELLED if interrupted else StepStatus.SKIPPED
         return await self._transition(
             "acknowledge_cancel",
             lease.run_id,
@@ -661,7 +659,7 @@ class MongoStore:
             lease=lease,
             set_={
                 "completedAt": now,
-                "progress.steps.$[r].status": StepStatus.CANCELLED,
+                "progress.steps.$[r].status": stopped,
                 "progress.steps.$[r].completedAt": now,
                 "progress.steps.$[p].status": StepStatus.SKIPPED,
             },

@@ -34,7 +34,14 @@ class StepTimeout(StepError):
 
 
 class CancelRequested(Exception):
-    """Raised by `StepContext.checkpoint()` once a cancel was requested."""
+    """Raised by `StepContext.checkpoint()` once a cancel was requested.
+
+    `interrupted` is False when the worker stops between steps, so no step was cut short.
+    """
+
+    def __init__(self, run_id: str, interrupted: bool = True) -> None:
+        super().__init__(run_id)
+        self.interrupted = interrupted
 
 
 class StepContext:
@@ -75,6 +82,7 @@ class StepContext:
         self._last_write = 0.0
         self._writer: asyncio.Task[None] | None = None
         self._writing = False
+        self._closed = False
         self._background: set[asyncio.Task[None]] = set()
 
     @property
@@ -99,6 +107,7 @@ class StepContext:
         A write in flight is awaited; a throttled one is written only if asked (a succeeded
         step's final write supersedes it).
         """
+        self._closed = True
         if self._writer is not None:
             if not self._writing:
                 self._writer.cancel()
@@ -107,6 +116,8 @@ class StepContext:
             await self._write_latest()
 
     def _set_progress(self, percentage: float, message: str | None) -> None:
+        if self._closed:  # a call that was still on its way when the step ended
+            return
         self._latest = (percentage, message)
         if self._writer is None:
             self._writer = self._loop.create_task(self._write_throttled())

@@ -84,6 +84,7 @@ class Worker:
         ]
         try:
             await stop.wait()
+            self._slot_free.set()  # a claim loop waiting for a free slot sees the stop
             await loops[0]
             tasks = [h.task for h in self.held.values() if h.task]
             if tasks:
@@ -102,9 +103,12 @@ class Worker:
                 with contextlib.suppress(asyncio.CancelledError):
                     await held.task
             moved = await self.store.release(held.lease)
-            await self.queue.release_run(held.run.id, held.lease.owner)
-            if not isinstance(moved, Lost):
+            if isinstance(moved, Lost) and moved.status == RunStatus.CANCEL_REQUESTED:
+                await self.store.acknowledge_cancel(held.lease, interrupted=True)
+            elif not isinstance(moved, Lost):
                 await self._push(held.run)
+            with contextlib.suppress(Exception):
+                await self.queue.release_run(held.run.id, held.lease.owner)
             self.held.pop(held.run.id, None)
 
     # -- claiming ------------------------------------------------------------------------------
@@ -142,9 +146,12 @@ class Worker:
         claimed = await self.store.claim(run_ids, self.id, self.settings.lease_seconds)
         if not claimed:
             return []
-        await self.queue.lock_runs(
-            {run.id: lease.owner for run, lease in claimed}, self.settings.lease_seconds
-        )
+        owners = {run.id: lease.owner for run, lease in claimed}
+        try:
+            await self.queue.lock_runs(owners, self.settings.lease_seconds)
+        except Exception:
+            # MongoDB granted the leases; the heartbeat restores the Redis mirror later.
+            log.warning("could not mirror %d leases in Redis", len(owners))
         for run, lease in claimed:
             held = _Held(run, lease)
             self.held[run.id] = held
@@ -155,7 +162,11 @@ class Worker:
 
     async def _execute(self, held: _Held) -> None:
         try:
-            await self._run_steps(held)
+            try:
+                await self._run_steps(held)
+            except CancelRequested as cancel:
+                ack = await self.store.acknowledge_cancel(held.lease, cancel.interrupted)
+                self._check(ack)
         except (_LeaseLost, asyncio.CancelledError):
             log.warning("run %s: lease lost, stopped without writing", held.run.id)
         except Exception:
@@ -167,6 +178,7 @@ class Worker:
             self._slot_free.set()
 
     async def _run_steps(self, held: _Held) -> None:
+        """Run the steps from the first one not yet done; raises `CancelRequested` to stop."""
         run, lease = held.run, held.lease
         template = await self._template(run)
         steps = template.steps
@@ -179,37 +191,42 @@ class Worker:
             output = outputs.get(last)
             self._check(await self.store.complete(lease, first - 1, last, output, output))
             return
-        self._check(await self.store.start_step(lease, first, steps[first].id))
+        started = False
         for index in range(first, len(steps)):
             step = steps[index]
             if held.cancel.is_set():
-                await self._acknowledge_cancel(held)
-                return
+                raise CancelRequested(run.id, interrupted=False)
             if step.worker_type == "external":
                 # The run waits for an external worker's callback; this worker lets go of it.
                 self._check(await self.store.wait_worker(lease, index, step.id))
                 return
+            if not started:
+                self._check(await self.store.start_step(lease, index, step.id))
             try:
                 output = await self._call(held, template, index, outputs)
             except CancelRequested:
-                await self._acknowledge_cancel(held)
-                return
+                raise
             except Exception as exc:
                 await self._failed(held, template, index, exc)
                 return
             outputs[step.id] = output
             if index + 1 == len(steps):
-                moved = await self.store.complete(lease, index, step.id, output, output)
-                if isinstance(moved, Lost) and moved.status == RunStatus.CANCEL_REQUESTED:
-                    await self._acknowledge_cancel(held)
-                    return
-                self._check(moved)
-            else:
-                percentage = 100 * (index + 1) / len(steps)
-                nxt = (index + 1, steps[index + 1].id)
-                self._check(
-                    await self.store.finish_step(lease, index, step.id, output, percentage, nxt)
+                self._check(await self.store.complete(lease, index, step.id, output, output))
+                return
+            # The next step's start goes in the same write, unless an external worker takes it.
+            nxt = steps[index + 1]
+            started = nxt.worker_type == "inline"
+            percentage = 100 * (index + 1) / len(steps)
+            self._check(
+                await self.store.finish_step(
+                    lease,
+                    index,
+                    step.id,
+                    output,
+                    percentage,
+                    (index + 1, nxt.id) if started else None,
                 )
+            )
 
     async def _call(
         self, held: _Held, template: Template, index: int, outputs: dict[str, Any]
@@ -260,12 +277,15 @@ class Worker:
         self._check(await self.store.retry(lease, index, error, not_before))
         await self._push(run.model_copy(update={"not_before": not_before}))
 
-    async def _acknowledge_cancel(self, held: _Held) -> None:
-        self._check(await self.store.acknowledge_cancel(held.lease))
-
     def _check(self, outcome: object) -> None:
-        """Stop the run when a write was lost: someone else decides its fate now."""
+        """Stop the run when a write was lost.
+
+        Lost to a cancel request, the worker still holds the lease and must acknowledge it;
+        lost any other way, someone else decides the run's fate now.
+        """
         if isinstance(outcome, Lost):
+            if outcome.reason == "status" and outcome.status == RunStatus.CANCEL_REQUESTED:
+                raise CancelRequested(outcome.run_id)
             raise _LeaseLost(outcome.reason)
 
     async def _push(self, run: Run) -> None:
@@ -306,7 +326,9 @@ class Worker:
         kept, cancel = await self.store.heartbeat(self.id, [h.lease for h in helds], ttl)
         for held in helds:
             if held.run.id not in kept:
-                if held.task:
+                # Unless the run finished meanwhile, its lease was superseded: stop at once.
+                if held.run.id in self.held and held.task:
+                    log.warning("run %s: lease lost; stopping its handler", held.run.id)
                     held.task.cancel()
             elif held.run.id in cancel:
                 held.cancel.set()
