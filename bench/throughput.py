@@ -32,6 +32,7 @@ import asyncio
 import contextlib
 import os
 import platform
+import re
 import signal
 import statistics
 import subprocess
@@ -59,7 +60,12 @@ TEMPLATE = TemplateSpec.model_validate(
 )
 REQUEST = RunRequest(template_type="bench_noop", scope="system", scope_id="bench")
 CLOCK_TICK = os.sysconf("SC_CLK_TCK")
+TOP_KINDS = ("insert", "queries", "update", "remove", "getmore", "commands")
 WORKLOADS = ("create", "drain", "e2e")
+# Progress paused this long means the workers are idle with runs left (stranded in `queued`);
+# the scheduler's reconciler re-pushes those every JOBPLANE_RECONCILE_SECONDS (10 s).
+QUIET_SECONDS = 1.0
+STALL_SECONDS = 30.0
 
 
 # -- processes -------------------------------------------------------------------------------------
@@ -75,66 +81,91 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / CLOCK_TICK
 
 
+def machine_cpu_seconds() -> float:
+    """CPU time every process on the machine used since boot (all but idle and iowait)."""
+    ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = ticks
+    return (user + nice + system + irq + softirq + steal) / CLOCK_TICK
+
+
+@dataclass(frozen=True)
+class Child:
+    command: str
+    proc: subprocess.Popen[bytes]
+    log: Path
+
+
 @dataclass
 class Processes:
-    """The processes this benchmark owns; `close` ends every one still running, on any exit."""
+    """The processes this benchmark owns, so that they can be stopped on any exit."""
 
     log_dir: Path
     servers: dict[str, int] = field(default_factory=dict)
-    workers: list[subprocess.Popen[bytes]] = field(default_factory=list)
-    logs: dict[int, Path] = field(default_factory=dict)
+    children: list[Child] = field(default_factory=list)
 
-    def start_workers(self, settings: Settings, count: int) -> None:
+    def start(self, settings: Settings, command: str, count: int = 1) -> None:
+        """Start `count` processes `jobplane COMMAND`, `settings` in their environment."""
         env = dict(os.environ)
         for name, value in settings.model_dump(exclude_none=True).items():
             if name in {"queues", "handlers"}:
                 value = ",".join(value)
             env[f"JOBPLANE_{name.upper()}"] = str(value)
         for _ in range(count):
-            path = self.log_dir / f"worker-{len(self.logs)}.log"
+            path = self.log_dir / f"{command}-{len(self.children)}.log"
             with path.open("wb") as log:
                 proc = subprocess.Popen(
-                    [sys.executable, "-m", "jobplane", "worker"],
+                    [sys.executable, "-m", "jobplane", command],
                     env=env,
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,
                 )
-            self.workers.append(proc)
-            self.logs[proc.pid] = path
+            self.children.append(Child(command, proc, path))
 
     async def workers_ready(self) -> None:
         """Return once every worker logged that it started its loops."""
         async with asyncio.timeout(60):
-            for proc in self.workers:
-                while b" started, queues " not in self.logs[proc.pid].read_bytes():
-                    self.check_workers()
+            for child in self.children:
+                while (
+                    child.command == "worker" and b" started, queues " not in child.log.read_bytes()
+                ):
+                    self.check()
                     await asyncio.sleep(0.02)
 
-    def check_workers(self) -> None:
-        for proc in self.workers:
-            if proc.poll() is not None:
-                log = self.logs[proc.pid].read_text()[-3000:]
-                raise RuntimeError(f"worker {proc.pid} exited with {proc.returncode}:\n{log}")
+    def check(self) -> None:
+        for child in self.children:
+            if child.proc.poll() is not None:
+                raise RuntimeError(
+                    f"{child.command} {child.proc.pid} exited with {child.proc.returncode}:\n"
+                    + child.log.read_text()[-3000:]
+                )
 
-    def stop_workers(self, timeout: float = 30) -> None:
-        # All at once: each drains on SIGTERM, which takes up to a poll interval.
-        for proc in self.workers:
-            if proc.poll() is None:
-                proc.send_signal(signal.SIGTERM)
-        for proc in self.workers:
+    def reconciled(self) -> int:
+        """How many runs the scheduler's reconciler pushed to Redis, from its log."""
+        logs = [c.log.read_text() for c in self.children if c.command == "scheduler"]
+        return sum(int(m) for log in logs for m in re.findall(r"tick: .*queued (\d+)", log))
+
+    def stop(self, timeout: float = 30) -> None:
+        # SIGTERM to all first: each drains, which takes up to a poll interval.
+        for child in self.children:
+            if child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+        for child in self.children:
             try:
-                proc.wait(timeout)
+                child.proc.wait(timeout)
             except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-        self.workers.clear()
+                child.proc.kill()
+                child.proc.wait()
+        self.children.clear()
 
     def cpu(self) -> dict[str, float]:
+        """CPU seconds used so far by each kind of process, and by the whole machine."""
         times = os.times()
-        cpu = {"bench": times.user + times.system}
+        cpu = {"machine": machine_cpu_seconds(), "bench": times.user + times.system}
         cpu |= {name: cpu_seconds(pid) for name, pid in self.servers.items()}
-        cpu["workers"] = sum(cpu_seconds(p.pid) for p in self.workers)
+        for child in self.children:
+            name = f"{child.command}s"
+            cpu[name] = cpu.get(name, 0) + cpu_seconds(child.proc.pid)
         return cpu
 
 
@@ -144,7 +175,7 @@ def servers(args: argparse.Namespace) -> Iterator[tuple[str, str, Processes]]:
     with tempfile.TemporaryDirectory(prefix="jobplane-bench-") as tmp, contextlib.ExitStack() as st:
         root = Path(tmp)
         procs = Processes(root)
-        st.callback(procs.stop_workers)
+        st.callback(procs.stop)
         mongo_url, redis_url = args.mongodb_url, args.redis_url
         if not mongo_url:
             mongo = MongoServer(root / "mongo", free_port(), root / "mongod.log")
@@ -167,7 +198,10 @@ class Counters:
     """Server-wide counters and CPU times at one instant; differences give the cost of a span."""
 
     mongo: dict[str, float]
-    mongo_time: dict[str, float]  # microseconds mongod spent per collection (`top`)
+    # `top`: per "collection.kind" the number of operations and the µs they took (wall time,
+    # waits on locks and I/O included, concurrent operations summed).
+    top_count: dict[str, float]
+    top_time: dict[str, float]
     redis: dict[str, float]
     cpu: dict[str, float]
 
@@ -178,16 +212,16 @@ class Counters:
         mongo: dict[str, float] = {"requests": status["network"]["numRequests"]}
         mongo |= {k: v for k, v in status["opcounters"].items() if isinstance(v, int)}
         mongo["journal syncs"] = status["wiredTiger"]["log"]["log sync operations"]
-        top = (await admin.command("top"))["totals"]
-        prefix = f"{settings.db}."
-        mongo_time = {
-            ns.removeprefix(prefix): float(t["total"]["time"])
-            for ns, t in top.items()
-            if ns.startswith(prefix)
-        }
+        top_count: dict[str, float] = {}
+        top_time: dict[str, float] = {}
+        for ns, kinds in (await admin.command("top"))["totals"].items():
+            if ns.startswith(f"{settings.db}."):
+                for kind in TOP_KINDS:
+                    key = f"{ns.split('.', 1)[1]}.{kind}"
+                    top_count[key], top_time[key] = kinds[kind]["count"], kinds[kind]["time"]
         stats = await backends.queue.redis.info("commandstats")
         calls = {k.removeprefix("cmdstat_"): float(v["calls"]) for k, v in stats.items()}
-        return Counters(mongo, mongo_time, calls, procs.cpu())
+        return Counters(mongo, top_count, top_time, calls, procs.cpu())
 
     def per_run(self, later: Counters, runs: int, seconds: float) -> list[str]:
         """Lines describing what `runs` runs cost between this reading and `later`."""
@@ -195,18 +229,22 @@ class Counters:
         def delta(a: dict[str, float], b: dict[str, float]) -> dict[str, float]:
             return {k: (b[k] - a.get(k, 0)) / runs for k in b if b[k] - a.get(k, 0) > 0}
 
-        mongo = delta(self.mongo, later.mongo)
-        mtime = delta(self.mongo_time, later.mongo_time)
+        top_count = delta(self.top_count, later.top_count)
+        top_time = delta(self.top_time, later.top_time)
+        top = {f"{k} {top_count[k]:.2f}x": v for k, v in top_time.items() if k in top_count}
         rds = delta(self.redis, later.redis)
-        cpu = {k: later.cpu[k] - self.cpu.get(k, 0) for k in later.cpu}
-        busy = sum(cpu.values()) / seconds if seconds else 0
+        cpu = {k: 1000 * v for k, v in delta(self.cpu, later.cpu).items()}
+        ours = sum(v for k, v in cpu.items() if k != "machine")
+        others = max(0.0, cpu.get("machine", 0) - ours)
+        cpu = {k: v for k, v in cpu.items() if k != "machine"} | {"others": others}
+        cores = runs * (ours + others) / 1000 / seconds if seconds else 0
         return [
-            "mongod per run: " + _fmt(mongo, "{:.2f}"),
-            "mongod time per run (top, µs): " + _fmt(mtime, "{:.0f}"),
-            f"redis per run: {sum(rds.values()):.2f} commands: " + _fmt(rds, "{:.2f}", 6),
+            "mongod per run: " + _fmt(delta(self.mongo, later.mongo), "{:.2f}"),
+            "mongod top per run (count, µs): " + _fmt(top, "{:.0f}", 8),
+            f"redis per run: {sum(rds.values()):.2f} commands: " + _fmt(rds, "{:.2f}", 7),
             "cpu ms per run: "
-            + _fmt({k: 1000 * v / runs for k, v in cpu.items()}, "{:.2f}")
-            + f"; {busy:.2f} cores busy of {os.cpu_count()}",
+            + _fmt(cpu, "{:.2f}")
+            + f"; {cores:.2f} of {os.cpu_count()} cores busy",
         ]
 
 
@@ -225,6 +263,7 @@ class Bench:
     redis_url: str
     procs: Processes
     figures: dict[str, list[float]] = field(default_factory=dict)
+    stranded: list[tuple[int, int]] = field(default_factory=list)
 
     def settings(self) -> Settings:
         tag = os.urandom(4).hex()
@@ -246,7 +285,7 @@ class Bench:
                 await backends.store.register_template(TEMPLATE)
                 yield settings, backends, RunService(backends.store, backends.queue)
             finally:
-                self.procs.stop_workers()
+                self.procs.stop()
                 await backends.store.client.drop_database(settings.db)
                 keys = [
                     k async for k in backends.queue.redis.scan_iter(f"{settings.redis_prefix}*")
@@ -276,20 +315,20 @@ class Bench:
             self.record("create, sequential", seq / seconds, f"{seq} runs in {seconds:.2f} s")
 
     async def drain(self) -> None:
-        n, w = self.args.runs, self.args.workers
+        n = self.args.runs
         async with self.fresh() as (settings, backends, service):
             await create_many(service, n, CALLERS)
             spawned = datetime.now(UTC)
-            self.procs.start_workers(settings, w)
+            self.procs.start(settings, "worker", self.args.workers)
             await self.procs.workers_ready()
             before = await Counters.read(backends, settings, self.procs)
-            await self.wait_succeeded(backends, n)
+            await self.wait_succeeded(backends, settings, n)
             after = await Counters.read(backends, settings, self.procs)
             first = await backends.store.events.find_one(
                 {"type": "status_changed", "metadata.transition": "claim"}, sort=[("createAt", 1)]
             )
-            last = await last_completed(backends)
             assert first is not None
+            last = await last_completed(backends)
             window = (last - first["createAt"]).total_seconds()
             self.record(
                 "drain, first claim -> last done",
@@ -301,38 +340,71 @@ class Bench:
             self.record("drain, from spawn", n / from_spawn, f"{from_spawn:.2f} s")
 
     async def end_to_end(self) -> None:
-        n, w = self.args.runs, self.args.workers
+        n = self.args.runs
         async with self.fresh() as (settings, backends, service):
-            self.procs.start_workers(settings, w)
+            # The scheduler's reconciler belongs to a deployment: it re-pushes queued runs
+            # missing from Redis, which the bench needs when a popped run was not claimed.
+            self.procs.start(settings, "scheduler")
+            self.procs.start(settings, "worker", self.args.workers)
             await self.procs.workers_ready()
             await asyncio.sleep(0.5)  # let start-up settle so the workers are really idle
             before = await Counters.read(backends, settings, self.procs)
             started = datetime.now(UTC)
             created = await create_many(service, n, CALLERS)
-            await self.wait_succeeded(backends, n)
+            quiet = await self.wait_succeeded(backends, settings, n)
             after = await Counters.read(backends, settings, self.procs)
-            window = (await last_completed(backends) - started).total_seconds()
+            last = await last_completed(backends)
+            window = (last - started).total_seconds()
             self.record(
                 "end-to-end, first create -> last done",
                 n / window,
                 f"{n} runs in {window:.2f} s; producer alone {n / created:,.0f} runs/s",
-                before.per_run(after, n, window),
+                before.per_run(after, n, window) if quiet is None else (),
+            )
+            # Costs are shown up to the pause when runs were stranded: after it nothing moves.
+            quiet = quiet or Quiet(n, last, after)
+            done, window = quiet.done, (quiet.last - started).total_seconds()
+            self.stranded.append((n - done, self.procs.reconciled()))
+            self.record(
+                "end-to-end, runs not stranded",
+                done / window,
+                f"{done} runs in {window:.2f} s; {n - done} left in `queued` when the workers "
+                f"went idle; the reconciler pushed {self.stranded[-1][1]} runs in all",
+                before.per_run(quiet.counters, done, window) if done < n else (),
             )
 
-    async def wait_succeeded(self, backends: Backends, n: int, stall: float = 20) -> None:
-        """Poll until `n` runs succeeded; give up when none finished for `stall` seconds."""
+    async def wait_succeeded(self, backends: Backends, settings: Settings, n: int) -> Quiet | None:
+        """Poll until `n` runs succeeded; give up after `STALL_SECONDS` without progress.
+
+        Returns what was done when progress first paused for `QUIET_SECONDS` short of `n`: the
+        runs left then wait for the reconciler. None when there was no such pause.
+        """
         runs = backends.store.runs
-        done, moved = 0, time.monotonic()
+        done, moved, quiet = 0, time.monotonic(), None
         while done < n:
             await asyncio.sleep(0.2)
-            self.procs.check_workers()
-            now_done = await runs.count_documents({"status": RunStatus.SUCCEEDED})
-            if now_done > done:
-                done, moved = now_done, time.monotonic()
-            elif time.monotonic() - moved > stall:
+            self.procs.check()
+            count = await runs.count_documents({"status": RunStatus.SUCCEEDED})
+            idle = time.monotonic() - moved
+            if count > done:
+                done, moved = count, time.monotonic()
+            elif quiet is None and idle > QUIET_SECONDS:
+                counters = await Counters.read(backends, settings, self.procs)
+                quiet = Quiet(done, await last_completed(backends), counters)
+            elif idle > STALL_SECONDS:
                 pipeline = [{"$group": {"_id": "$status", "n": {"$sum": 1}}}]
                 counts = {d["_id"]: d["n"] async for d in await runs.aggregate(pipeline)}
                 raise RuntimeError(f"stalled at {done} of {n} succeeded; statuses {counts}")
+        return quiet
+
+
+@dataclass(frozen=True)
+class Quiet:
+    """The state when the workers first went idle with runs left over."""
+
+    done: int
+    last: datetime
+    counters: Counters
 
 
 async def create_many(service: RunService, n: int, callers: int) -> float:
@@ -417,6 +489,11 @@ async def main_async(bench: Bench) -> None:
         for name in bench.args.workloads:
             await steps[name]()
     summary(bench.figures)
+    if bench.stranded:
+        print(
+            "end-to-end runs stranded in `queued` when the workers went idle, and runs the "
+            f"reconciler pushed: {', '.join(f'{a} / {b}' for a, b in bench.stranded)}"
+        )
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:

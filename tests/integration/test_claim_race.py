@@ -31,7 +31,15 @@ async def test_four_worker_processes_claim_each_run_exactly_once(
 
     ids = await asyncio.gather(*(create() for _ in range(RUNS)))
     workers = [
-        spawn(settings, "worker", tmp_path / f"worker{i}.log", JOBPLANE_WORKER_CONCURRENCY="16")
+        # Frequent heartbeats overlap completions all the time: a heartbeat must never mistake
+        # a run finishing under it for a lost lease.
+        spawn(
+            settings,
+            "worker",
+            tmp_path / f"worker{i}.log",
+            JOBPLANE_WORKER_CONCURRENCY="16",
+            JOBPLANE_HEARTBEAT_SECONDS="0.1",
+        )
         for i in range(WORKERS)
     ]
     try:
@@ -58,6 +66,9 @@ async def test_four_worker_processes_claim_each_run_exactly_once(
         {"type": "status_changed", "to": RunStatus.SUCCEEDED}
     )
     assert finishes == RUNS
+    assert await backends.store.events.count_documents({"type": "stale_write_rejected"}) == 0
+    for i in range(WORKERS):
+        assert "lease lost" not in (tmp_path / f"worker{i}.log").read_text()
     trails: dict[str, list[tuple[str, str]]] = {}
     cursor = backends.store.events.find({"type": "status_changed"}).sort(
         [("jobId", 1), ("runVersion", 1), ("_id", 1)]

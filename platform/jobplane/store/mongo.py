@@ -144,6 +144,11 @@ class _EventWriter:
             self._flusher = asyncio.create_task(self._flush())
         await asyncio.shield(future)
 
+    async def drain(self) -> None:
+        """Wait for every event handed to the writer to be written."""
+        while self._flusher is not None:
+            await asyncio.wait([self._flusher])
+
     async def _flush(self) -> None:
         try:
             while self._pending:
@@ -187,6 +192,7 @@ class MongoStore:
         return cls(client, db_name, write_concern, clock)
 
     async def close(self) -> None:
+        await self._events.drain()
         await self.client.close()
 
     async def ping(self) -> None:

@@ -13,7 +13,7 @@ import socket
 import traceback
 from dataclasses import dataclass, field
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal
 
 from jobplane.clock import Clock, SystemClock
 from jobplane.model import Run, RunError, RunStatus, StepStatus, Template
@@ -45,10 +45,23 @@ class _Held:
     lease: Lease
     cancel: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
+    # The running handler. Stopping a run interrupts only this, never the worker's own writes,
+    # so a transition and its events are never cut in half.
+    handler: asyncio.Future[Any] | None = None
+    stop: Literal["lost", "shutdown"] | None = None
+
+    def interrupt(self, reason: Literal["lost", "shutdown"]) -> None:
+        self.stop = reason
+        if self.handler is not None:
+            self.handler.cancel()
 
 
-class _LeaseLost(Exception):
-    """Another worker owns the run now (or it was removed): stop without writing."""
+class _Stopped(Exception):
+    """The run must stop: its lease was lost (write nothing) or the worker shuts down."""
+
+    def __init__(self, reason: Literal["lost", "shutdown"]) -> None:
+        super().__init__(reason)
+        self.reason = reason
 
 
 class Worker:
@@ -86,30 +99,20 @@ class Worker:
             await stop.wait()
             self._slot_free.set()  # a claim loop waiting for a free slot sees the stop
             await loops[0]
-            tasks = [h.task for h in self.held.values() if h.task]
-            if tasks:
-                await asyncio.wait(tasks, timeout=drain_seconds)
-            await self._release_all()
+            if self.held:
+                await asyncio.wait(self._tasks(), timeout=drain_seconds)
+            for held in list(self.held.values()):
+                held.interrupt("shutdown")  # each run then releases itself
+            if self.held:
+                await asyncio.wait(self._tasks())
         finally:
             for task in loops:
                 task.cancel()
             await asyncio.gather(*loops, return_exceptions=True)
         log.info("worker %s stopped", self.id)
 
-    async def _release_all(self) -> None:
-        for held in list(self.held.values()):
-            if held.task:
-                held.task.cancel()
-                with contextlib.suppress(asyncio.CancelledError):
-                    await held.task
-            moved = await self.store.release(held.lease)
-            if isinstance(moved, Lost) and moved.status == RunStatus.CANCEL_REQUESTED:
-                await self.store.acknowledge_cancel(held.lease, interrupted=True)
-            elif not isinstance(moved, Lost):
-                await self._push(held.run)
-            with contextlib.suppress(Exception):
-                await self.queue.release_run(held.run.id, held.lease.owner)
-            self.held.pop(held.run.id, None)
+    def _tasks(self) -> list[asyncio.Task[None]]:
+        return [h.task for h in self.held.values() if h.task]
 
     # -- claiming ------------------------------------------------------------------------------
 
@@ -167,8 +170,11 @@ class Worker:
             except CancelRequested as cancel:
                 ack = await self.store.acknowledge_cancel(held.lease, cancel.interrupted)
                 self._check(ack)
-        except (_LeaseLost, asyncio.CancelledError):
-            log.warning("run %s: lease lost, stopped without writing", held.run.id)
+        except _Stopped as stopped:
+            if stopped.reason == "shutdown":
+                await self._release(held)
+            else:
+                log.warning("run %s: lease lost, stopped without writing", held.run.id)
         except Exception:
             log.exception("run %s: worker error", held.run.id)
         finally:
@@ -176,6 +182,14 @@ class Worker:
             with contextlib.suppress(Exception):
                 await self.queue.release_run(held.run.id, held.lease.owner)
             self._slot_free.set()
+
+    async def _release(self, held: _Held) -> None:
+        """Shutdown: hand the run back to the queue, or finish a cancel that was asked for."""
+        moved = await self.store.release(held.lease)
+        if isinstance(moved, Lost) and moved.status == RunStatus.CANCEL_REQUESTED:
+            await self.store.acknowledge_cancel(held.lease, interrupted=True)
+        elif not isinstance(moved, Lost):
+            await self._push(held.run)
 
     async def _run_steps(self, held: _Held) -> None:
         """Run the steps from the first one not yet done; raises `CancelRequested` to stop."""
@@ -194,6 +208,8 @@ class Worker:
         started = False
         for index in range(first, len(steps)):
             step = steps[index]
+            if held.stop is not None:
+                raise _Stopped(held.stop)
             if held.cancel.is_set():
                 raise CancelRequested(run.id, interrupted=False)
             if step.worker_type == "external":
@@ -204,7 +220,7 @@ class Worker:
                 self._check(await self.store.start_step(lease, index, step.id))
             try:
                 output = await self._call(held, template, index, outputs)
-            except CancelRequested:
+            except (CancelRequested, _Stopped):
                 raise
             except Exception as exc:
                 await self._failed(held, template, index, exc)
@@ -248,19 +264,25 @@ class Worker:
 
         ctx = StepContext(held.run, template, index, outputs, held.cancel, write_progress, renew)
         succeeded = False
+        if asyncio.iscoroutinefunction(handler):
+            held.handler = asyncio.ensure_future(handler(ctx))
+        else:
+            held.handler = asyncio.ensure_future(asyncio.to_thread(handler, ctx))
         try:
-            if asyncio.iscoroutinefunction(handler):
-                call = handler(ctx)
-            else:
-                call = asyncio.to_thread(handler, ctx)
             async with asyncio.timeout(step.timeout_seconds):
-                output = await call
+                output = await held.handler
             succeeded = True
             return output
+        except asyncio.CancelledError:
+            current = asyncio.current_task()
+            if held.stop is not None and not (current and current.cancelling()):
+                raise _Stopped(held.stop) from None
+            raise
         except TimeoutError as exc:
             raise StepTimeout(f"step {step.id!r} exceeded {step.timeout_seconds}s") from exc
         finally:
-            await ctx.close(write_latest=not succeeded)
+            held.handler = None
+            await ctx.close(write_latest=not succeeded and held.stop is None)
 
     async def _failed(self, held: _Held, template: Template, index: int, exc: Exception) -> None:
         run, lease = held.run, held.lease
@@ -286,7 +308,7 @@ class Worker:
         if isinstance(outcome, Lost):
             if outcome.reason == "status" and outcome.status == RunStatus.CANCEL_REQUESTED:
                 raise CancelRequested(outcome.run_id)
-            raise _LeaseLost(outcome.reason)
+            raise _Stopped("lost")
 
     async def _push(self, run: Run) -> None:
         entry = QueueEntry(run.id, run.queue, run.priority, run.not_before)
@@ -326,10 +348,12 @@ class Worker:
         kept, cancel = await self.store.heartbeat(self.id, [h.lease for h in helds], ttl)
         for held in helds:
             if held.run.id not in kept:
-                # Unless the run finished meanwhile, its lease was superseded: stop at once.
-                if held.run.id in self.held and held.task:
+                # Not renewed means lost only while a handler runs: then no write of the worker's
+                # own can have ended the lease. Outside a handler the run may have just finished,
+                # and the worker's next write, fenced by MongoDB, finds a real loss by itself.
+                if held.handler is not None:
                     log.warning("run %s: lease lost; stopping its handler", held.run.id)
-                    held.task.cancel()
+                    held.interrupt("lost")
             elif held.run.id in cancel:
                 held.cancel.set()
         owners = {h.run.id: h.lease.owner for h in helds if h.run.id in kept}
