@@ -1,0 +1,9 @@
+# One image for the api, worker and scheduler processes.
+FROM python:3.11-slim
+WORKDIR /app
+COPY pyproject.toml README.md ./
+COPY platform ./platform
+COPY templates ./templates
+RUN pip install --no-cache-dir .
+ENV JOBPLANE_HOST=0.0.0.0
+ENTRYPOINT ["jobplane"]
