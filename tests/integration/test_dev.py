@@ -23,11 +23,12 @@ def clean_env(**extra: str) -> dict[str, str]:
 
 
 def jobplane(
-    *args: str, env: dict[str, str], timeout: float = 60
+    *args: str, env: dict[str, str], timeout: float = 60, cwd: Path | None = None
 ) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
         [sys.executable, "-m", "jobplane", *args],
         env=env,
+        cwd=cwd,
         capture_output=True,
         text=True,
         timeout=timeout,
@@ -50,10 +51,11 @@ def recorded_pids(data_dir: Path) -> list[int]:
 
 @pytest.mark.slow
 def test_dev_demo_runs_to_completion_and_stops_its_servers(tmp_path: Path) -> None:
-    data = tmp_path / "data"
+    # As `make demo` runs it: the default, relative data directory in the working directory.
+    data = tmp_path / ".jobplane"
     args = ["dev", "--demo", "--exit-after-demo", "--port", str(free_port())]
-    args += ["--data-dir", str(data), "--templates", str(ROOT / "templates")]
-    first = jobplane(*args, env=clean_env(), timeout=120)
+    args += ["--templates", str(ROOT / "templates")]
+    first = jobplane(*args, env=clean_env(), timeout=120, cwd=tmp_path)
     assert first.returncode == 0, first.stdout + first.stderr
     assert "admin API key: jp_admin_" in first.stdout
     assert "demo_long_task v1 (new)" in first.stdout
@@ -61,7 +63,7 @@ def test_dev_demo_runs_to_completion_and_stops_its_servers(tmp_path: Path) -> No
     assert not any(pid_alive(p) for p in recorded_pids(data)), "servers it started are stopped"
 
     # Starting again reuses the data: same key, templates unchanged, a second demo run.
-    second = jobplane(*args, env=clean_env(), timeout=120)
+    second = jobplane(*args, env=clean_env(), timeout=120, cwd=tmp_path)
     assert second.returncode == 0, second.stdout + second.stderr
     key = (data / "admin_key").read_text().strip()
     assert f"admin API key: {key}" in first.stdout and f"admin API key: {key}" in second.stdout

@@ -68,7 +68,11 @@ def _dev(args: argparse.Namespace) -> None:
     from jobplane.devstack.dev import run_dev
 
     settings = _settings(args)
-    sys.exit(asyncio.run(run_dev(settings, args.templates, args.demo, args.exit_after_demo)))
+    try:
+        code = asyncio.run(run_dev(settings, args.templates, args.demo, args.exit_after_demo))
+    except RuntimeError as exc:  # a local server that would not start says why
+        raise CLIError(str(exc)) from exc
+    sys.exit(code)
 
 
 # -- API commands --------------------------------------------------------------------------------

@@ -361,6 +361,10 @@ class LocalStack:
     _mongo: MongoServer | None = field(default=None, init=False, repr=False)
     _redis: RedisServer | None = field(default=None, init=False, repr=False)
 
+    def __post_init__(self) -> None:
+        # Absolute: redis-server changes into its --dir before it opens its log file.
+        self.data_dir = self.data_dir.resolve()
+
     @property
     def _record_path(self) -> Path:
         return self.data_dir / "stack.json"
