@@ -322,11 +322,15 @@ class MongoStore:
         if "dedupeKey" in key:
             active = await self.runs.find_one({"dedupeKey": new.dedupe_key}, {"_id": 1})
             raise ConcurrencyConflict(str(active["_id"]) if active else None) from exc
+        query: Doc
         if "idempotencyKey" in key:
-            query = {"scope": new.scope, "scopeId": new.scope_id}
-            query["idempotencyKey"] = new.idempotency_key  # type: ignore[assignment]
+            query = {
+                "scope": new.scope,
+                "scopeId": new.scope_id,
+                "idempotencyKey": new.idempotency_key,
+            }
         else:
-            query = {"scheduleId": new.schedule_id, "scheduledFor": new.scheduled_for}  # type: ignore[dict-item]
+            query = {"scheduleId": new.schedule_id, "scheduledFor": new.scheduled_for}
         existing = await self.runs.find_one(query)
         if existing is None:  # removed between our insert and this read; report the original
             raise exc

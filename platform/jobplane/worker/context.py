@@ -3,7 +3,7 @@
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
 from jobplane.model import Run, StepSpec, Template
@@ -62,7 +62,7 @@ class StepContext:
         outputs: dict[str, Any],
         cancel: asyncio.Event,
         write_progress: Callable[[float, str | None], Awaitable[None]],
-        renew: Callable[[], Awaitable[None]],
+        renew: Callable[[], Coroutine[Any, Any, None]],
     ) -> None:
         self.run = run
         self.template = template
@@ -131,6 +131,8 @@ class StepContext:
                 self._writing = True
                 try:
                     await self._write_latest()
+                except Exception as exc:  # progress is best effort; the step goes on
+                    self.log.warning("progress not written: %s", exc)
                 finally:
                     self._writing = False
         finally:
@@ -144,7 +146,7 @@ class StepContext:
         self._last_write = time.monotonic()
         await self._write_progress(percentage, message)
 
-    def _spawn(self, coro: Awaitable[None]) -> None:
-        task: asyncio.Task[None] = self._loop.create_task(coro)  # type: ignore[arg-type]
+    def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
+        task: asyncio.Task[None] = self._loop.create_task(coro)
         self._background.add(task)
         task.add_done_callback(self._background.discard)

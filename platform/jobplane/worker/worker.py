@@ -7,6 +7,7 @@ lease is lost has its task cancelled at once and writes nothing more.
 
 import asyncio
 import contextlib
+import inspect
 import logging
 import os
 import socket
@@ -255,16 +256,18 @@ class Worker:
 
         async def write_progress(percentage: float, message: str | None) -> None:
             overall = 100 * (index + percentage / 100) / n
-            self._check(
-                await self.store.report_progress(held.lease, index, percentage, overall, message)
+            outcome = await self.store.report_progress(
+                held.lease, index, percentage, overall, message
             )
+            if isinstance(outcome, Lost):  # progress writes are fenced too
+                held.interrupt("lost")
 
         async def renew() -> None:
             await self._renew([held])
 
         ctx = StepContext(held.run, template, index, outputs, held.cancel, write_progress, renew)
         succeeded = False
-        if asyncio.iscoroutinefunction(handler):
+        if inspect.iscoroutinefunction(handler):
             held.handler = asyncio.ensure_future(handler(ctx))
         else:
             held.handler = asyncio.ensure_future(asyncio.to_thread(handler, ctx))

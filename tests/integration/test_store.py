@@ -1,0 +1,57 @@
+"""Uniqueness that MongoDB enforces for the store: dedupe, idempotency, template versions."""
+
+import asyncio
+
+import pytest
+
+from jobplane.errors import ConcurrencyConflict
+from jobplane.model import RunStatus
+from jobplane.store import DuplicateRun, MongoStore, NewRun
+from tests.integration.conftest import Register, template_spec
+
+
+async def test_one_active_run_per_dedupe_key_under_concurrent_inserts(
+    store: MongoStore, register: Register
+) -> None:
+    template = await register()
+    new = NewRun(template, "user", "u1", dedupe_key="u1|target")
+
+    async def insert() -> str:
+        try:
+            return (await store.insert_run(new, "user:a")).id
+        except ConcurrencyConflict as conflict:
+            return f"conflict:{conflict.active_run_id}"
+
+    outcomes = await asyncio.gather(*(insert() for _ in range(50)))
+    winners = [o for o in outcomes if not o.startswith("conflict:")]
+    assert len(winners) == 1
+    assert set(outcomes) - set(winners) == {f"conflict:{winners[0]}"}
+    assert await store.runs.count_documents({}) == 1
+
+    # The key is held only while the run is active.
+    [(_, lease)] = await store.claim(winners, "w", 5)
+    await store.complete(lease, 0, "only", None, None)
+    again = await store.insert_run(new, "user:a")
+    assert again.status == RunStatus.PENDING
+
+
+async def test_idempotency_key_returns_the_existing_run(
+    store: MongoStore, register: Register
+) -> None:
+    template = await register()
+    first = await store.insert_run(NewRun(template, "user", "u1", idempotency_key="k"), "user:a")
+    with pytest.raises(DuplicateRun) as caught:
+        await store.insert_run(NewRun(template, "user", "u1", idempotency_key="k"), "user:a")
+    assert caught.value.run.id == first.id
+    other_scope = await store.insert_run(
+        NewRun(template, "user", "u2", idempotency_key="k"), "user:b"
+    )
+    assert other_scope.id != first.id
+
+
+async def test_concurrent_registrations_make_consecutive_versions(store: MongoStore) -> None:
+    specs = [template_spec("t", description=str(i)) for i in range(8)]
+    results = await asyncio.gather(*(store.register_template(s) for s in specs))
+    # Eight different definitions: each becomes its own version, none lost to the race.
+    assert sorted(t.version for t, created in results if created) == list(range(1, 9))
+    assert await store.templates.count_documents({"type": "t"}) == 8
