@@ -12,12 +12,17 @@ drain       N runs created beforehand, then W `python -m jobplane worker` proces
             JOBPLANE_WORKER_CONCURRENCY=C) empty the queue. Measured window: the first claim's
             `status_changed` event (`job_events.createAt`) to the last `job_runs.completedAt`;
             the window from spawning the workers (Python start-up included) is shown too.
-end-to-end  The workers are started and idle; a producer then creates N runs (32 concurrent)
+end-to-end  The workers and a `jobplane scheduler` (its reconciler re-pushes queued runs that
+            Redis lost) are started and idle; a producer then creates N runs (32 concurrent)
             while they drain. Window: just before the first create to the last `completedAt`.
+            When the workers go idle with runs left in `queued` (their ids were popped but not
+            claimed) those wait for the reconciler; the rate up to that pause is shown too.
 
 For each workload the script also reads MongoDB's `serverStatus` (requests, opcounters, journal
 syncs) and `top` (time per collection), Redis `INFO commandstats` and the CPU time of every
 process before and after, and prints them per run: the cost of one run, not only the rate.
+"others" is CPU that processes not started by the benchmark took meanwhile: a busy neighbour
+makes the figures worthless, and this shows it.
 
 MongoDB and Redis are started from the `local` extra's binaries in a temporary directory unless
 URLs are given; counters are server-wide, so give URLs only of servers nothing else uses.
@@ -358,7 +363,7 @@ class Bench:
             self.record(
                 "end-to-end, first create -> last done",
                 n / window,
-                f"{n} runs in {window:.2f} s; producer alone {n / created:,.0f} runs/s",
+                f"{n} runs in {window:.2f} s; the creates took {created:.2f} s",
                 before.per_run(after, n, window) if quiet is None else (),
             )
             # Costs are shown up to the pause when runs were stranded: after it nothing moves.
@@ -366,7 +371,7 @@ class Bench:
             done, window = quiet.done, (quiet.last - started).total_seconds()
             self.stranded.append((n - done, self.procs.reconciled()))
             self.record(
-                "end-to-end, runs not stranded",
+                "end-to-end, excluding stranded",
                 done / window,
                 f"{done} runs in {window:.2f} s; {n - done} left in `queued` when the workers "
                 f"went idle; the reconciler pushed {self.stranded[-1][1]} runs in all",
@@ -478,6 +483,10 @@ def summary(figures: dict[str, list[float]]) -> None:
 
 
 async def main_async(bench: Bench) -> None:
+    # Inside the loop SIGTERM cancels the work, so that every `finally` runs as on Ctrl-C.
+    task = asyncio.current_task()
+    assert task is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
     await describe(bench)
     steps: dict[str, Callable[[], Awaitable[None]]] = {
         "create": bench.create,
@@ -519,7 +528,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def interrupt(signum: int, frame: object) -> None:
-    """SIGTERM unwinds like Ctrl-C, so the servers and workers are stopped either way."""
+    """Outside the event loop SIGTERM unwinds like Ctrl-C, so the servers are stopped."""
     raise KeyboardInterrupt
 
 
@@ -528,8 +537,11 @@ def main() -> None:
     signal.signal(signal.SIGTERM, interrupt)
     try:
         with servers(args) as (mongo_url, redis_url, procs):
-            asyncio.run(main_async(Bench(args, mongo_url, redis_url, procs)))
-    except KeyboardInterrupt:
+            try:
+                asyncio.run(main_async(Bench(args, mongo_url, redis_url, procs)))
+            finally:
+                signal.signal(signal.SIGTERM, interrupt)  # closing the loop reset it
+    except (KeyboardInterrupt, asyncio.CancelledError):
         sys.exit(130)
 
 

@@ -1,13 +1,18 @@
 """Worker behaviour around cancel, shutdown and lost leases, on one event loop."""
 
 import asyncio
+import threading
+import time
+
+import pytest
+from bson import ObjectId
 
 from jobplane.backends import Backends
 from jobplane.model import RunStatus, StepStatus
 from jobplane.runs import RunRequest, RunService
 from jobplane.settings import Settings
 from jobplane.store import Lost
-from jobplane.worker import Worker
+from jobplane.worker import StepContext, Worker, registry
 from tests.integration.conftest import Register
 from tests.integration.workers import running, settled
 
@@ -84,21 +89,126 @@ async def test_graceful_stop_releases_unfinished_runs_without_an_attempt(
     assert popped.run_ids == [run.id], "the released run is back in Redis"
 
 
-async def test_a_worker_that_loses_its_lease_stops_the_handler(
+# -- handlers the tests below register ---------------------------------------------------------
+
+running_now = {"n": 0, "most": 0}
+guard = threading.Lock()
+
+
+@registry.register("test.quiet_sleep")
+async def quiet_sleep(ctx: StepContext) -> None:
+    """Sleeps without progress writes, so only the heartbeat can notice a lost lease."""
+    await asyncio.sleep(float(ctx.payload["sleepSeconds"]))
+
+
+@registry.register("test.sync_busy")
+def sync_busy(ctx: StepContext) -> str:
+    """A sync handler that counts how many copies of itself run at once."""
+    with guard:
+        running_now["n"] += 1
+        running_now["most"] = max(running_now["most"], running_now["n"])
+    try:
+        for _ in range(int(ctx.payload["ticks"])):
+            ctx.checkpoint()
+            time.sleep(0.05)
+        return "done"
+    finally:
+        with guard:
+            running_now["n"] -= 1
+
+
+async def test_heartbeats_keep_a_step_longer_than_the_lease(
     backends: Backends, settings: Settings, register: Register
 ) -> None:
-    await register(steps=SLEEPY, retryPolicy={"maxAttempts": 3})
-    service = RunService(backends.store, backends.queue)
-    run = await service.create(RunRequest("t_noop", "user", "u", {"sleepSeconds": 30}), "user:a")
+    await register(steps=[{"id": "long", "handler": "test.quiet_sleep"}])
+    quick = settings.model_copy(update={"lease_seconds": 1.0, "heartbeat_seconds": 0.2})
+    run = await RunService(backends.store, backends.queue).create(
+        RunRequest("t_noop", "user", "u", {"sleepSeconds": 2.5}), "user:a"
+    )
+    async with running(backends, quick, scheduler=True):
+        [done] = await settled(backends.store, [run.id])
+    assert done.status == RunStatus.SUCCEEDED and done.attempt == 1
+    types = [e.type for e in await backends.store.events_of(run.id)]
+    assert "lease_expired" not in types and "stale_write_rejected" not in types
+
+
+async def test_heartbeat_stops_a_handler_whose_lease_was_superseded(
+    backends: Backends, settings: Settings, register: Register
+) -> None:
+    await register(steps=[{"id": "long", "handler": "test.quiet_sleep"}])
+    run = await RunService(backends.store, backends.queue).create(
+        RunRequest("t_noop", "user", "u", {"sleepSeconds": 30}), "user:a"
+    )
     async with running(backends, settings) as [worker]:
         await wait_status(backends, run.id, RunStatus.RUNNING)
-        # Another claim supersedes the lease, as after an expiry the worker slept through.
         await backends.store.runs.update_one(
-            {"_id": __import__("bson").ObjectId(run.id)}, {"$set": {"leaseToken": "someone-else"}}
+            {"_id": ObjectId(run.id)}, {"$set": {"leaseToken": "someone-else"}}
         )
         async with asyncio.timeout(5):
             while run.id in worker.held:  # noqa: ASYNC110
                 await asyncio.sleep(0.05)
-        after = await backends.store.get_run(run.id)
-    assert after is not None and after.status == RunStatus.RUNNING
-    assert after.lease_token == "someone-else", "the stopped worker wrote nothing more"
+    after = await backends.store.get_run(run.id)
+    assert after is not None and after.lease_token == "someone-else"
+    rejected = [
+        e for e in await backends.store.events_of(run.id) if e.type == "stale_write_rejected"
+    ]
+    assert [e.metadata["write"] for e in rejected] == ["heartbeat"]
+
+
+async def test_a_worker_cut_off_from_mongodb_stops_once_its_lease_passed(
+    backends: Backends, settings: Settings, register: Register, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    await register(steps=[{"id": "long", "handler": "test.quiet_sleep"}])
+    quick = settings.model_copy(update={"lease_seconds": 1.0, "heartbeat_seconds": 0.2})
+    run = await RunService(backends.store, backends.queue).create(
+        RunRequest("t_noop", "user", "u", {"sleepSeconds": 30}), "user:a"
+    )
+    async with running(backends, quick) as [worker]:
+        await wait_status(backends, run.id, RunStatus.RUNNING)
+
+        async def unreachable(*args: object) -> None:
+            raise ConnectionError("MongoDB unreachable")
+
+        monkeypatch.setattr(worker.store, "heartbeat", unreachable)
+        async with asyncio.timeout(5):
+            while run.id in worker.held:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+        monkeypatch.undo()
+
+
+async def test_step_timeout_retries_and_a_sync_step_never_runs_twice_at_once(
+    backends: Backends, settings: Settings, register: Register
+) -> None:
+    policy = {"maxAttempts": 3, "backoffSeconds": [0, 0]}
+    await register(
+        steps=[{"id": "busy", "handler": "test.sync_busy", "timeoutSeconds": 0.3}],
+        retryPolicy=policy,
+    )
+    running_now.update(n=0, most=0)
+    run = await RunService(backends.store, backends.queue).create(
+        RunRequest("t_noop", "user", "u", {"ticks": 40}), "user:a"
+    )
+    async with running(backends, settings, workers=2):
+        [done] = await settled(backends.store, [run.id])
+    assert done.status == RunStatus.FAILED and done.attempt == 3
+    assert done.error is not None and done.error.code == "step_timeout"
+    assert running_now["most"] == 1, "a timed-out thread finished before the retry began"
+
+
+async def test_cancel_during_a_non_cancelable_last_step_keeps_its_output(
+    backends: Backends, settings: Settings, register: Register
+) -> None:
+    await register(steps=[{"id": "last", "handler": "builtin.sleep", "cancelable": False}])
+    run = await RunService(backends.store, backends.queue).create(
+        RunRequest("t_noop", "user", "u", {"sleepSeconds": 0.6}), "user:a"
+    )
+    async with running(backends, settings):
+        await wait_status(backends, run.id, RunStatus.RUNNING)
+        await backends.store.request_cancel(run.id, "user:a", None)
+        await backends.queue.signal_cancel(run.id)
+        [done] = await settled(backends.store, [run.id], within=5)
+    assert done.status == RunStatus.CANCELLED
+    assert done.progress.steps[0].status == StepStatus.SUCCEEDED
+    assert done.outputs == {"last": {"sleptSeconds": 0.6}}
+    types = [e.type for e in await backends.store.events_of(run.id)]
+    assert types[-2:] == ["step_finished", "status_changed"]

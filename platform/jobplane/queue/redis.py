@@ -103,11 +103,18 @@ class RedisQueue:
 
     # -- locks ---------------------------------------------------------------------------------
 
-    async def lock_runs(self, owners: dict[str, str], ttl_seconds: float) -> None:
-        """Mirror leases MongoDB granted. MongoDB decided, so an older owner is overwritten."""
+    async def lock_runs(
+        self, owners: dict[str, str], ttl_seconds: float, only_if_free: bool = False
+    ) -> None:
+        """Mirror leases MongoDB granted.
+
+        On a claim MongoDB decided, so an older owner's value is overwritten; `only_if_free`
+        restores a missing lock without touching one that someone else holds.
+        """
         async with self.redis.pipeline(transaction=False) as pipe:
             for run_id, owner in owners.items():
-                pipe.set(self.keys.lock(run_id), owner, px=int(ttl_seconds * 1000))
+                px = int(ttl_seconds * 1000)
+                pipe.set(self.keys.lock(run_id), owner, px=px, nx=only_if_free)
             await pipe.execute()
 
     async def refresh_runs(self, owners: dict[str, str], ttl_seconds: float) -> dict[str, bool]:

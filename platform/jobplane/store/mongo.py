@@ -397,54 +397,56 @@ class MongoStore:
     ) -> list[tuple[Run, Lease]]:
         """Lease every claimable run among `run_ids` to `worker_id` under a fresh token.
 
-        One conditional `update_many` per source status and one read-back take the leases;
-        ids whose runs are no longer claimable (cancelled, claimed by another worker, not yet
-        due) are simply not returned.
+        One conditional `update_many` and one read-back take the leases; ids whose runs are no
+        longer claimable (cancelled, claimed by another worker, not yet due) are not returned.
         """
         oids = [oid for oid in map(object_id, run_ids) if oid]
         if not oids:
             return []
         now = self.clock.now()
-        tokens = {s: secrets.token_hex(12) for s in (RunStatus.QUEUED, RunStatus.PENDING)}
+        token = secrets.token_hex(12)
         due = {"$or": [{"notBefore": None}, {"notBefore": {"$lte": now}}]}
-        for source, token in tokens.items():
-            result = await self.runs.update_many(
-                {"_id": {"$in": oids}, "status": source, **due},
+        # A pipeline update sees each run's values before the write, so the run records the
+        # status it was claimed from and the exact version the claim made: the claim event is
+        # right even if another write lands before the read-back.
+        await self.runs.update_many(
+            {"_id": {"$in": oids}, "status": {"$in": sorted(CLAIMABLE)}, **due},
+            [
                 {
                     "$set": {
-                        "status": RunStatus.RUNNING,
-                        "lockedBy": worker_id,
-                        "leaseToken": token,
+                        "claimedFrom": "$status",
+                        "claimVersion": {"$add": ["$version", 1]},
+                        "version": {"$add": ["$version", 1]},
+                        "attempt": {"$add": ["$attempt", 1]},
+                        "status": {"$literal": RunStatus.RUNNING.value},
+                        "lockedBy": {"$literal": worker_id},
+                        "leaseToken": {"$literal": token},
                         "lockedUntil": now + timedelta(seconds=lease_seconds),
                         "heartbeatAt": now,
                         "updateAt": now,
-                    },
-                    # $min on a missing field sets it: the first claim's time is kept.
-                    "$min": {"startedAt": now},
-                    "$inc": {"attempt": 1, "version": 1},
-                },
-            )
-            if source is RunStatus.QUEUED and result.modified_count == len(oids):
-                break
+                        "startedAt": {"$ifNull": ["$startedAt", now]},
+                    }
+                }
+            ],
+        )
         docs = await self.runs.find(
-            {"_id": {"$in": oids}, "lockedBy": worker_id, "leaseToken": {"$in": [*tokens.values()]}}
+            {"_id": {"$in": oids}, "lockedBy": worker_id, "leaseToken": token}
         ).to_list()
-        source_of = {token: source for source, token in tokens.items()}
         claimed: list[tuple[Run, Lease]] = []
         events: list[Doc] = []
         for doc in docs:
             run = _run(doc)
-            lease = Lease(run.id, worker_id, doc["leaseToken"])
+            lease = Lease(run.id, worker_id, token)
             claimed.append((run, lease))
-            meta = {"transition": "claim", "attempt": run.attempt, "lease": lease.token[:8]}
+            meta = {"transition": "claim", "attempt": run.attempt, "lease": token[:8]}
             events.append(
                 _event(
                     run.id,
                     "status_changed",
                     lease.actor,
                     doc,
-                    doc["version"],
-                    from_=source_of[lease.token],
+                    doc["claimVersion"],
+                    from_=RunStatus(doc["claimedFrom"]),
                     to=RunStatus.RUNNING,
                     now=now,
                     metadata=meta,
@@ -538,7 +540,8 @@ class MongoStore:
         }
         until = now + timedelta(seconds=lease_seconds)
         await self.runs.update_many(
-            held_filter, {"$set": {"lockedUntil": until, "heartbeatAt": now}}
+            held_filter,
+            {"$set": {"lockedUntil": until, "heartbeatAt": now}, "$inc": {"version": 1}},
         )
         docs = await self.runs.find(held_filter, {"status": 1}).to_list()
         held = {str(d["_id"]) for d in docs}
@@ -803,6 +806,10 @@ class MongoStore:
             ]
         )
         return None
+
+    async def lease_lost(self, lease: Lease, what: str) -> Lost:
+        """Record why `lease` no longer holds its run (for a loss the worker found itself)."""
+        return await self._lost(lease.run_id, lease, what)
 
     async def _lost(self, run_id: str, lease: Lease | None, what: str) -> Lost:
         """Say why a write matched nothing; a superseded lease is put on the record."""

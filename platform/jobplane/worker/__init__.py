@@ -10,6 +10,7 @@ from jobplane.worker.context import (
     FatalError,
     RetryableError,
     StepContext,
+    StepInterrupted,
     StepTimeout,
 )
 from jobplane.worker.handlers import handler, load_modules, registry
@@ -20,6 +21,7 @@ __all__ = [
     "FatalError",
     "RetryableError",
     "StepContext",
+    "StepInterrupted",
     "StepTimeout",
     "Worker",
     "handler",

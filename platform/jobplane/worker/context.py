@@ -27,6 +27,10 @@ class FatalError(StepError):
     code = "fatal"
 
 
+class StepInterrupted(Exception):
+    """Raised by `checkpoint()` in a step the worker stopped; the handler should just return."""
+
+
 class StepTimeout(StepError):
     """The step ran past its `timeoutSeconds`; retryable, like any transient failure."""
 
@@ -83,15 +87,25 @@ class StepContext:
         self._writer: asyncio.Task[None] | None = None
         self._writing = False
         self._closed = False
+        self._interrupted = False
         self._background: set[asyncio.Task[None]] = set()
 
     @property
     def cancelled(self) -> bool:
-        return self._cancel.is_set() and self.step.cancelable
+        return self._interrupted or (self._cancel.is_set() and self.step.cancelable)
 
     def checkpoint(self) -> None:
+        if self._interrupted:
+            raise StepInterrupted(self.run.id)
         if self.cancelled:
             raise CancelRequested(self.run.id)
+
+    def interrupt(self) -> None:
+        """The worker stopped this step (timeout, lost lease, shutdown).
+
+        An async handler was cancelled already; a sync one learns it at its next checkpoint.
+        """
+        self._interrupted = True
 
     def progress(self, percentage: float, message: str | None = None) -> None:
         self._loop.call_soon_threadsafe(
@@ -149,4 +163,9 @@ class StepContext:
     def _spawn(self, coro: Coroutine[Any, Any, None]) -> None:
         task: asyncio.Task[None] = self._loop.create_task(coro)
         self._background.add(task)
-        task.add_done_callback(self._background.discard)
+        task.add_done_callback(self._done)
+
+    def _done(self, task: asyncio.Task[None]) -> None:
+        self._background.discard(task)
+        if not task.cancelled() and task.exception() is not None:
+            self.log.warning("heartbeat from the handler failed: %s", task.exception())

@@ -2,16 +2,19 @@
 
 One claim loop fills free slots (a batch per Redis call), one heartbeat loop renews every
 lease this worker holds, and one listener turns Redis cancel signals into flags. A run whose
-lease is lost has its task cancelled at once and writes nothing more.
+lease is lost has its handler interrupted at once and writes nothing more.
 """
 
 import asyncio
 import contextlib
+import contextvars
 import inspect
 import logging
 import os
 import socket
+import time
 import traceback
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any, Literal
@@ -50,6 +53,9 @@ class _Held:
     # so a transition and its events are never cut in half.
     handler: asyncio.Future[Any] | None = None
     stop: Literal["lost", "shutdown"] | None = None
+    # When MongoDB last confirmed the lease (monotonic seconds); past the lease length the
+    # worker assumes the reaper may have given the run away and stops its handler itself.
+    renewed: float = field(default_factory=time.monotonic)
 
     def interrupt(self, reason: Literal["lost", "shutdown"]) -> None:
         self.stop = reason
@@ -84,6 +90,8 @@ class Worker:
         self.held: dict[str, _Held] = {}
         self._templates: dict[tuple[str, int], Template] = {}
         self._slot_free = asyncio.Event()
+        # Sync handlers get a thread each, up to the concurrency: none waits for a free thread.
+        self._threads = ThreadPoolExecutor(settings.worker_concurrency, "jobplane-step")
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -110,6 +118,7 @@ class Worker:
             for task in loops:
                 task.cancel()
             await asyncio.gather(*loops, return_exceptions=True)
+            self._threads.shutdown(wait=False)
         log.info("worker %s stopped", self.id)
 
     def _tasks(self) -> list[asyncio.Task[None]]:
@@ -158,6 +167,8 @@ class Worker:
             log.warning("could not mirror %d leases in Redis", len(owners))
         for run, lease in claimed:
             held = _Held(run, lease)
+            if run.status == RunStatus.CANCEL_REQUESTED:  # asked between the claim and its read
+                held.cancel.set()
             self.held[run.id] = held
             held.task = asyncio.create_task(self._execute(held))
         return [run for run, _ in claimed]
@@ -173,7 +184,10 @@ class Worker:
                 self._check(ack)
         except _Stopped as stopped:
             if stopped.reason == "shutdown":
-                await self._release(held)
+                try:
+                    await self._release(held)
+                except Exception:
+                    log.exception("run %s: release failed; its lease will expire", held.run.id)
             else:
                 log.warning("run %s: lease lost, stopped without writing", held.run.id)
         except Exception:
@@ -196,6 +210,11 @@ class Worker:
         """Run the steps from the first one not yet done; raises `CancelRequested` to stop."""
         run, lease = held.run, held.lease
         template = await self._template(run)
+        if template is None:
+            missing = f"template {run.template_type} v{run.template_version} not found"
+            error = RunError(code="fatal", message=missing, attempt=run.attempt)
+            self._check(await self.store.fail(lease, 0, error))
+            return
         steps = template.steps
         # Resume, don't restart: steps that succeeded in an earlier attempt keep their outputs.
         done = {s.id for s in run.progress.steps if s.status == StepStatus.SUCCEEDED}
@@ -228,11 +247,18 @@ class Worker:
                 return
             outputs[step.id] = output
             if index + 1 == len(steps):
-                self._check(await self.store.complete(lease, index, step.id, output, output))
+                moved = await self.store.complete(lease, index, step.id, output, output)
+                if isinstance(moved, Lost) and moved.status == RunStatus.CANCEL_REQUESTED:
+                    # The step ran to its end (it may be non-cancelable): keep its output,
+                    # then acknowledge the cancel, which the table requires over success.
+                    self._check(await self.store.finish_step(lease, index, step.id, output, 100))
+                    raise CancelRequested(run.id, interrupted=False)
+                self._check(moved)
                 return
-            # The next step's start goes in the same write, unless an external worker takes it.
+            # The next step's start goes in the same write, unless an external worker takes it
+            # or a cancel is already known (then it would be marked started and never run).
             nxt = steps[index + 1]
-            started = nxt.worker_type == "inline"
+            started = nxt.worker_type == "inline" and not held.cancel.is_set()
             percentage = 100 * (index + 1) / len(steps)
             self._check(
                 await self.store.finish_step(
@@ -268,21 +294,31 @@ class Worker:
         ctx = StepContext(held.run, template, index, outputs, held.cancel, write_progress, renew)
         succeeded = False
         if inspect.iscoroutinefunction(handler):
-            held.handler = asyncio.ensure_future(handler(ctx))
+            work: asyncio.Future[Any] = asyncio.ensure_future(handler(ctx))
+            held.handler = work
         else:
-            held.handler = asyncio.ensure_future(asyncio.to_thread(handler, ctx))
+            call = contextvars.copy_context().run
+            work = asyncio.wrap_future(self._threads.submit(call, handler, ctx))
+            # A thread cannot be cancelled: interrupting cancels this shield, not the thread.
+            held.handler = asyncio.shield(work)
         try:
             async with asyncio.timeout(step.timeout_seconds):
                 output = await held.handler
             succeeded = True
             return output
-        except asyncio.CancelledError:
+        except (asyncio.CancelledError, TimeoutError) as exc:
+            ctx.interrupt()
+            if work is not held.handler:
+                # Keep the lease until the thread returns (its checkpoint() now raises), so
+                # a retry or a release never runs the step twice at once.
+                await asyncio.wait([work])
+            if isinstance(exc, TimeoutError):
+                message = f"step {step.id!r} exceeded {step.timeout_seconds}s"
+                raise StepTimeout(message) from exc
             current = asyncio.current_task()
             if held.stop is not None and not (current and current.cancelling()):
                 raise _Stopped(held.stop) from None
             raise
-        except TimeoutError as exc:
-            raise StepTimeout(f"step {step.id!r} exceeded {step.timeout_seconds}s") from exc
         finally:
             held.handler = None
             await ctx.close(write_latest=not succeeded and held.stop is None)
@@ -320,12 +356,12 @@ class Worker:
         except Exception:
             log.warning("run %s: Redis push failed; the reconciler will queue it", run.id)
 
-    async def _template(self, run: Run) -> Template:
+    async def _template(self, run: Run) -> Template | None:
         key = (run.template_type, run.template_version)
         if key not in self._templates:
             template = await self.store.get_template(*key)
             if template is None:
-                raise FatalError(f"template {key[0]} v{key[1]} not found")
+                return None
             # Versions are immutable, so a cached one never goes stale.
             self._templates[key] = template
         return self._templates[key]
@@ -342,14 +378,24 @@ class Worker:
                 )
             except Exception:
                 log.exception("heartbeat failed; retrying at the next beat")
+            # Unrenewed past the lease length (MongoDB unreachable, the process stalled): the
+            # reaper may have given the run to another worker, so stop working on it.
+            deadline = time.monotonic() - self.settings.lease_seconds
+            for held in list(self.held.values()):
+                if held.renewed < deadline and held.handler is not None:
+                    log.warning("run %s: lease not renewed in time; stopping", held.run.id)
+                    held.interrupt("lost")
 
     async def _renew(self, helds: list[_Held]) -> None:
         """Renew leases in MongoDB (the truth) and mirror them in Redis."""
         if not helds:
             return
         ttl = self.settings.lease_seconds
+        asked = time.monotonic()
         kept, cancel = await self.store.heartbeat(self.id, [h.lease for h in helds], ttl)
         for held in helds:
+            if held.run.id in kept:
+                held.renewed = asked
             if held.run.id not in kept:
                 # Not renewed means lost only while a handler runs: then no write of the worker's
                 # own can have ended the lease. Outside a handler the run may have just finished,
@@ -357,14 +403,16 @@ class Worker:
                 if held.handler is not None:
                     log.warning("run %s: lease lost; stopping its handler", held.run.id)
                     held.interrupt("lost")
+                    await self.store.lease_lost(held.lease, "heartbeat")
             elif held.run.id in cancel:
                 held.cancel.set()
         owners = {h.run.id: h.lease.owner for h in helds if h.run.id in kept}
         refreshed = await self.queue.refresh_runs(owners, ttl)
-        # A lock missing in Redis (flushed, failed over) is restored from MongoDB's word.
+        # A lock missing in Redis (flushed, failed over) is restored from MongoDB's word; a lock
+        # another owner holds is left alone (only its owner may change it).
         missing = {run_id: owners[run_id] for run_id, ok in refreshed.items() if not ok}
         if missing:
-            await self.queue.lock_runs(missing, ttl)
+            await self.queue.lock_runs(missing, ttl, only_if_free=True)
 
     async def _cancel_listener(self) -> None:
         while True:
