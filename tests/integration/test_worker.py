@@ -8,7 +8,7 @@ import pytest
 from bson import ObjectId
 
 from jobplane.backends import Backends
-from jobplane.model import RunStatus, StepStatus
+from jobplane.model import Run, RunStatus, StepStatus
 from jobplane.runs import RunRequest, RunService
 from jobplane.settings import Settings
 from jobplane.store import Lost
@@ -23,10 +23,16 @@ SLEEPY = [
 
 
 async def wait_status(backends: Backends, run_id: str, status: RunStatus) -> None:
+    """Until the run is in `status` and, if running, its current step shows as running."""
     async with asyncio.timeout(20):
         # Polling: the test watches MongoDB from outside, as a user would.
-        while (run := await backends.store.get_run(run_id)) is None or run.status != status:  # noqa: ASYNC110
+        while not (run := await backends.store.get_run(run_id)) or not in_status(run, status):  # noqa: ASYNC110
             await asyncio.sleep(0.02)
+
+
+def in_status(run: Run, status: RunStatus) -> bool:
+    stepping = any(s.status == StepStatus.RUNNING for s in run.progress.steps)
+    return run.status == status and (status != RunStatus.RUNNING or stepping)
 
 
 async def test_cancel_mid_step_stops_at_the_next_checkpoint(

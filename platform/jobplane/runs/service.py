@@ -11,7 +11,7 @@ from redis.exceptions import RedisError
 from jobplane.errors import NotFound, TemplateDisabled, ValidationFailed
 from jobplane.model import Run, Template
 from jobplane.queue.redis import QueueEntry, RedisQueue
-from jobplane.store import Lost, MongoStore, NewRun
+from jobplane.store import Known, Lost, MongoStore, NewRun
 
 log = logging.getLogger("jobplane.runs")
 
@@ -75,7 +75,8 @@ class RunService:
             log.warning("run %s stays pending, Redis push failed: %s", run.id, exc)
             return False
         # A worker may already have claimed it (pending is claimable); then this move is lost.
-        return not isinstance(await self.store.enqueue(run.id, actor), Lost)
+        known = Known(run.status, run.version, run.scope, run.scope_id)
+        return not isinstance(await self.store.enqueue(run.id, actor, known), Lost)
 
     async def get(self, run_id: str) -> Run:
         run = await self.store.get_run(run_id)

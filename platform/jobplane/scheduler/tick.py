@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import logging
 import os
+from datetime import timedelta
 
 from jobplane.clock import Clock, SystemClock
 from jobplane.model import RunStatus
@@ -75,8 +76,10 @@ class Scheduler:
         """Queue pending runs and re-push queued runs that Redis lost."""
         pushed = 0
         after: str | None = None
+        # A run created within the last tick is most likely still on its way into Redis.
+        idle_since = self.clock.now() - timedelta(seconds=self.settings.reconcile_seconds)
         while True:
-            runs = await self.store.claimable(after, self.settings.reap_batch)
+            runs = await self.store.claimable(after, self.settings.reap_batch, idle_since)
             if not runs:
                 return pushed
             after = runs[-1].id

@@ -2,6 +2,7 @@
 
 from jobplane.store.mongo import (
     DuplicateRun,
+    Known,
     Lease,
     Lost,
     MongoStore,
@@ -9,4 +10,4 @@ from jobplane.store.mongo import (
     NewRun,
 )
 
-__all__ = ["DuplicateRun", "Lease", "Lost", "MongoStore", "Moved", "NewRun"]
+__all__ = ["DuplicateRun", "Known", "Lease", "Lost", "MongoStore", "Moved", "NewRun"]

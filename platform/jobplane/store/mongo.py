@@ -55,13 +55,30 @@ _RUNNING_STEP = {"r.status": StepStatus.RUNNING}
 _UNDONE_STEP = {"p.status": {"$in": [StepStatus.PENDING, StepStatus.FAILED]}}
 
 
-@dataclass(frozen=True)
+@dataclass
+class Known:
+    """What a writer knows of a run from its own last write.
+
+    With it, the next write can be a plain conditional update on that status and version (no
+    read, no retryable-write image): if it matches, the writer knew the run's state exactly.
+    If another writer got in between, the write falls back to `find_one_and_update`.
+    """
+
+    status: RunStatus
+    version: int
+    scope: str
+    scope_id: str
+
+
+@dataclass
 class Lease:
     """Proof of ownership that every worker write carries."""
 
     run_id: str
     worker_id: str
     token: str
+    # Kept up to date by the store after each write made with this lease.
+    known: Known | None = field(default=None, compare=False, repr=False)
 
     @property
     def actor(self) -> str:
@@ -236,9 +253,6 @@ class MongoStore:
             [
                 IndexModel([("jobId", ASCENDING), ("runVersion", ASCENDING), ("_id", ASCENDING)]),
                 IndexModel([("scope", ASCENDING), ("scopeId", ASCENDING), ("createAt", ASCENDING)]),
-                IndexModel([("type", ASCENDING), ("createAt", ASCENDING)]),
-                IndexModel([("actor", ASCENDING), ("createAt", ASCENDING)]),
-                IndexModel([("createAt", ASCENDING)]),
             ]
         )
 
@@ -348,9 +362,10 @@ class MongoStore:
         cursor = self.events.find({"jobId": run_id}).sort(order)
         return [_event_model(d) async for d in cursor]
 
-    async def claimable(self, after: str | None, limit: int) -> list[Run]:
-        """Pending and queued runs in id order, for the reconciler to check against Redis."""
-        query: Doc = {"status": {"$in": sorted(CLAIMABLE)}}
+    async def claimable(self, after: str | None, limit: int, idle_since: datetime) -> list[Run]:
+        """Pending and queued runs untouched since `idle_since`, in id order, for the reconciler
+        to check against Redis (younger ones are most likely being created right now)."""
+        query: Doc = {"status": {"$in": sorted(CLAIMABLE)}, "updateAt": {"$lt": idle_since}}
         if after:
             query["_id"] = {"$gt": ObjectId(after)}
         cursor = self.runs.find(query).sort("_id", 1).limit(limit)
@@ -358,8 +373,9 @@ class MongoStore:
 
     # -- transitions without a lease -----------------------------------------------------------
 
-    async def enqueue(self, run_id: str, actor: str) -> Moved | Lost:
-        return await self._transition("enqueue", run_id, actor)
+    async def enqueue(self, run_id: str, actor: str, expect: Known | None = None) -> Moved | Lost:
+        """pending → queued, once the run is in Redis; `expect` lets the creator skip a read."""
+        return await self._transition("enqueue", run_id, actor, expect=expect)
 
     async def cancel(self, run_id: str, actor: str, reason: str | None) -> Moved | Lost:
         """A run no worker holds yet ends at once; its pending steps are skipped."""
@@ -436,7 +452,8 @@ class MongoStore:
         events: list[Doc] = []
         for doc in docs:
             run = _run(doc)
-            lease = Lease(run.id, worker_id, token)
+            known = Known(run.status, run.version, run.scope, run.scope_id)
+            lease = Lease(run.id, worker_id, token, known)
             claimed.append((run, lease))
             meta = {"transition": "claim", "attempt": run.attempt, "lease": token[:8]}
             events.append(
@@ -548,15 +565,15 @@ class MongoStore:
         cancel = {str(d["_id"]) for d in docs if d["status"] == RunStatus.CANCEL_REQUESTED}
         return held, cancel
 
-    async def start_step(self, lease: Lease, index: int, step_id: str) -> Lost | None:
+    async def start_step(
+        self, lease: Lease, index: int, step_id: str, at: datetime | None = None
+    ) -> Lost | None:
+        """Mark a step running. Workers write this only for steps that are not over at once."""
         now = self.clock.now()
-        return await self._fenced_write(
-            lease,
-            "start_step",
-            {"$set": {"phase": step_id, **_step_started(index, now)}},
-            [("step_started", step_id, {"step": step_id})],
-            now,
-        )
+        started, events = _unwritten_start(index, step_id, at or now)
+        s = f"progress.steps.{index}"
+        update = {**started, f"{s}.status": StepStatus.RUNNING, f"{s}.percentage": 0}
+        return await self._fenced_write(lease, "start_step", {"$set": update}, events, now)
 
     async def finish_step(
         self,
@@ -565,15 +582,16 @@ class MongoStore:
         step_id: str,
         output: Any,
         percentage: float,
-        next_step: tuple[int, str] | None = None,
+        started_at: datetime | None = None,
     ) -> Lost | None:
-        """Record a step's success and, in the same write, the start of the next one."""
+        """Record a step's success (and its start, when that was not written yet)."""
         now = self.clock.now()
-        update = {**_step_succeeded(index, step_id, output, now), "progress.percentage": percentage}
-        events: list[tuple[str, str | None, Doc]] = [("step_finished", step_id, {"step": step_id})]
-        if next_step:
-            update |= {"phase": next_step[1], **_step_started(next_step[0], now)}
-            events.append(("step_started", next_step[1], {"step": next_step[1]}))
+        update, events = _unwritten_start(index, step_id, started_at)
+        update |= {
+            **_step_succeeded(index, step_id, output, now),
+            "progress.percentage": percentage,
+        }
+        events.append(("step_finished", None, {"step": step_id}))
         return await self._fenced_write(lease, "finish_step", {"$set": update}, events, now)
 
     async def report_progress(
@@ -594,55 +612,79 @@ class MongoStore:
         return await self._fenced_write(lease, "progress", write, [], self.clock.now())
 
     async def complete(
-        self, lease: Lease, index: int, step_id: str, output: Any, result: Any
+        self,
+        lease: Lease,
+        index: int,
+        step_id: str,
+        output: Any,
+        result: Any,
+        started_at: datetime | None = None,
     ) -> Moved | Lost:
         now = self.clock.now()
+        started, before = _unwritten_start(index, step_id, started_at)
+        before.append(("step_finished", None, {"step": step_id}))
         return await self._transition(
             "complete",
             lease.run_id,
             lease.actor,
             lease=lease,
             set_={
+                **started,
                 **_step_succeeded(index, step_id, output, now),
                 "result": result,
                 "completedAt": now,
                 "progress.percentage": 100,
             },
             unset=["leaseToken", "lockedUntil", "dedupeKey"],
-            before=[("step_finished", None, {"step": step_id})],
+            before=before,
         )
 
-    async def fail(self, lease: Lease, index: int, error: RunError) -> Moved | Lost:
+    async def fail(
+        self, lease: Lease, index: int, error: RunError, started_at: datetime | None = None
+    ) -> Moved | Lost:
         """End the run `failed`: retries exhausted or a non-retryable error (a dead letter)."""
         now = self.clock.now()
+        started, before = _step_ended_badly(index, error, started_at)
         return await self._transition(
             "fail",
             lease.run_id,
             lease.actor,
             lease=lease,
-            set_={**_step_failed(index, error, now), "error": _error(error), "completedAt": now},
+            set_={
+                **started,
+                **_step_failed(index, error, now),
+                "error": _error(error),
+                "completedAt": now,
+            },
             unset=["leaseToken", "lockedUntil", "dedupeKey"],
-            before=[("step_finished", error.message, {"step": error.step, "status": "failed"})],
+            before=before,
             message=error.message,
         )
 
     async def retry(
-        self, lease: Lease, index: int, error: RunError, not_before: datetime
+        self,
+        lease: Lease,
+        index: int,
+        error: RunError,
+        not_before: datetime,
+        started_at: datetime | None = None,
     ) -> Moved | Lost:
         """Queue the run again after a retryable failure; it resumes at the failed step."""
         now = self.clock.now()
+        started, before = _step_ended_badly(index, error, started_at)
         return await self._transition(
             "retry",
             lease.run_id,
             lease.actor,
             lease=lease,
             set_={
+                **started,
                 **_step_failed(index, error, now),
                 "error": _error(error),
                 "notBefore": not_before,
             },
             unset=list(_LEASE_FIELDS),
-            before=[("step_finished", error.message, {"step": error.step, "status": "failed"})],
+            before=before,
             message=error.message,
             also=[("retry_scheduled", None, {"notBefore": not_before.isoformat()})],
         )
@@ -688,7 +730,11 @@ class MongoStore:
             lease.run_id,
             lease.actor,
             lease=lease,
-            set_={"phase": step_id, **_step_started(index, now)},
+            set_={
+                "phase": step_id,
+                f"progress.steps.{index}.status": StepStatus.RUNNING,
+                f"progress.steps.{index}.startedAt": now,
+            },
         )
 
     async def resume(self, lease: Lease) -> Moved | Lost:
@@ -704,6 +750,7 @@ class MongoStore:
         actor: str,
         *,
         lease: Lease | None = None,
+        expect: Known | None = None,
         extra: Mapping[str, Any] | None = None,
         set_: Mapping[str, Any] | None = None,
         unset: Sequence[str] = (),
@@ -733,17 +780,14 @@ class MongoStore:
         }
         if unset:
             update["$unset"] = dict.fromkeys(unset, "")
-        doc = await self.runs.find_one_and_update(
-            query,
-            update,
-            projection=_EVENT_FIELDS,
-            return_document=ReturnDocument.BEFORE,
-            array_filters=array_filters,
-        )
+        known = lease.known if lease else expect
+        doc = await self._write(query, update, known, t.sources, array_filters)
         if doc is None:
             return await self._lost(run_id, lease, name)
         from_ = RunStatus(doc["status"])
         version = doc["version"] + 1
+        if lease is not None:
+            lease.known = Known(t.target, version, doc["scope"], doc["scopeId"])
         meta = {"transition": name}
         events = [
             _event(run_id, kind, actor, doc, version, message=m, metadata=md, now=now)
@@ -787,9 +831,11 @@ class MongoStore:
         }
         update["$set"]["updateAt"] = now
         update["$inc"] = {"version": 1}
-        doc = await self.runs.find_one_and_update(query, update, projection=_EVENT_FIELDS)
+        doc = await self._write(query, update, lease.known, LEASED, None)
         if doc is None:
             return await self._lost(lease.run_id, lease, what)
+        status = RunStatus(doc["status"])
+        lease.known = Known(status, doc["version"] + 1, doc["scope"], doc["scopeId"])
         await self._events.write(
             [
                 _event(
@@ -806,6 +852,33 @@ class MongoStore:
             ]
         )
         return None
+
+    async def _write(
+        self,
+        query: Doc,
+        update: Doc,
+        known: Known | None,
+        allowed: frozenset[RunStatus],
+        array_filters: list[Doc] | None,
+    ) -> Doc | None:
+        """One conditional write; returns the run's fields before it, or None if none matched."""
+        if known is not None and known.status in allowed:
+            exact = {**query, "status": known.status, "version": known.version}
+            result = await self.runs.update_one(exact, update, array_filters=array_filters)
+            if result.matched_count:
+                return {
+                    "status": known.status,
+                    "version": known.version,
+                    "scope": known.scope,
+                    "scopeId": known.scope_id,
+                }
+        return await self.runs.find_one_and_update(
+            query,
+            update,
+            projection=_EVENT_FIELDS,
+            return_document=ReturnDocument.BEFORE,
+            array_filters=array_filters,
+        )
 
     async def lease_lost(self, lease: Lease, what: str) -> Lost:
         """Record why `lease` no longer holds its run (for a loss the worker found itself)."""
@@ -901,9 +974,22 @@ def _error(error: RunError) -> Doc:
     return error.model_dump(by_alias=True)
 
 
-def _step_started(index: int, now: datetime) -> Doc:
-    s = f"progress.steps.{index}"
-    return {f"{s}.status": StepStatus.RUNNING, f"{s}.startedAt": now, f"{s}.percentage": 0}
+def _unwritten_start(
+    index: int, step_id: str, started_at: datetime | None
+) -> tuple[Doc, list[tuple[str, str | None, Doc]]]:
+    """The fields and event of a step's start, to go along with the write that ends it."""
+    if started_at is None:
+        return {}, []
+    fields = {"phase": step_id, f"progress.steps.{index}.startedAt": started_at}
+    return fields, [("step_started", None, {"step": step_id})]
+
+
+def _step_ended_badly(
+    index: int, error: RunError, started_at: datetime | None
+) -> tuple[Doc, list[tuple[str, str | None, Doc]]]:
+    fields, events = _unwritten_start(index, error.step or "", started_at)
+    events.append(("step_finished", error.message, {"step": error.step, "status": "failed"}))
+    return fields, events
 
 
 def _step_succeeded(index: int, step_id: str, output: Any, now: datetime) -> Doc:

@@ -16,7 +16,7 @@ import time
 import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any, Literal
 
 from jobplane.clock import Clock, SystemClock
@@ -36,6 +36,10 @@ from jobplane.worker.handlers import HandlerRegistry, registry
 
 log = logging.getLogger("jobplane.worker")
 
+# A step still running after this long gets its start written on its own; a quicker one has
+# its start written together with its end, saving a MongoDB write per step.
+START_WRITE_AFTER = 0.05
+
 
 def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
@@ -53,6 +57,8 @@ class _Held:
     # so a transition and its events are never cut in half.
     handler: asyncio.Future[Any] | None = None
     stop: Literal["lost", "shutdown"] | None = None
+    # When the current step began, while its start is not yet written (see START_WRITE_AFTER).
+    unwritten_start: datetime | None = None
     # When MongoDB last confirmed the lease (monotonic seconds); past the lease length the
     # worker assumes the reaper may have given the run away and stops its handler itself.
     renewed: float = field(default_factory=time.monotonic)
@@ -225,7 +231,6 @@ class Worker:
             output = outputs.get(last)
             self._check(await self.store.complete(lease, first - 1, last, output, output))
             return
-        started = False
         for index in range(first, len(steps)):
             step = steps[index]
             if held.stop is not None:
@@ -236,8 +241,6 @@ class Worker:
                 # The run waits for an external worker's callback; this worker lets go of it.
                 self._check(await self.store.wait_worker(lease, index, step.id))
                 return
-            if not started:
-                self._check(await self.store.start_step(lease, index, step.id))
             try:
                 output = await self._call(held, template, index, outputs)
             except (CancelRequested, _Stopped):
@@ -246,41 +249,45 @@ class Worker:
                 await self._failed(held, template, index, exc)
                 return
             outputs[step.id] = output
-            if index + 1 == len(steps):
-                moved = await self.store.complete(lease, index, step.id, output, output)
-                if isinstance(moved, Lost) and moved.status == RunStatus.CANCEL_REQUESTED:
-                    # The step ran to its end (it may be non-cancelable): keep its output,
-                    # then acknowledge the cancel, which the table requires over success.
-                    self._check(await self.store.finish_step(lease, index, step.id, output, 100))
-                    raise CancelRequested(run.id, interrupted=False)
-                self._check(moved)
-                return
-            # The next step's start goes in the same write, unless an external worker takes it
-            # or a cancel is already known (then it would be marked started and never run).
-            nxt = steps[index + 1]
-            started = nxt.worker_type == "inline" and not held.cancel.is_set()
-            percentage = 100 * (index + 1) / len(steps)
-            self._check(
-                await self.store.finish_step(
-                    lease,
-                    index,
-                    step.id,
-                    output,
-                    percentage,
-                    (index + 1, nxt.id) if started else None,
+            began = held.unwritten_start
+            if index + 1 < len(steps):
+                percentage = 100 * (index + 1) / len(steps)
+                self._check(
+                    await self.store.finish_step(lease, index, step.id, output, percentage, began)
                 )
-            )
+                continue
+            moved = await self.store.complete(lease, index, step.id, output, output, began)
+            if isinstance(moved, Lost) and moved.status == RunStatus.CANCEL_REQUESTED:
+                # The step ran to its end (it may be non-cancelable): keep its output, then
+                # acknowledge the cancel, which the table requires over success.
+                self._check(await self.store.finish_step(lease, index, step.id, output, 100, began))
+                raise CancelRequested(run.id, interrupted=False)
+            self._check(moved)
 
     async def _call(
         self, held: _Held, template: Template, index: int, outputs: dict[str, Any]
     ) -> Any:
         step = template.steps[index]
+        began = held.unwritten_start = self.clock.now()
         handler = self.handlers.resolve(step.handler)
         if handler is None:
             raise FatalError(f"unknown handler {step.handler!r} for step {step.id!r}")
         n = len(template.steps)
+        start: asyncio.Future[Lost | None] | None = None
+
+        def started() -> asyncio.Future[Lost | None]:
+            # One start write per step, shared: every later write of the step waits for it.
+            nonlocal start
+            if start is None:
+                start = asyncio.ensure_future(
+                    self.store.start_step(held.lease, index, step.id, began)
+                )
+            return start
 
         async def write_progress(percentage: float, message: str | None) -> None:
+            if isinstance(await started(), Lost):
+                held.interrupt("lost")
+                return
             overall = 100 * (index + percentage / 100) / n
             outcome = await self.store.report_progress(
                 held.lease, index, percentage, overall, message
@@ -303,6 +310,10 @@ class Worker:
             held.handler = asyncio.shield(work)
         try:
             async with asyncio.timeout(step.timeout_seconds):
+                # A step over at once has its start written with its end: one write, not two.
+                await asyncio.wait([held.handler], timeout=START_WRITE_AFTER)
+                if not held.handler.done():
+                    self._check(await started())
                 output = await held.handler
             succeeded = True
             return output
@@ -322,6 +333,13 @@ class Worker:
         finally:
             held.handler = None
             await ctx.close(write_latest=not succeeded and held.stop is None)
+            if start is not None:
+                await asyncio.wait([start])
+                if not start.cancelled() and start.exception() is not None:
+                    log.warning(
+                        "run %s: step start not written: %s", held.run.id, start.exception()
+                    )
+            held.unwritten_start = None if start is not None else began
 
     async def _failed(self, held: _Held, template: Template, index: int, exc: Exception) -> None:
         run, lease = held.run, held.lease
@@ -330,12 +348,13 @@ class Worker:
         error = RunError(
             code=code, message=summary, step=template.steps[index].id, attempt=run.attempt
         )
+        began = held.unwritten_start
         if isinstance(exc, FatalError) or run.attempt >= run.max_attempts:
-            self._check(await self.store.fail(lease, index, error))
+            self._check(await self.store.fail(lease, index, error, began))
             return
         delay = backoff_seconds(template.retry_policy, run.attempt)
         not_before = self.clock.now() + timedelta(seconds=delay)
-        self._check(await self.store.retry(lease, index, error, not_before))
+        self._check(await self.store.retry(lease, index, error, not_before, began))
         await self._push(run.model_copy(update={"not_before": not_before}))
 
     def _check(self, outcome: object) -> None:
