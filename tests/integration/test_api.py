@@ -170,3 +170,17 @@ async def test_openapi_lists_routes_and_error_shape(api: httpx.AsyncClient) -> N
     assert {"/v1/runs", "/v1/runs/{run_id}", "/v1/templates", "/healthz"} <= set(doc["paths"])
     responses = doc["paths"]["/v1/runs"]["post"]["responses"]
     assert {"201", "404", "409", "422"} <= set(responses)
+
+
+async def test_an_idempotency_key_returns_the_first_run(
+    api: httpx.AsyncClient, backends: Backends
+) -> None:
+    await api.post("/v1/templates", content=DEMO_YAML, headers={"content-type": "application/yaml"})
+    body = {"templateType": "demo_long_task", "scope": "user", "scopeId": "u1"}
+    first = await api.post("/v1/runs", json={**body, "idempotencyKey": "order-42"})
+    again = await api.post("/v1/runs", json={**body, "idempotencyKey": "order-42"})
+    assert (first.status_code, again.status_code) == (201, 200)
+    assert again.json()["id"] == first.json()["id"]
+    other = await api.post("/v1/runs", json={**body, "scopeId": "u2", "idempotencyKey": "order-42"})
+    assert other.status_code == 201 and other.json()["id"] != first.json()["id"]
+    assert await backends.store.runs.count_documents({}) == 2

@@ -27,7 +27,7 @@ async def test_four_worker_processes_claim_each_run_exactly_once(
 
     async def create() -> str:
         async with gate:
-            return (await service.create(request, "user:test")).id
+            return (await service.create(request, "user:test"))[0].id
 
     ids = await asyncio.gather(*(create() for _ in range(RUNS)))
     workers = [

@@ -17,7 +17,7 @@ async def test_zombie_writes_are_rejected_and_recorded(
     store = MongoStore(backends.store.client, backends.store.db.name, clock=clock)
     steps = [{"id": "a", "handler": "builtin.noop"}, {"id": "b", "handler": "h"}]
     await register(steps=steps, retryPolicy={"maxAttempts": 3})
-    run = await RunService(store, backends.queue).create(
+    run, _ = await RunService(store, backends.queue).create(
         RunRequest("t_noop", "user", "u1"), "user:a"
     )
     [(_, zombie)] = await store.claim([run.id], "zombie", lease_seconds=5)

@@ -18,7 +18,7 @@ async def test_demo_long_task_runs_to_success(backends: Backends, settings: Sett
     await store.register_template(load_file(TEMPLATES / "demo_long_task.yaml"))
     service = RunService(store, backends.queue)
     payload = {"target": "t", "sleepSeconds": 0.5}
-    run = await service.create(RunRequest("demo_long_task", "user", "u1", payload), "user:alice")
+    run, _ = await service.create(RunRequest("demo_long_task", "user", "u1", payload), "user:alice")
     assert run.status == RunStatus.PENDING and run.template_version == 1
 
     progress_seen: list[float] = []
@@ -67,7 +67,7 @@ async def test_retryable_failure_resumes_at_the_failed_step(
     policy = {"maxAttempts": 3, "backoffSeconds": [0, 0]}
     await register("flaky", steps=steps, retryPolicy=policy)
     service = RunService(backends.store, backends.queue)
-    run = await service.create(RunRequest("flaky", "user", "u1", {"failTimes": 2}), "user:a")
+    run, _ = await service.create(RunRequest("flaky", "user", "u1", {"failTimes": 2}), "user:a")
     async with running(backends, settings):
         [done] = await settled(backends.store, [run.id])
     assert done.status == RunStatus.SUCCEEDED and done.attempt == 3
@@ -84,9 +84,9 @@ async def test_fatal_error_and_exhausted_attempts_fail(
     await register("failing", steps=[{"id": "f", "handler": "builtin.fail"}], retryPolicy=policy)
     await register("unknown", steps=[{"id": "u", "handler": "nowhere.to_be:found"}])
     service = RunService(backends.store, backends.queue)
-    fatal = await service.create(RunRequest("failing", "user", "u", {"fatal": True}), "user:a")
-    spent = await service.create(RunRequest("failing", "user", "u", {"failTimes": 5}), "user:a")
-    unknown = await service.create(RunRequest("unknown", "user", "u"), "user:a")
+    fatal, _ = await service.create(RunRequest("failing", "user", "u", {"fatal": True}), "user:a")
+    spent, _ = await service.create(RunRequest("failing", "user", "u", {"failTimes": 5}), "user:a")
+    unknown, _ = await service.create(RunRequest("unknown", "user", "u"), "user:a")
     async with running(backends, settings):
         runs = await settled(backends.store, [fatal.id, spent.id, unknown.id])
     by_id = {r.id: r for r in runs}
@@ -103,9 +103,9 @@ async def test_priority_orders_the_queue(
 ) -> None:
     await register()
     service = RunService(backends.store, backends.queue)
-    low = await service.create(RunRequest("t_noop", "user", "u", priority=-5), "user:a")
-    mid = await service.create(RunRequest("t_noop", "user", "u"), "user:a")
-    high = await service.create(RunRequest("t_noop", "user", "u", priority=5), "user:a")
+    low, _ = await service.create(RunRequest("t_noop", "user", "u", priority=-5), "user:a")
+    mid, _ = await service.create(RunRequest("t_noop", "user", "u"), "user:a")
+    high, _ = await service.create(RunRequest("t_noop", "user", "u", priority=5), "user:a")
     popped = await backends.queue.pop(settings.queues, 10, backends.store.clock.now())
     assert popped.run_ids == [high.id, mid.id, low.id]
 
@@ -115,7 +115,7 @@ async def test_delayed_run_waits_for_not_before(
 ) -> None:
     await register()
     service = RunService(backends.store, backends.queue)
-    run = await service.create(RunRequest("t_noop", "user", "u", delay_seconds=0.6), "user:a")
+    run, _ = await service.create(RunRequest("t_noop", "user", "u", delay_seconds=0.6), "user:a")
     assert run.not_before is not None
     async with running(backends, settings):
         [done] = await settled(backends.store, [run.id])

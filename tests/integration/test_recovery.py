@@ -22,7 +22,7 @@ async def test_a_run_whose_worker_was_sigkilled_is_finished_by_another(
     steps = [{"id": "nap", "handler": "builtin.sleep"}, {"id": "after", "handler": "builtin.echo"}]
     await register(steps=steps, retryPolicy={"maxAttempts": 3, "backoffSeconds": [0]})
     quick = settings.model_copy(update={"lease_seconds": 1.5, "heartbeat_seconds": 0.3})
-    run = await RunService(backends.store, backends.queue).create(
+    run, _ = await RunService(backends.store, backends.queue).create(
         RunRequest("t_noop", "user", "u", {"sleepSeconds": 1.0}), "user:a"
     )
     victim = spawn(quick, "worker", tmp_path / "victim.log")
@@ -51,7 +51,7 @@ async def test_redis_wiped_mid_drain_loses_nothing_and_runs_nothing_twice(
     await register(steps=[{"id": "nap", "handler": "builtin.sleep"}])
     service = RunService(backends.store, backends.queue)
     request = RunRequest("t_noop", "user", "u", {"sleepSeconds": 0.05})
-    ids = [(await service.create(request, "user:a")).id for _ in range(300)]
+    ids = [(await service.create(request, "user:a"))[0].id for _ in range(300)]
     async with running(backends, settings, workers=2, scheduler=True):
         async with asyncio.timeout(30):
             while await backends.store.runs.count_documents({"status": "succeeded"}) < 50:  # noqa: ASYNC110

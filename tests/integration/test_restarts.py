@@ -26,7 +26,8 @@ async def test_runs_created_while_redis_is_down_run_once_it_is_back(
             service = RunService(backends.store, backends.queue)
             redis.stop()
             created = [
-                await service.create(RunRequest("t_noop", "user", "u"), "user:a") for _ in range(20)
+                (await service.create(RunRequest("t_noop", "user", "u"), "user:a"))[0]
+                for _ in range(20)
             ]
             for run in created:
                 stored = await backends.store.get_run(run.id)
@@ -65,7 +66,7 @@ async def test_templates_and_runs_survive_a_mongod_restart(
     try:
         async with open_backends(settings) as backends:
             template, _ = await backends.store.register_template(template_spec())
-            run = await RunService(backends.store, backends.queue).create(
+            run, _ = await RunService(backends.store, backends.queue).create(
                 RunRequest("t_noop", "user", "u", {"k": "v"}), "user:a"
             )
         mongo.stop()

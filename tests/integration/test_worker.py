@@ -40,7 +40,7 @@ async def test_cancel_mid_step_stops_at_the_next_checkpoint(
 ) -> None:
     await register(steps=SLEEPY)
     service = RunService(backends.store, backends.queue)
-    run = await service.create(RunRequest("t_noop", "user", "u", {"sleepSeconds": 30}), "user:a")
+    run, _ = await service.create(RunRequest("t_noop", "user", "u", {"sleepSeconds": 30}), "user:a")
     async with running(backends, settings):
         await wait_status(backends, run.id, RunStatus.RUNNING)
         moved = await backends.store.request_cancel(run.id, "user:a", "no longer needed")
@@ -64,7 +64,9 @@ async def test_a_non_cancelable_step_finishes_before_the_cancel(
     steps = [{**SLEEPY[0], "cancelable": False}, SLEEPY[1]]
     await register(steps=steps)
     service = RunService(backends.store, backends.queue)
-    run = await service.create(RunRequest("t_noop", "user", "u", {"sleepSeconds": 0.8}), "user:a")
+    run, _ = await service.create(
+        RunRequest("t_noop", "user", "u", {"sleepSeconds": 0.8}), "user:a"
+    )
     async with running(backends, settings):
         await wait_status(backends, run.id, RunStatus.RUNNING)
         await backends.store.request_cancel(run.id, "user:a", None)
@@ -80,7 +82,7 @@ async def test_graceful_stop_releases_unfinished_runs_without_an_attempt(
 ) -> None:
     await register(steps=SLEEPY)
     service = RunService(backends.store, backends.queue)
-    run = await service.create(RunRequest("t_noop", "user", "u", {"sleepSeconds": 30}), "user:a")
+    run, _ = await service.create(RunRequest("t_noop", "user", "u", {"sleepSeconds": 30}), "user:a")
     stop = asyncio.Event()
     worker = Worker(backends.store, backends.queue, settings)
     task = asyncio.create_task(worker.run(stop, drain_seconds=0.2))
@@ -128,7 +130,7 @@ async def test_heartbeats_keep_a_step_longer_than_the_lease(
 ) -> None:
     await register(steps=[{"id": "long", "handler": "test.quiet_sleep"}])
     quick = settings.model_copy(update={"lease_seconds": 1.0, "heartbeat_seconds": 0.2})
-    run = await RunService(backends.store, backends.queue).create(
+    run, _ = await RunService(backends.store, backends.queue).create(
         RunRequest("t_noop", "user", "u", {"sleepSeconds": 2.5}), "user:a"
     )
     async with running(backends, quick, scheduler=True):
@@ -142,7 +144,7 @@ async def test_heartbeat_stops_a_handler_whose_lease_was_superseded(
     backends: Backends, settings: Settings, register: Register
 ) -> None:
     await register(steps=[{"id": "long", "handler": "test.quiet_sleep"}])
-    run = await RunService(backends.store, backends.queue).create(
+    run, _ = await RunService(backends.store, backends.queue).create(
         RunRequest("t_noop", "user", "u", {"sleepSeconds": 30}), "user:a"
     )
     async with running(backends, settings) as [worker]:
@@ -166,7 +168,7 @@ async def test_a_worker_cut_off_from_mongodb_stops_once_its_lease_passed(
 ) -> None:
     await register(steps=[{"id": "long", "handler": "test.quiet_sleep"}])
     quick = settings.model_copy(update={"lease_seconds": 1.0, "heartbeat_seconds": 0.2})
-    run = await RunService(backends.store, backends.queue).create(
+    run, _ = await RunService(backends.store, backends.queue).create(
         RunRequest("t_noop", "user", "u", {"sleepSeconds": 30}), "user:a"
     )
     async with running(backends, quick) as [worker]:
@@ -191,7 +193,7 @@ async def test_step_timeout_retries_and_a_sync_step_never_runs_twice_at_once(
         retryPolicy=policy,
     )
     running_now.update(n=0, most=0)
-    run = await RunService(backends.store, backends.queue).create(
+    run, _ = await RunService(backends.store, backends.queue).create(
         RunRequest("t_noop", "user", "u", {"ticks": 40}), "user:a"
     )
     async with running(backends, settings, workers=2):
@@ -205,7 +207,7 @@ async def test_cancel_during_a_non_cancelable_last_step_keeps_its_output(
     backends: Backends, settings: Settings, register: Register
 ) -> None:
     await register(steps=[{"id": "last", "handler": "builtin.sleep", "cancelable": False}])
-    run = await RunService(backends.store, backends.queue).create(
+    run, _ = await RunService(backends.store, backends.queue).create(
         RunRequest("t_noop", "user", "u", {"sleepSeconds": 0.6}), "user:a"
     )
     async with running(backends, settings):

@@ -104,7 +104,7 @@ async def _demo(backends: Backends, templates: Path, stop: asyncio.Event) -> int
         print(f"template {template.type} v{template.version}{' (new)' if created else ''}")
     service = RunService(backends.store, backends.queue)
     request = RunRequest("demo_long_task", "system", "demo", dict(DEMO_PAYLOAD))
-    run = await service.create(request, "user:demo")
+    run, _ = await service.create(request, "user:demo")
     print(f"demo run {run.id} created; watching it:")
     view = LiveView(sys.stdout.isatty())
     while not stop.is_set():

@@ -11,7 +11,7 @@ from redis.exceptions import RedisError
 from jobplane.errors import NotFound, TemplateDisabled, ValidationFailed
 from jobplane.model import Run, Template
 from jobplane.queue.redis import QueueEntry, RedisQueue
-from jobplane.store import Known, Lost, MongoStore, NewRun
+from jobplane.store import DuplicateRun, Known, Lost, MongoStore, NewRun
 
 log = logging.getLogger("jobplane.runs")
 
@@ -34,11 +34,13 @@ class RunService:
         self.store = store
         self.queue = queue
 
-    async def create(self, request: RunRequest, actor: str) -> Run:
+    async def create(self, request: RunRequest, actor: str) -> tuple[Run, bool]:
         """Validate, write the run to MongoDB, then queue it in Redis.
 
-        If Redis is unreachable the run stays `pending` in MongoDB, durable, and the
-        reconciler queues it once Redis is back: an accepted run is never lost.
+        Returns the run and whether it is new: a repeated `idempotency_key` in the same scope
+        returns the run it created first. If Redis is unreachable the run stays `pending` in
+        MongoDB, durable, and the reconciler queues it once Redis is back: an accepted run is
+        never lost.
         """
         template = await self.store.get_template(request.template_type, request.template_version)
         if template is None:
@@ -49,20 +51,21 @@ class RunService:
         not_before = request.not_before
         if request.delay_seconds:
             not_before = self.store.clock.now() + timedelta(seconds=request.delay_seconds)
-        run = await self.store.insert_run(
-            NewRun(
-                template=template,
-                scope=request.scope,
-                scope_id=request.scope_id,
-                payload=request.payload,
-                priority=request.priority,
-                not_before=not_before,
-                idempotency_key=request.idempotency_key,
-            ),
-            actor,
+        new = NewRun(
+            template=template,
+            scope=request.scope,
+            scope_id=request.scope_id,
+            payload=request.payload,
+            priority=request.priority,
+            not_before=not_before,
+            idempotency_key=request.idempotency_key,
         )
+        try:
+            run = await self.store.insert_run(new, actor)
+        except DuplicateRun as duplicate:
+            return duplicate.run, False
         await self.enqueue(run, actor)
-        return run
+        return run, True
 
     async def enqueue(self, run: Run, actor: str) -> bool:
         """Push a pending run to Redis and mark it `queued`; False leaves it to the reconciler."""

@@ -3,7 +3,7 @@
 from datetime import datetime
 from typing import Annotated, Any, Literal
 
-from fastapi import APIRouter
+from fastapi import APIRouter, Response
 from pydantic import BaseModel, ConfigDict, Field
 from pydantic.alias_generators import to_camel
 
@@ -30,9 +30,12 @@ class RunCreate(BaseModel):
 
 
 @router.post("", status_code=201, response_model=Run, response_model_by_alias=True)
-async def create(body: RunCreate, runs: RunsDep, caller: CallerDep) -> Run:
-    request = RunRequest(**body.model_dump())
-    return await runs.create(request, caller.actor)
+async def create(body: RunCreate, runs: RunsDep, caller: CallerDep, response: Response) -> Run:
+    """Create a run; a repeated `idempotencyKey` in the same scope returns the first with 200."""
+    run, created = await runs.create(RunRequest(**body.model_dump()), caller.actor)
+    if not created:
+        response.status_code = 200
+    return run
 
 
 @router.get("/{run_id}", response_model=Run, response_model_by_alias=True)
