@@ -1,8 +1,12 @@
 """A run's whole life, end to end, with a worker on real MongoDB + Redis."""
 
+import asyncio
 from pathlib import Path
 
+import pytest
+
 from jobplane.backends import Backends
+from jobplane.errors import NotFound, ResourceInvalidState
 from jobplane.model import RunStatus, StepStatus
 from jobplane.runs import RunRequest, RunService
 from jobplane.settings import Settings
@@ -121,3 +125,37 @@ async def test_delayed_run_waits_for_not_before(
         [done] = await settled(backends.store, [run.id])
     assert done.status == RunStatus.SUCCEEDED
     assert done.started_at is not None and done.started_at >= run.not_before
+
+
+async def test_cancel_follows_rule_4_in_each_state(
+    backends: Backends, settings: Settings, register: Register
+) -> None:
+    await register(steps=[{"id": "nap", "handler": "builtin.sleep"}])
+    service = RunService(backends.store, backends.queue)
+    queued, _ = await service.create(
+        RunRequest("t_noop", "user", "u", {"sleepSeconds": 30}), "user:a"
+    )
+    done = await service.cancel(queued.id, "user:a", "changed my mind")
+    assert done.status == RunStatus.CANCELLED and done.cancel_reason == "changed my mind"
+    assert done.progress.steps[0].status == StepStatus.SKIPPED
+    popped = await backends.queue.pop(settings.queues, 10, backends.store.clock.now())
+    assert popped.run_ids == [], "a cancelled run leaves the Redis queue"
+    with pytest.raises(ResourceInvalidState):
+        await service.cancel(queued.id, "user:a", None)
+
+    held, _ = await service.create(
+        RunRequest("t_noop", "user", "u", {"sleepSeconds": 30}), "user:a"
+    )
+    async with running(backends, settings):
+        async with asyncio.timeout(10):
+            while (await service.get(held.id)).status != RunStatus.RUNNING:  # noqa: ASYNC110
+                await asyncio.sleep(0.02)
+        asked = await service.cancel(held.id, "user:b", None)
+        assert asked.status == RunStatus.CANCEL_REQUESTED
+        again = await service.cancel(held.id, "user:c", None)
+        assert again.cancel_requested_by == "user:b", "a second cancel changes nothing"
+        [stopped] = await settled(backends.store, [held.id], within=5)
+    assert stopped.status == RunStatus.CANCELLED
+
+    with pytest.raises(NotFound):
+        await service.cancel("0123456789abcdef01234567", "user:a", None)

@@ -1,6 +1,7 @@
 """Worker behaviour around cancel, shutdown and lost leases, on one event loop."""
 
 import asyncio
+import contextlib
 import threading
 import time
 
@@ -11,7 +12,6 @@ from jobplane.backends import Backends
 from jobplane.model import Run, RunStatus, StepStatus
 from jobplane.runs import RunRequest, RunService
 from jobplane.settings import Settings
-from jobplane.store import Lost
 from jobplane.worker import StepContext, Worker, registry
 from tests.integration.conftest import Register
 from tests.integration.workers import running, settled
@@ -43,9 +43,8 @@ async def test_cancel_mid_step_stops_at_the_next_checkpoint(
     run, _ = await service.create(RunRequest("t_noop", "user", "u", {"sleepSeconds": 30}), "user:a")
     async with running(backends, settings):
         await wait_status(backends, run.id, RunStatus.RUNNING)
-        moved = await backends.store.request_cancel(run.id, "user:a", "no longer needed")
-        assert not isinstance(moved, Lost) and moved.to == RunStatus.CANCEL_REQUESTED
-        await backends.queue.signal_cancel(run.id)
+        asked = await service.cancel(run.id, "user:a", "no longer needed")
+        assert asked.status == RunStatus.CANCEL_REQUESTED
         [done] = await settled(backends.store, [run.id], within=5)
     assert done.status == RunStatus.CANCELLED
     assert [s.status for s in done.progress.steps] == [StepStatus.CANCELLED, StepStatus.SKIPPED]
@@ -69,8 +68,7 @@ async def test_a_non_cancelable_step_finishes_before_the_cancel(
     )
     async with running(backends, settings):
         await wait_status(backends, run.id, RunStatus.RUNNING)
-        await backends.store.request_cancel(run.id, "user:a", None)
-        await backends.queue.signal_cancel(run.id)
+        await service.cancel(run.id, "user:a", None)
         [done] = await settled(backends.store, [run.id], within=5)
     assert done.status == RunStatus.CANCELLED
     assert [s.status for s in done.progress.steps] == [StepStatus.SUCCEEDED, StepStatus.SKIPPED]
@@ -207,16 +205,41 @@ async def test_cancel_during_a_non_cancelable_last_step_keeps_its_output(
     backends: Backends, settings: Settings, register: Register
 ) -> None:
     await register(steps=[{"id": "last", "handler": "builtin.sleep", "cancelable": False}])
-    run, _ = await RunService(backends.store, backends.queue).create(
+    service = RunService(backends.store, backends.queue)
+    run, _ = await service.create(
         RunRequest("t_noop", "user", "u", {"sleepSeconds": 0.6}), "user:a"
     )
     async with running(backends, settings):
         await wait_status(backends, run.id, RunStatus.RUNNING)
-        await backends.store.request_cancel(run.id, "user:a", None)
-        await backends.queue.signal_cancel(run.id)
+        await service.cancel(run.id, "user:a", None)
         [done] = await settled(backends.store, [run.id], within=5)
     assert done.status == RunStatus.CANCELLED
     assert done.progress.steps[0].status == StepStatus.SUCCEEDED
     assert done.outputs == {"last": {"sleptSeconds": 0.6}}
     types = [e.type for e in await backends.store.events_of(run.id)]
     assert types[-2:] == ["step_finished", "status_changed"]
+
+
+async def test_a_worker_stops_even_if_a_driver_call_absorbs_cancellation(
+    backends: Backends, settings: Settings, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    quick = settings.model_copy(update={"heartbeat_seconds": 0.01})
+    worker = Worker(backends.store, backends.queue, quick)
+    give_up = asyncio.Event()
+
+    async def absorbing(*args: object) -> None:
+        # As seen from PyMongo's network layer: a cancel during a read does not propagate.
+        with contextlib.suppress(asyncio.CancelledError):
+            await asyncio.sleep(1)
+        if give_up.is_set():  # lets a broken worker's loop end once the test has failed
+            raise asyncio.CancelledError
+
+    monkeypatch.setattr(worker, "_renew", absorbing)
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop, drain_seconds=0))
+    await asyncio.sleep(0.2)
+    stop.set()
+    # The call in flight ends within a second; then the heartbeat loop must see the stop.
+    done, _ = await asyncio.wait([task], timeout=4)
+    give_up.set()
+    assert done, "the worker did not stop: its heartbeat loop swallowed the cancel"

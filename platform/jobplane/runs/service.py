@@ -1,5 +1,6 @@
 """The run service: template lookup, payload validation, durable insert, then enqueue."""
 
+import contextlib
 import logging
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -8,8 +9,8 @@ from typing import Any, Literal
 from jsonschema import Draft202012Validator
 from redis.exceptions import RedisError
 
-from jobplane.errors import NotFound, TemplateDisabled, ValidationFailed
-from jobplane.model import Run, Template
+from jobplane.errors import NotFound, ResourceInvalidState, TemplateDisabled, ValidationFailed
+from jobplane.model import CLAIMABLE, TERMINAL, Run, RunStatus, Template
 from jobplane.queue.redis import QueueEntry, RedisQueue
 from jobplane.store import DuplicateRun, Known, Lost, MongoStore, NewRun
 
@@ -80,6 +81,31 @@ class RunService:
         # A worker may already have claimed it (pending is claimable); then this move is lost.
         known = Known(run.status, run.version, run.scope, run.scope_id)
         return not isinstance(await self.store.enqueue(run.id, actor, known), Lost)
+
+    async def cancel(self, run_id: str, actor: str, reason: str | None) -> Run:
+        """SPEC rule 4: a run no worker holds ends `cancelled` at once and leaves the queue; a
+        held one goes `cancel_requested` and its worker is signalled; a finished one is refused.
+        Cancelling a run whose cancel was already requested changes nothing.
+        """
+        # A run that moves between the read and the guarded write (claimed, say) is looked at
+        # again; each retry means another writer made progress, so a few tries are plenty.
+        for _ in range(5):
+            run = await self.get(run_id)
+            if run.status in TERMINAL:
+                raise ResourceInvalidState(f"run {run_id} is {run.status.value}")
+            if run.status == RunStatus.CANCEL_REQUESTED:
+                return run
+            if run.status in CLAIMABLE:
+                if not isinstance(await self.store.cancel(run.id, actor, reason), Lost):
+                    with contextlib.suppress(RedisError, OSError):  # a popped id is skipped
+                        await self.queue.remove(run.id, run.queue, run.priority)
+                    return await self.get(run_id)
+            elif not isinstance(await self.store.request_cancel(run.id, actor, reason), Lost):
+                # Heartbeats bring the cancel from MongoDB too, should the signal be lost.
+                with contextlib.suppress(RedisError, OSError):
+                    await self.queue.signal_cancel(run.id)
+                return await self.get(run_id)
+        raise ResourceInvalidState(f"run {run_id} kept changing; try again")
 
     async def get(self, run_id: str) -> Run:
         run = await self.store.get_run(run_id)

@@ -36,6 +36,8 @@ from jobplane.worker.handlers import HandlerRegistry, registry
 
 log = logging.getLogger("jobplane.worker")
 
+# How long the heartbeat and cancel loops get to end by themselves when the worker stops.
+LOOPS_CLOSE_SECONDS = 5.0
 # A step still running after this long gets its start written on its own; a quicker one has
 # its start written together with its end, saving a MongoDB write per step.
 START_WRITE_AFTER = 0.05
@@ -96,6 +98,7 @@ class Worker:
         self.held: dict[str, _Held] = {}
         self._templates: dict[tuple[str, int], Template] = {}
         self._slot_free = asyncio.Event()
+        self._closing = asyncio.Event()
         # Sync handlers get a thread each, up to the concurrency: none waits for a free thread.
         self._threads = ThreadPoolExecutor(settings.worker_concurrency, "jobplane-step")
 
@@ -121,9 +124,14 @@ class Worker:
             if self.held:
                 await asyncio.wait(self._tasks())
         finally:
-            for task in loops:
+            # The loops end on `_closing`. Cancellation is only a backstop: a cancel that lands
+            # inside a driver's network call can be absorbed there and never reach the loop.
+            self._closing.set()
+            _, late = await asyncio.wait(loops, timeout=LOOPS_CLOSE_SECONDS)
+            for task in late:
                 task.cancel()
-            await asyncio.gather(*loops, return_exceptions=True)
+            if late:
+                await asyncio.wait(late, timeout=LOOPS_CLOSE_SECONDS)
             self._threads.shutdown(wait=False)
         log.info("worker %s stopped", self.id)
 
@@ -387,9 +395,14 @@ class Worker:
 
     # -- leases and signals --------------------------------------------------------------------
 
+    async def _closed_within(self, seconds: float) -> bool:
+        """Wait up to `seconds`; True once the worker is closing."""
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(self._closing.wait(), seconds)
+        return self._closing.is_set()
+
     async def _heartbeat_loop(self) -> None:
-        while True:
-            await asyncio.sleep(self.settings.heartbeat_seconds)
+        while not await self._closed_within(self.settings.heartbeat_seconds):
             try:
                 await self._renew(list(self.held.values()))
                 await self.queue.mark_alive(
@@ -415,7 +428,9 @@ class Worker:
         for held in helds:
             if held.run.id in kept:
                 held.renewed = asked
-            if held.run.id not in kept:
+                if held.run.id in cancel:
+                    held.cancel.set()
+            else:
                 # Not renewed means lost only while a handler runs: then no write of the worker's
                 # own can have ended the lease. Outside a handler the run may have just finished,
                 # and the worker's next write, fenced by MongoDB, finds a real loss by itself.
@@ -423,8 +438,6 @@ class Worker:
                     log.warning("run %s: lease lost; stopping its handler", held.run.id)
                     held.interrupt("lost")
                     await self.store.lease_lost(held.lease, "heartbeat")
-            elif held.run.id in cancel:
-                held.cancel.set()
         owners = {h.run.id: h.lease.owner for h in helds if h.run.id in kept}
         refreshed = await self.queue.refresh_runs(owners, ttl)
         # A lock missing in Redis (flushed, failed over) is restored from MongoDB's word; a lock
@@ -434,20 +447,19 @@ class Worker:
             await self.queue.lock_runs(missing, ttl, only_if_free=True)
 
     async def _cancel_listener(self) -> None:
-        while True:
+        while not self._closing.is_set():
             try:
-                async with self.queue.redis.pubsub() as pubsub:
+                async with self.queue.redis.pubsub(ignore_subscribe_messages=True) as pubsub:
                     await pubsub.subscribe(self.queue.keys.cancel_channel)
-                    async for message in pubsub.listen():
-                        if message["type"] != "message":
+                    while not self._closing.is_set():
+                        message = await pubsub.get_message(timeout=0.5)
+                        if message is None:
                             continue
                         run_id = message["data"]
                         run_id = run_id.decode() if isinstance(run_id, bytes) else run_id
                         if run_id in self.held:
                             self.held[run_id].cancel.set()
-            except asyncio.CancelledError:
-                raise
             except Exception:
                 # Heartbeats also carry cancels from MongoDB, so a gap here only adds latency.
                 log.warning("cancel listener lost Redis; reconnecting")
-                await asyncio.sleep(1)
+                await self._closed_within(1)
