@@ -291,6 +291,7 @@ class Bench:
                 yield settings, backends, RunService(backends.store, backends.queue)
             finally:
                 self.procs.stop()
+                await backends.store.flush_events()
                 await backends.store.client.drop_database(settings.db)
                 keys = [
                     k async for k in backends.queue.redis.scan_iter(f"{settings.redis_prefix}*")

@@ -2,6 +2,7 @@
 
 import asyncio
 import signal
+from itertools import pairwise
 from pathlib import Path
 
 import pytest
@@ -41,7 +42,10 @@ async def test_a_run_whose_worker_was_sigkilled_is_finished_by_another(
     claims = [e for e in events if e.metadata.get("transition") == "claim"]
     assert len(claims) == 2 and claims[0].actor != claims[1].actor
     assert [e.type for e in events].count("lease_expired") == 1
-    assert [e.to for e in events if e.type == "status_changed"].count(RunStatus.SUCCEEDED) == 1
+    moves = [(e.from_, e.to) for e in events if e.type == "status_changed"]
+    assert [to for _, to in moves].count(RunStatus.SUCCEEDED) == 1
+    # The trail has no hole where the victim died: each move starts where the last one ended.
+    assert all(prev[1] == nxt[0] for prev, nxt in pairwise(moves))
 
 
 @pytest.mark.slow

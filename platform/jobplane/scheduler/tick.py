@@ -1,7 +1,8 @@
 """One scheduler is active at a time, through the owner-checked Redis lock.
 
-Each tick reaps expired leases and reconciles Redis with MongoDB: pending runs are queued and
-queued runs missing from Redis (after a flush or failover) are pushed again. Redis sorted sets
+Each tick reaps expired leases, reconciles Redis with MongoDB (pending runs are queued and
+queued runs missing from Redis after a flush or failover are pushed again), and copies the events
+a dead process left in runs' outboxes. Redis sorted sets
 ignore a second add of the same id, and MongoDB decides every claim, so a redundant push costs
 a wasted pop, never a second execution.
 """
@@ -56,8 +57,11 @@ class Scheduler:
     async def tick(self) -> None:
         reaped = await self.reap()
         queued = await self.reconcile()
-        if reaped or queued:
-            log.info("tick: reaped %d, queued %d", reaped, queued)
+        # Writers copy their own events within milliseconds; a tick later, nobody will.
+        idle_since = self.clock.now() - timedelta(seconds=self.settings.reconcile_seconds)
+        swept = await self.store.sweep_outboxes(idle_since, self.settings.reap_batch)
+        if reaped or queued or swept:
+            log.info("tick: reaped %d, queued %d, swept %d events", reaped, queued, swept)
 
     async def reap(self) -> int:
         """Recover runs whose lease expired; requeued runs go back to Redis."""

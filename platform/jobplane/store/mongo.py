@@ -1,22 +1,24 @@
 """The MongoDB store: the only code that reads or writes jobplane's collections.
 
 Every change of a run's status is one named method built on `_transition`: a single conditional
-`find_one_and_update` whose filter names the source statuses from `TRANSITIONS` (plus `lockedBy`
-and `leaseToken` for worker writes), followed by the matching `job_events` entry. A filter that
-matches nothing is a lost race; it comes back as `Lost` and is never retried here.
+update whose filter names the source statuses from `TRANSITIONS` (plus `lockedBy` and
+`leaseToken` for worker writes) and which carries the transition's `job_events` entries in the
+run's outbox, to be copied into `job_events` right after. A filter that matches nothing is a lost
+race; it comes back as `Lost` and is never retried here.
 """
 
 import asyncio
+import logging
 import secrets
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
 from bson import ObjectId
-from pymongo import ASCENDING, DESCENDING, AsyncMongoClient, IndexModel, ReturnDocument
+from pymongo import ASCENDING, DESCENDING, AsyncMongoClient, IndexModel, UpdateOne
 from pymongo.asynchronous.collection import AsyncCollection
-from pymongo.errors import DuplicateKeyError
+from pymongo.errors import BulkWriteError, DuplicateKeyError
 from pymongo.write_concern import WriteConcern
 
 from jobplane.clock import Clock, SystemClock
@@ -38,8 +40,11 @@ from jobplane.model import (
 
 Doc = dict[str, Any]
 
-# Fields the event of a transition needs from the document it moved.
-_EVENT_FIELDS = {
+log = logging.getLogger("jobplane.store")
+
+_DUPLICATE_KEY = 11000
+# Fields a write's events need from the run it changes, and `_lost` needs to explain a miss.
+_STATE_FIELDS = {
     "status": 1,
     "scope": 1,
     "scopeId": 1,
@@ -140,47 +145,80 @@ def object_id(run_id: str) -> ObjectId | None:
     return ObjectId(run_id) if ObjectId.is_valid(run_id) else None
 
 
-class _EventWriter:
-    """Group commit for `job_events`: callers wait until their events are durable.
+class _Outbox:
+    """Copies events from the runs' outboxes into `job_events`, in bulk, off the callers' path.
 
-    While one `insert_many` is in flight, new events gather and go out together in the next,
-    so a busy worker writes events in bulk and an idle one pays no extra latency.
+    A write pushes its events into the run's `outbox` array in the same update, so they are as
+    durable as the write itself. This copier then inserts them into `job_events` (each keeps its
+    `_id`, so a second copy is a duplicate-key no-op) and pulls them from the outbox. While one
+    copy is in flight new events gather for the next; whatever a process that died never
+    copied, the scheduler's sweep copies later.
     """
 
-    def __init__(self, collection: AsyncCollection[Doc]) -> None:
-        self._collection = collection
-        self._pending: list[tuple[list[Doc], asyncio.Future[None]]] = []
-        self._flusher: asyncio.Task[None] | None = None
+    # Beyond this many events waiting, writers wait for the copier (MongoDB is not keeping up).
+    MAX_BACKLOG = 10_000
 
-    async def write(self, docs: list[Doc]) -> None:
-        if not docs:
+    def __init__(self, runs: AsyncCollection[Doc], events: AsyncCollection[Doc]) -> None:
+        self._runs = runs
+        self._events = events
+        self._pending: list[tuple[ObjectId, list[Doc]]] = []
+        self._backlog = 0
+        self._taken = asyncio.Event()
+        self._copier: asyncio.Task[None] | None = None
+
+    async def hand(self, run: ObjectId, events: list[Doc]) -> None:
+        if not events:
             return
-        future = asyncio.get_running_loop().create_future()
-        self._pending.append((docs, future))
-        if self._flusher is None:
-            self._flusher = asyncio.create_task(self._flush())
-        await asyncio.shield(future)
+        self._pending.append((run, events))
+        self._backlog += len(events)
+        if self._copier is None:
+            self._copier = asyncio.create_task(self._copy_pending())
+        while self._backlog > self.MAX_BACKLOG and self._copier is not None:
+            await self._taken.wait()
 
     async def drain(self) -> None:
-        """Wait for every event handed to the writer to be written."""
-        while self._flusher is not None:
-            await asyncio.wait([self._flusher])
+        """Wait until every event handed over has been copied (or failed to be)."""
+        while self._copier is not None:
+            await asyncio.wait([self._copier])
 
-    async def _flush(self) -> None:
+    async def copy(self, batch: Sequence[tuple[ObjectId, list[Doc]]]) -> None:
+        try:
+            await self._events.insert_many(
+                [e for _, events in batch for e in events], ordered=False
+            )
+        except BulkWriteError as exc:
+            # Copied before, by this process or by the sweep: the copy is already there.
+            if exc.details.get("writeConcernErrors") or any(
+                e["code"] != _DUPLICATE_KEY for e in exc.details["writeErrors"]
+            ):
+                raise
+        copied: dict[ObjectId, list[ObjectId]] = {}
+        for run, events in batch:
+            copied.setdefault(run, []).extend(e["_id"] for e in events)
+        await self._runs.bulk_write(
+            [
+                UpdateOne({"_id": run}, {"$pull": {"outbox": {"_id": {"$in": ids}}}})
+                for run, ids in copied.items()
+            ],
+            ordered=False,
+        )
+
+    async def _copy_pending(self) -> None:
         try:
             while self._pending:
-                batch, self._pending = self._pending, []
-                docs = [d for group, _ in batch for d in group]
+                batch, self._pending, self._backlog = self._pending, [], 0
+                self._taken.set()
+                self._taken = asyncio.Event()
                 try:
-                    await self._collection.insert_many(docs, ordered=False)
-                except Exception as exc:
-                    for _, future in batch:
-                        future.set_exception(exc)
-                else:
-                    for _, future in batch:
-                        future.set_result(None)
+                    await self.copy(batch)
+                except Exception:
+                    log.warning(
+                        "copying %d events failed; they wait in their runs' outboxes for the sweep",
+                        sum(len(events) for _, events in batch),
+                        exc_info=True,
+                    )
         finally:
-            self._flusher = None
+            self._copier = None
 
 
 class MongoStore:
@@ -199,7 +237,7 @@ class MongoStore:
         self.schedules: AsyncCollection[Doc] = self.db["job_schedules"]
         self.events: AsyncCollection[Doc] = self.db["job_events"]
         self.clock: Clock = clock or SystemClock()
-        self._events = _EventWriter(self.events)
+        self._outbox = _Outbox(self.runs, self.events)
 
     @classmethod
     def connect(
@@ -209,8 +247,12 @@ class MongoStore:
         return cls(client, db_name, write_concern, clock)
 
     async def close(self) -> None:
-        await self._events.drain()
+        await self.flush_events()
         await self.client.close()
+
+    async def flush_events(self) -> None:
+        """Wait until the events of this process's writes have been copied to `job_events`."""
+        await self._outbox.drain()
 
     async def ping(self) -> None:
         await self.db.command("ping")
@@ -244,6 +286,12 @@ class MongoStore:
                 ),
                 IndexModel([("scope", ASCENDING), ("scopeId", ASCENDING), ("_id", DESCENDING)]),
                 IndexModel([("templateType", ASCENDING), ("_id", DESCENDING)]),
+                # The sweep: runs whose outbox still holds events nobody copied.
+                IndexModel(
+                    [("updateAt", ASCENDING)],
+                    name="outbox_sweep",
+                    partialFilterExpression={"outbox.0": has},
+                ),
             ]
         )
         await self.schedules.create_indexes(
@@ -322,13 +370,15 @@ class MongoStore:
         )
         doc = run.model_dump(by_alias=True, exclude_none=True)
         doc["_id"] = ObjectId(doc.pop("id"))
+        created = _event(
+            run.id, "created", actor, run.scope, run.scope_id, 1, to=RunStatus.PENDING, now=now
+        )
+        doc["outbox"] = [created]
         try:
             await self.runs.insert_one(doc)
         except DuplicateKeyError as exc:
             await self._raise_duplicate(exc, new)
-        await self._events.write(
-            [_event(run.id, "created", actor, doc, 1, to=RunStatus.PENDING, now=now)]
-        )
+        await self._outbox.hand(doc["_id"], [created])
         return run
 
     async def _raise_duplicate(self, exc: DuplicateKeyError, new: NewRun) -> None:
@@ -356,11 +406,26 @@ class MongoStore:
         return _run(doc) if doc else None
 
     async def events_of(self, run_id: str) -> list[Event]:
+        """The run's whole trail, including events still in its outbox."""
+        oid = object_id(run_id)
+        # Outbox first: an event copied after this read was still in it; one copied before is
+        # already in `job_events` for the next read.
+        run = await self.runs.find_one({"_id": oid}, {"outbox": 1}) if oid else None
+        copied = await self.events.find({"jobId": run_id}).to_list()
+        trail = {d["_id"]: d for d in [*(run or {}).get("outbox", []), *copied]}
         # The run's version orders its trail: MongoDB serialized the writes that made it, while
         # clocks of two processes (or two writes in one millisecond) cannot.
-        order = [("runVersion", 1), ("_id", 1)]
-        cursor = self.events.find({"jobId": run_id}).sort(order)
-        return [_event_model(d) async for d in cursor]
+        return sorted(map(_event_model, trail.values()), key=lambda e: (e.run_version, e.id))
+
+    async def sweep_outboxes(self, idle_since: datetime, limit: int) -> int:
+        """Copy events left in the outboxes of runs untouched since `idle_since`: events whose
+        writer died before copying them. Returns how many events were copied."""
+        query = {"outbox.0": {"$exists": True}, "updateAt": {"$lt": idle_since}}
+        docs = await self.runs.find(query, {"outbox": 1}).limit(limit).to_list()
+        batch = [(d["_id"], d["outbox"]) for d in docs]
+        if batch:
+            await self._outbox.copy(batch)
+        return sum(len(events) for _, events in batch)
 
     async def claimable(self, after: str | None, limit: int, idle_since: datetime) -> list[Run]:
         """Pending and queued runs untouched since `idle_since`, in id order, for the reconciler
@@ -422,16 +487,38 @@ class MongoStore:
         now = self.clock.now()
         token = secrets.token_hex(12)
         due = {"$or": [{"notBefore": None}, {"notBefore": {"$lte": now}}]}
-        # A pipeline update sees each run's values before the write, so the run records the
-        # status it was claimed from and the exact version the claim made: the claim event is
-        # right even if another write lands before the read-back.
+        actor = f"worker:{worker_id}"
+        event_ids = [ObjectId() for _ in oids]
+        # The claim event is built by the pipeline, which sees each run as it was before the
+        # write: its `from` status and version are exact whatever lands after. Its `_id` comes
+        # from the list made here, so this worker knows which event in the outbox is its own.
+        claim_event = {
+            "_id": {
+                "$arrayElemAt": [
+                    {"$literal": event_ids},
+                    {"$indexOfArray": [{"$literal": oids}, "$_id"]},
+                ]
+            },
+            "jobId": {"$toString": "$_id"},
+            "type": "status_changed",
+            "actor": {"$literal": actor},
+            "scope": "$scope",
+            "scopeId": "$scopeId",
+            "metadata": {
+                "transition": "claim",
+                "attempt": {"$add": ["$attempt", 1]},
+                "lease": {"$literal": token[:8]},
+            },
+            "runVersion": {"$add": ["$version", 1]},
+            "createAt": now,
+            "from": "$status",
+            "to": RunStatus.RUNNING.value,
+        }
         await self.runs.update_many(
             {"_id": {"$in": oids}, "status": {"$in": sorted(CLAIMABLE)}, **due},
             [
                 {
                     "$set": {
-                        "claimedFrom": "$status",
-                        "claimVersion": {"$add": ["$version", 1]},
                         "version": {"$add": ["$version", 1]},
                         "attempt": {"$add": ["$attempt", 1]},
                         "status": {"$literal": RunStatus.RUNNING.value},
@@ -441,6 +528,7 @@ class MongoStore:
                         "heartbeatAt": now,
                         "updateAt": now,
                         "startedAt": {"$ifNull": ["$startedAt", now]},
+                        "outbox": {"$concatArrays": [{"$ifNull": ["$outbox", []]}, [claim_event]]},
                     }
                 }
             ],
@@ -448,28 +536,13 @@ class MongoStore:
         docs = await self.runs.find(
             {"_id": {"$in": oids}, "lockedBy": worker_id, "leaseToken": token}
         ).to_list()
+        ours = set(event_ids)
         claimed: list[tuple[Run, Lease]] = []
-        events: list[Doc] = []
         for doc in docs:
             run = _run(doc)
             known = Known(run.status, run.version, run.scope, run.scope_id)
-            lease = Lease(run.id, worker_id, token, known)
-            claimed.append((run, lease))
-            meta = {"transition": "claim", "attempt": run.attempt, "lease": token[:8]}
-            events.append(
-                _event(
-                    run.id,
-                    "status_changed",
-                    lease.actor,
-                    doc,
-                    doc["claimVersion"],
-                    from_=RunStatus(doc["claimedFrom"]),
-                    to=RunStatus.RUNNING,
-                    now=now,
-                    metadata=meta,
-                )
-            )
-        await self._events.write(events)
+            claimed.append((run, Lease(run.id, worker_id, token, known)))
+            await self._outbox.hand(doc["_id"], [e for e in doc["outbox"] if e["_id"] in ours])
         return claimed
 
     async def expired_leases(self, limit: int) -> list[Run]:
@@ -780,39 +853,40 @@ class MongoStore:
         }
         if unset:
             update["$unset"] = dict.fromkeys(unset, "")
-        known = lease.known if lease else expect
-        doc = await self._write(query, update, known, t.sources, array_filters)
-        if doc is None:
-            return await self._lost(run_id, lease, name)
-        from_ = RunStatus(doc["status"])
-        version = doc["version"] + 1
-        if lease is not None:
-            lease.known = Known(t.target, version, doc["scope"], doc["scopeId"])
-        meta = {"transition": name}
-        events = [
-            _event(run_id, kind, actor, doc, version, message=m, metadata=md, now=now)
-            for kind, m, md in before
-        ]
-        events.append(
-            _event(
-                run_id,
-                "status_changed",
-                actor,
-                doc,
-                version,
-                from_=from_,
-                to=t.target,
-                message=message,
-                now=now,
-                metadata=meta,
-            )
+
+        def events(state: Known) -> list[Doc]:
+            def event(kind: str, m: str | None, md: Doc, **moved: RunStatus) -> Doc:
+                return _event(
+                    run_id,
+                    kind,
+                    actor,
+                    state.scope,
+                    state.scope_id,
+                    state.version + 1,
+                    message=m,
+                    metadata=md,
+                    now=now,
+                    **moved,
+                )
+
+            return [
+                *(event(*e) for e in before),
+                event(
+                    "status_changed", message, {"transition": name}, from_=state.status, to=t.target
+                ),
+                *(event(*e) for e in also),
+            ]
+
+        written = await self._write(
+            query, update, lease.known if lease else expect, t.sources, array_filters, events
         )
-        events += [
-            _event(run_id, kind, actor, doc, version, message=m, metadata=md, now=now)
-            for kind, m, md in also
-        ]
-        await self._events.write(events)
-        return Moved(run_id, from_, t.target)
+        if written is None:
+            return await self._lost(run_id, lease, name)
+        state, trail = written
+        if lease is not None:
+            lease.known = Known(t.target, state.version + 1, state.scope, state.scope_id)
+        await self._outbox.hand(oid, trail)
+        return Moved(run_id, state.status, t.target)
 
     async def _fenced_write(
         self,
@@ -823,34 +897,38 @@ class MongoStore:
         now: datetime,
     ) -> Lost | None:
         """A worker write that changes no status, allowed while the lease is held."""
+        oid = ObjectId(lease.run_id)
         query = {
-            "_id": ObjectId(lease.run_id),
+            "_id": oid,
             "status": {"$in": sorted(LEASED)},
             "lockedBy": lease.worker_id,
             "leaseToken": lease.token,
         }
         update["$set"]["updateAt"] = now
         update["$inc"] = {"version": 1}
-        doc = await self._write(query, update, lease.known, LEASED, None)
-        if doc is None:
-            return await self._lost(lease.run_id, lease, what)
-        status = RunStatus(doc["status"])
-        lease.known = Known(status, doc["version"] + 1, doc["scope"], doc["scopeId"])
-        await self._events.write(
-            [
+
+        def trail(state: Known) -> list[Doc]:
+            return [
                 _event(
                     lease.run_id,
                     kind,
                     lease.actor,
-                    doc,
-                    doc["version"] + 1,
+                    state.scope,
+                    state.scope_id,
+                    state.version + 1,
                     message=m,
                     metadata=meta,
                     now=now,
                 )
                 for kind, m, meta in events
             ]
-        )
+
+        written = await self._write(query, update, lease.known, LEASED, None, trail)
+        if written is None:
+            return await self._lost(lease.run_id, lease, what)
+        state, recorded = written
+        lease.known = Known(state.status, state.version + 1, state.scope, state.scope_id)
+        await self._outbox.hand(oid, recorded)
         return None
 
     async def _write(
@@ -860,25 +938,32 @@ class MongoStore:
         known: Known | None,
         allowed: frozenset[RunStatus],
         array_filters: list[Doc] | None,
-    ) -> Doc | None:
-        """One conditional write; returns the run's fields before it, or None if none matched."""
-        if known is not None and known.status in allowed:
-            exact = {**query, "status": known.status, "version": known.version}
-            result = await self.runs.update_one(exact, update, array_filters=array_filters)
+        events: Callable[[Known], list[Doc]],
+    ) -> tuple[Known, list[Doc]] | None:
+        """One conditional write that pushes its events into the run's outbox.
+
+        The events name the state the write moves the run from, so the write is filtered on
+        that exact status and version as well as on the guards in `query`. A writer that knows
+        the state from its own last write (`known`) needs no read; otherwise it reads the state,
+        and reads again if another write got in between. Returns the state before the write and
+        the events written, or None once a read shows the guards no longer hold.
+        """
+        state = known if known is not None and known.status in allowed else None
+        while True:
+            if state is None:
+                doc = await self.runs.find_one(query, _STATE_FIELDS)
+                if doc is None:
+                    return None
+                state = Known(
+                    RunStatus(doc["status"]), doc["version"], doc["scope"], doc["scopeId"]
+                )
+            trail = events(state)
+            write = {**update, "$push": {"outbox": {"$each": trail}}} if trail else update
+            exact = {**query, "status": state.status, "version": state.version}
+            result = await self.runs.update_one(exact, write, array_filters=array_filters)
             if result.matched_count:
-                return {
-                    "status": known.status,
-                    "version": known.version,
-                    "scope": known.scope,
-                    "scopeId": known.scope_id,
-                }
-        return await self.runs.find_one_and_update(
-            query,
-            update,
-            projection=_EVENT_FIELDS,
-            return_document=ReturnDocument.BEFORE,
-            array_filters=array_filters,
-        )
+                return state, trail
+            state = None
 
     async def lease_lost(self, lease: Lease, what: str) -> Lost:
         """Record why `lease` no longer holds its run (for a loss the worker found itself)."""
@@ -887,28 +972,26 @@ class MongoStore:
     async def _lost(self, run_id: str, lease: Lease | None, what: str) -> Lost:
         """Say why a write matched nothing; a superseded lease is put on the record."""
         oid = object_id(run_id)
-        doc = await self.runs.find_one({"_id": oid}, _EVENT_FIELDS) if oid else None
+        doc = await self.runs.find_one({"_id": oid}, _STATE_FIELDS) if oid else None
         if doc is None:
             return Lost(run_id, "missing")
         status = RunStatus(doc["status"])
         holder = (doc.get("lockedBy"), doc.get("leaseToken"))
         if lease is not None and holder != (lease.worker_id, lease.token):
             meta = {"write": what, "lease": lease.token[:8], "worker": lease.worker_id}
-            message = f"{what} from a superseded lease rejected"
-            await self._events.write(
-                [
-                    _event(
-                        run_id,
-                        "stale_write_rejected",
-                        lease.actor,
-                        doc,
-                        doc["version"],
-                        message=message,
-                        metadata=meta,
-                        now=self.clock.now(),
-                    )
-                ]
+            # No run write to ride on: the event is inserted on its own.
+            rejected = _event(
+                run_id,
+                "stale_write_rejected",
+                lease.actor,
+                doc["scope"],
+                doc["scopeId"],
+                doc["version"],
+                message=f"{what} from a superseded lease rejected",
+                metadata=meta,
+                now=self.clock.now(),
             )
+            await self.events.insert_one(rejected)
             return Lost(run_id, "lease", status)
         return Lost(run_id, "status", status)
 
@@ -942,7 +1025,8 @@ def _event(
     run_id: str,
     kind: str,
     actor: str,
-    run_doc: Doc,
+    scope: str,
+    scope_id: str,
     run_version: int,
     *,
     now: datetime,
@@ -955,8 +1039,9 @@ def _event(
         "jobId": run_id,
         "type": kind,
         "actor": actor,
-        "scope": run_doc.get("scope"),
-        "scopeId": run_doc.get("scopeId"),
+        "_id": ObjectId(),
+        "scope": scope,
+        "scopeId": scope_id,
         "metadata": metadata or {},
         "runVersion": run_version,
         "createAt": now,
