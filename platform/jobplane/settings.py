@@ -29,6 +29,8 @@ class Settings(BaseSettings):
     # "majority" keeps an acknowledged write through a failover; "1" trades that for speed.
     write_concern: str = "majority"
     admin_key: str | None = None
+    # A run's payload, as compact JSON, may not be larger (413 `PayloadTooLarge`).
+    max_payload_bytes: Annotated[int, Field(ge=1)] = 256 * 1024
     data_dir: Path = Path(".jobplane")
     host: str = "127.0.0.1"
     port: int = 8000

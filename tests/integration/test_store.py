@@ -4,9 +4,8 @@ import asyncio
 
 import pytest
 
-from jobplane.errors import ConcurrencyConflict
 from jobplane.model import RunStatus
-from jobplane.store import DuplicateRun, MongoStore, NewRun
+from jobplane.store import DuplicateRun, KeyHeld, MongoStore, NewRun
 from tests.integration.conftest import Register, template_spec
 
 
@@ -19,8 +18,9 @@ async def test_one_active_run_per_dedupe_key_under_concurrent_inserts(
     async def insert() -> str:
         try:
             return (await store.insert_run(new, "user:a")).id
-        except ConcurrencyConflict as conflict:
-            return f"conflict:{conflict.active_run_id}"
+        except KeyHeld as held:
+            assert held.holder is not None
+            return f"conflict:{held.holder.id}"
 
     outcomes = await asyncio.gather(*(insert() for _ in range(50)))
     winners = [o for o in outcomes if not o.startswith("conflict:")]

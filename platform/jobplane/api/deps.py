@@ -1,26 +1,14 @@
-"""Request dependencies: the backends, the caller's identity."""
+"""Request dependencies: the backends and the caller, per permission."""
 
-import hmac
-from dataclasses import dataclass
 from typing import Annotated
 
 from fastapi import Depends, Request
 
-from jobplane.errors import Unauthorized
+from jobplane.api.auth import Caller, Permission, require
 from jobplane.queue.redis import RedisQueue
 from jobplane.runs import RunService
 from jobplane.settings import Settings
 from jobplane.store import MongoStore
-
-
-@dataclass(frozen=True)
-class Caller:
-    name: str
-    role: str
-
-    @property
-    def actor(self) -> str:
-        return f"user:{self.name}"
 
 
 def get_store(request: Request) -> MongoStore:
@@ -33,21 +21,22 @@ def get_queue(request: Request) -> RedisQueue:
     return queue
 
 
+def get_settings(request: Request) -> Settings:
+    settings: Settings = request.app.state.settings
+    return settings
+
+
 def get_runs(request: Request) -> RunService:
     return RunService(get_store(request), get_queue(request))
 
 
-def get_caller(request: Request) -> Caller:
-    """The bootstrap admin key; scoped API keys stored hashed in MongoDB come next."""
-    settings: Settings = request.app.state.settings
-    scheme, _, key = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not key:
-        raise Unauthorized("missing bearer API key")
-    if settings.admin_key and hmac.compare_digest(key, settings.admin_key):
-        return Caller("admin", "admin")
-    raise Unauthorized("unknown API key")
-
-
 StoreDep = Annotated[MongoStore, Depends(get_store)]
 RunsDep = Annotated[RunService, Depends(get_runs)]
-CallerDep = Annotated[Caller, Depends(get_caller)]
+SettingsDep = Annotated[Settings, Depends(get_settings)]
+
+TemplateReader = Annotated[Caller, Depends(require(Permission.TEMPLATES_READ))]
+TemplateAuthor = Annotated[Caller, Depends(require(Permission.TEMPLATES_WRITE))]
+RunReader = Annotated[Caller, Depends(require(Permission.RUNS_READ))]
+RunWriter = Annotated[Caller, Depends(require(Permission.RUNS_WRITE))]
+EventReader = Annotated[Caller, Depends(require(Permission.EVENTS_READ))]
+KeyAdmin = Annotated[Caller, Depends(require(Permission.KEYS_WRITE))]

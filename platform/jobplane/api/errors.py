@@ -11,7 +11,13 @@ from starlette.exceptions import HTTPException
 
 from jobplane.errors import JobplaneError
 
-_HTTP_CODES = {401: "Unauthorized", 403: "Forbidden", 404: "NotFound", 405: "NotFound"}
+_HTTP_CODES = {
+    401: "Unauthorized",
+    403: "Forbidden",
+    404: "NotFound",
+    405: "NotFound",
+    413: "PayloadTooLarge",
+}
 
 
 class ErrorBody(BaseModel):

@@ -17,6 +17,11 @@ Scope = Literal["user", "account", "system"]
 Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,100}$")]
 # Step ids become MongoDB field names (`outputs.<id>`), so no dots.
 StepId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,100}$")]
+# What a dedupe key is made of: the run's scope fields, or a path into its payload.
+DedupePart = Annotated[str, Field(pattern=r"^(scope|scopeId|payload(\.[^.\s]+)+)$")]
+Role = Literal["admin", "author", "user", "auditor"]
+# A scope an API key may act in, as `<scope>:<scopeId>`: `user:user_123`, `account:acme`.
+ScopeRef = Annotated[str, Field(pattern=r"^(user|account|system):\S{1,200}$")]
 
 
 class Document(BaseModel):
@@ -64,7 +69,7 @@ class TemplateSpec(Spec):
     payload_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
     repeatable: bool = True
     concurrency_policy: Literal["allow", "reject_same_scope", "queue_same_scope"] = "allow"
-    dedupe_keys: list[str] = Field(default_factory=list)
+    dedupe_keys: list[DedupePart] = Field(default_factory=list)
     timeout_seconds: Annotated[float, Field(gt=0)] | None = None
     cancel_policy: CancelPolicy = Field(default_factory=CancelPolicy)
     retry_policy: RetryPolicy = Field(default_factory=RetryPolicy)
@@ -137,6 +142,8 @@ class Run(Document):
     cancel_reason: str | None = None
     cancel_requested_by: str | None = None
     dedupe_key: str | None = None
+    # Set while a `queue_same_scope` run waits for the active run holding this key to end.
+    dedupe_wait: str | None = None
     idempotency_key: str | None = None
     schedule_id: str | None = None
     scheduled_for: datetime | None = None
@@ -162,4 +169,17 @@ class Event(Document):
     scope_id: str | None = None
     # The run's `version` after the write this event records; orders a run's trail.
     run_version: int
+    create_at: datetime
+
+
+class ApiKey(Document):
+    """An API key as stored: the secret only as its SHA-256 (a random 256-bit secret needs no
+    slow hash: there is nothing to guess)."""
+
+    id: str
+    name: Name
+    role: Role
+    scopes: list[ScopeRef] = Field(default_factory=list)
+    secret_hash: str
+    created_by: str
     create_at: datetime

@@ -1,18 +1,25 @@
 """The run service: template lookup, payload validation, durable insert, then enqueue."""
 
 import contextlib
+import json
 import logging
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
 from jsonschema import Draft202012Validator
 from redis.exceptions import RedisError
 
-from jobplane.errors import NotFound, ResourceInvalidState, TemplateDisabled, ValidationFailed
+from jobplane.errors import (
+    ConcurrencyConflict,
+    NotFound,
+    ResourceInvalidState,
+    TemplateDisabled,
+    ValidationFailed,
+)
 from jobplane.model import CLAIMABLE, TERMINAL, Run, RunStatus, Template
 from jobplane.queue.redis import QueueEntry, RedisQueue
-from jobplane.store import DuplicateRun, Known, Lost, MongoStore, NewRun
+from jobplane.store import DuplicateRun, KeyHeld, Known, Lost, MongoStore, NewRun
 
 log = logging.getLogger("jobplane.runs")
 
@@ -28,6 +35,7 @@ class RunRequest:
     delay_seconds: float | None = None
     not_before: datetime | None = None
     idempotency_key: str | None = None
+    rerun_of: str | None = None
 
 
 class RunService:
@@ -42,6 +50,11 @@ class RunService:
         returns the run it created first. If Redis is unreachable the run stays `pending` in
         MongoDB, durable, and the reconciler queues it once Redis is back: an accepted run is
         never lost.
+
+        The template's dedupe key is taken through MongoDB's unique index, so of many
+        concurrent creates for one key exactly one becomes active. The others are refused
+        (`reject_same_scope`) or wait (`queue_same_scope`): a waiting run stays `pending` and
+        out of Redis until the active run ends and `admit_next` hands it the key.
         """
         template = await self.store.get_template(request.template_type, request.template_version)
         if template is None:
@@ -52,6 +65,7 @@ class RunService:
         not_before = request.not_before
         if request.delay_seconds:
             not_before = self.store.clock.now() + timedelta(seconds=request.delay_seconds)
+        key = dedupe_key(template, request)
         new = NewRun(
             template=template,
             scope=request.scope,
@@ -59,14 +73,72 @@ class RunService:
             payload=request.payload,
             priority=request.priority,
             not_before=not_before,
+            dedupe_key=key,
             idempotency_key=request.idempotency_key,
+            rerun_of=request.rerun_of,
         )
         try:
-            run = await self.store.insert_run(new, actor)
+            return await self._insert(new, template, actor), True
         except DuplicateRun as duplicate:
             return duplicate.run, False
-        await self.enqueue(run, actor)
-        return run, True
+
+    async def _insert(self, new: NewRun, template: Template, actor: str) -> Run:
+        # A key whose holder ended between our insert and the read of the holder is free now.
+        for _ in range(3):
+            try:
+                run = await self.store.insert_run(new, actor)
+            except KeyHeld as held:
+                if held.holder is None:
+                    continue
+                if template.concurrency_policy != "queue_same_scope" or _spent(held):
+                    raise _refusal(held) from None
+                waiting = replace(new, dedupe_key=None, dedupe_wait=held.key)
+                run = await self.store.insert_run(waiting, actor)
+                # The holder may have ended before this run was written: nobody would admit it.
+                await self.admit_next(held.key, actor)
+                return await self.get(run.id)
+            await self.enqueue(run, actor)
+            return run
+        raise ResourceInvalidState("the run's dedupe key kept changing hands; try again")
+
+    async def rerun(self, run_id: str, actor: str) -> Run:
+        """A new run of a finished one: same template version, scope, payload and priority."""
+        run = await self.get(run_id)
+        if run.status not in TERMINAL:
+            raise ResourceInvalidState(f"run {run_id} is {run.status.value}; rerun a finished run")
+        request = RunRequest(
+            template_type=run.template_type,
+            template_version=run.template_version,
+            scope=run.scope,
+            scope_id=run.scope_id,
+            payload=run.payload,
+            priority=run.priority,
+            rerun_of=run.id,
+        )
+        new, _ = await self.create(request, actor)
+        return new
+
+    async def admit_next(self, key: str, actor: str) -> None:
+        """Hand a free dedupe key to the oldest run waiting for it, and queue that run.
+
+        Called when a run holding the key ends, and by the scheduler as a backstop (the caller
+        may have died). If the key is spent (a non-repeatable template's run succeeded), the
+        waiting runs can never run: they are cancelled, saying why.
+        """
+        while (waiting := await self.store.next_waiting(key)) is not None:
+            try:
+                taken = await self.store.take_key(waiting, actor)
+            except KeyHeld as held:
+                if not _spent(held):
+                    return  # an active run has it; its end admits the next
+                assert held.holder is not None
+                reason = f"run {held.holder.id} already succeeded for this key"
+                await self.store.cancel(waiting.id, actor, reason)
+                continue
+            if isinstance(taken, Lost):
+                continue  # cancelled meanwhile; look at the next
+            await self.enqueue(await self.get(waiting.id), actor)
+            return
 
     async def enqueue(self, run: Run, actor: str) -> bool:
         """Push a pending run to Redis and mark it `queued`; False leaves it to the reconciler."""
@@ -99,6 +171,8 @@ class RunService:
                 if not isinstance(await self.store.cancel(run.id, actor, reason), Lost):
                     with contextlib.suppress(RedisError, OSError):  # a popped id is skipped
                         await self.queue.remove(run.id, run.queue, run.priority)
+                    if run.dedupe_key is not None:
+                        await self.admit_next(run.dedupe_key, actor)
                     return await self.get(run_id)
             elif not isinstance(await self.store.request_cancel(run.id, actor, reason), Lost):
                 # Heartbeats bring the cancel from MongoDB too, should the signal be lost.
@@ -128,3 +202,41 @@ def validate_payload(template: Template, payload: dict[str, Any]) -> None:
                 for e in errors
             ],
         )
+
+
+def dedupe_key(template: Template, request: RunRequest) -> str | None:
+    """The key that keeps runs of one template apart, or None if any number may be active.
+
+    Made of the template type and the values named by `dedupeKeys` (the run's scope when it
+    names none). A template that is not `repeatable` always has one: its key must be held from
+    creation to success, so two runs of it cannot both succeed.
+    """
+    if template.concurrency_policy == "allow" and template.repeatable:
+        return None
+    fields: dict[str, Any] = {"scope": request.scope, "scopeId": request.scope_id}
+    parts = template.dedupe_keys or ["scope", "scopeId"]
+    values = [_lookup(part, fields, request.payload) for part in parts]
+    return json.dumps([template.type, *values], sort_keys=True, separators=(",", ":"))
+
+
+def _lookup(part: str, fields: dict[str, Any], payload: dict[str, Any]) -> Any:
+    if not part.startswith("payload."):
+        return fields[part]
+    value: Any = payload
+    for name in part.split(".")[1:]:
+        value = value.get(name) if isinstance(value, dict) else None
+    return value
+
+
+def _spent(held: KeyHeld) -> bool:
+    return held.holder is not None and held.holder.status == RunStatus.SUCCEEDED
+
+
+def _refusal(held: KeyHeld) -> ConcurrencyConflict | ResourceInvalidState:
+    if _spent(held):
+        assert held.holder is not None
+        return ResourceInvalidState(
+            f"template is not repeatable and run {held.holder.id} already succeeded for this key",
+            {"succeededRunId": held.holder.id},
+        )
+    return ConcurrencyConflict(held.holder.id if held.holder else None)

@@ -16,6 +16,7 @@ from datetime import timedelta
 from jobplane.clock import Clock, SystemClock
 from jobplane.model import RunStatus
 from jobplane.queue.redis import QueueEntry, RedisQueue
+from jobplane.runs import RunService
 from jobplane.settings import Settings
 from jobplane.store import Lost, MongoStore
 
@@ -74,10 +75,16 @@ class Scheduler:
             if outcome.to == RunStatus.QUEUED:
                 entry = QueueEntry(run.id, run.queue, run.priority, run.not_before)
                 await self.queue.push([entry], self.clock.now())
+            elif run.dedupe_key is not None:
+                await RunService(self.store, self.queue).admit_next(run.dedupe_key, "reaper")
         return moved
 
     async def reconcile(self) -> int:
-        """Queue pending runs and re-push queued runs that Redis lost."""
+        """Queue pending runs, re-push queued runs that Redis lost, and admit runs waiting for
+        a dedupe key that is free (the process that freed it may have died before it could)."""
+        service = RunService(self.store, self.queue)
+        for key in await self.store.waited_keys(self.settings.reap_batch):
+            await service.admit_next(key, "scheduler")
         pushed = 0
         after: str | None = None
         # A run created within the last tick is most likely still on its way into Redis.

@@ -2,12 +2,26 @@
 
 from jobplane.store.mongo import (
     DuplicateRun,
+    EventQuery,
+    KeyHeld,
     Known,
     Lease,
     Lost,
     MongoStore,
     Moved,
     NewRun,
+    RunQuery,
 )
 
-__all__ = ["DuplicateRun", "Known", "Lease", "Lost", "MongoStore", "Moved", "NewRun"]
+__all__ = [
+    "DuplicateRun",
+    "EventQuery",
+    "KeyHeld",
+    "Known",
+    "Lease",
+    "Lost",
+    "MongoStore",
+    "Moved",
+    "NewRun",
+    "RunQuery",
+]

@@ -22,11 +22,11 @@ from pymongo.errors import BulkWriteError, DuplicateKeyError
 from pymongo.write_concern import WriteConcern
 
 from jobplane.clock import Clock, SystemClock
-from jobplane.errors import ConcurrencyConflict
 from jobplane.model import (
     CLAIMABLE,
     LEASED,
     TRANSITIONS,
+    ApiKey,
     Event,
     Progress,
     Run,
@@ -43,6 +43,14 @@ Doc = dict[str, Any]
 log = logging.getLogger("jobplane.store")
 
 _DUPLICATE_KEY = 11000
+# The audit query's equality filters, each with an index ending in (createAt, _id).
+_EVENT_FILTERS: list[list[tuple[str, int]]] = [
+    [],
+    [("jobId", ASCENDING)],
+    [("scope", ASCENDING), ("scopeId", ASCENDING)],
+    [("type", ASCENDING)],
+    [("actor", ASCENDING)],
+]
 # Fields a write's events need from the run it changes, and `_lost` needs to explain a miss.
 _STATE_FIELDS = {
     "status": 1,
@@ -126,11 +134,49 @@ class NewRun:
     payload: dict[str, Any] = field(default_factory=dict)
     priority: int | None = None
     not_before: datetime | None = None
+    # The key the run holds while active, or the one it waits for (`queue_same_scope`).
     dedupe_key: str | None = None
+    dedupe_wait: str | None = None
     idempotency_key: str | None = None
     schedule_id: str | None = None
     scheduled_for: datetime | None = None
     rerun_of: str | None = None
+
+
+@dataclass(frozen=True)
+class RunQuery:
+    """Filters of the run list; `before` is the id the previous page ended at."""
+
+    status: RunStatus | None = None
+    template_type: str | None = None
+    scope: str | None = None
+    scope_id: str | None = None
+    schedule_id: str | None = None
+    before: str | None = None
+
+
+@dataclass(frozen=True)
+class EventQuery:
+    """Filters of the audit query; `after` is the (createAt, id) the previous page ended at."""
+
+    job_id: str | None = None
+    type: str | None = None
+    scope: str | None = None
+    scope_id: str | None = None
+    actor: str | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+    after: tuple[datetime, str] | None = None
+
+
+class KeyHeld(Exception):
+    """Another run holds the dedupe key: an active run, or (non-repeatable templates) the run
+    that succeeded for it. `holder` is None if it let go before it could be read."""
+
+    def __init__(self, key: str, holder: Run | None) -> None:
+        super().__init__(f"dedupe key {key} is held by {holder.id if holder else 'a run'}")
+        self.key = key
+        self.holder = holder
 
 
 class DuplicateRun(Exception):
@@ -236,6 +282,7 @@ class MongoStore:
         self.runs: AsyncCollection[Doc] = self.db["job_runs"]
         self.schedules: AsyncCollection[Doc] = self.db["job_schedules"]
         self.events: AsyncCollection[Doc] = self.db["job_events"]
+        self.api_keys: AsyncCollection[Doc] = self.db["api_keys"]
         self.clock: Clock = clock or SystemClock()
         self._outbox = _Outbox(self.runs, self.events)
 
@@ -286,6 +333,12 @@ class MongoStore:
                 ),
                 IndexModel([("scope", ASCENDING), ("scopeId", ASCENDING), ("_id", DESCENDING)]),
                 IndexModel([("templateType", ASCENDING), ("_id", DESCENDING)]),
+                IndexModel([("scheduleId", ASCENDING), ("_id", DESCENDING)]),
+                # Runs waiting for a dedupe key, oldest first.
+                IndexModel(
+                    [("dedupeWait", ASCENDING), ("_id", ASCENDING)],
+                    partialFilterExpression={"dedupeWait": has},
+                ),
                 # The sweep: runs whose outbox still holds events nobody copied.
                 IndexModel(
                     [("updateAt", ASCENDING)],
@@ -297,12 +350,18 @@ class MongoStore:
         await self.schedules.create_indexes(
             [IndexModel([("enabled", ASCENDING), ("nextRunAt", ASCENDING)])]
         )
+        # The audit query pages by (createAt, _id) under at most one equality filter, and each
+        # such filter has its index, so no query scans the collection.
         await self.events.create_indexes(
             [
                 IndexModel([("jobId", ASCENDING), ("runVersion", ASCENDING), ("_id", ASCENDING)]),
-                IndexModel([("scope", ASCENDING), ("scopeId", ASCENDING), ("createAt", ASCENDING)]),
+                *(
+                    IndexModel([*fields, ("createAt", ASCENDING), ("_id", ASCENDING)])
+                    for fields in _EVENT_FILTERS
+                ),
             ]
         )
+        await self.api_keys.create_indexes([IndexModel([("name", ASCENDING)], unique=True)])
 
     # -- templates -----------------------------------------------------------------------------
 
@@ -338,6 +397,51 @@ class MongoStore:
         doc = await self.templates.find_one(query, sort=[("version", DESCENDING)])
         return _template(doc) if doc else None
 
+    async def latest_templates(self) -> list[Template]:
+        """The latest version of every template type, by type."""
+        cursor = await self.templates.aggregate(
+            [
+                {"$sort": {"type": 1, "version": -1}},
+                {"$group": {"_id": "$type", "doc": {"$first": "$$ROOT"}}},
+                {"$replaceWith": "$doc"},
+                {"$sort": {"type": 1}},
+            ]
+        )
+        return [_template(d) async for d in cursor]
+
+    async def template_versions(self, type_: str) -> list[int]:
+        cursor = self.templates.find({"type": type_}, {"version": 1}).sort("version", 1)
+        return [d["version"] async for d in cursor]
+
+    async def set_template_enabled(self, type_: str, enabled: bool) -> Template | None:
+        """Enable or disable a template type. `enabled` is not part of a version's definition,
+        so it is set on every version: a run pinned to an old version is refused too."""
+        now = self.clock.now()
+        result = await self.templates.update_many(
+            {"type": type_}, {"$set": {"enabled": enabled, "updateAt": now}}
+        )
+        return await self.get_template(type_) if result.matched_count else None
+
+    # -- API keys --------------------------------------------------------------------------------
+
+    async def insert_api_key(self, key: ApiKey) -> bool:
+        """Store a new key; False if its name is taken."""
+        doc = key.model_dump(by_alias=True)
+        doc["_id"] = ObjectId(doc.pop("id"))
+        try:
+            await self.api_keys.insert_one(doc)
+        except DuplicateKeyError:
+            return False
+        return True
+
+    async def get_api_key(self, key_id: str) -> ApiKey | None:
+        oid = object_id(key_id)
+        doc = await self.api_keys.find_one({"_id": oid}) if oid else None
+        if doc is None:
+            return None
+        doc["id"] = str(doc.pop("_id"))
+        return ApiKey.model_validate(doc)
+
     # -- runs ----------------------------------------------------------------------------------
 
     async def insert_run(self, new: NewRun, actor: str) -> Run:
@@ -361,6 +465,7 @@ class MongoStore:
             max_attempts=t.retry_policy.max_attempts,
             not_before=new.not_before,
             dedupe_key=new.dedupe_key,
+            dedupe_wait=new.dedupe_wait,
             idempotency_key=new.idempotency_key,
             schedule_id=new.schedule_id,
             scheduled_for=new.scheduled_for,
@@ -382,23 +487,85 @@ class MongoStore:
         return run
 
     async def _raise_duplicate(self, exc: DuplicateKeyError, new: NewRun) -> None:
-        key = (exc.details or {}).get("keyPattern", {})
-        if "dedupeKey" in key:
-            active = await self.runs.find_one({"dedupeKey": new.dedupe_key}, {"_id": 1})
-            raise ConcurrencyConflict(str(active["_id"]) if active else None) from exc
-        query: Doc
-        if "idempotencyKey" in key:
-            query = {
-                "scope": new.scope,
-                "scopeId": new.scope_id,
-                "idempotencyKey": new.idempotency_key,
-            }
-        else:
-            query = {"scheduleId": new.schedule_id, "scheduledFor": new.scheduled_for}
-        existing = await self.runs.find_one(query)
-        if existing is None:  # removed between our insert and this read; report the original
-            raise exc
-        raise DuplicateRun(_run(existing)) from exc
+        """Say which run the insert collided with. A run with the same idempotency key wins
+        over a dedupe key collision: a repeated create is answered with its first run."""
+        if new.idempotency_key is not None:
+            same = {"scope": new.scope, "scopeId": new.scope_id}
+            existing = await self.runs.find_one({**same, "idempotencyKey": new.idempotency_key})
+            if existing is not None:
+                raise DuplicateRun(_run(existing)) from exc
+        pattern = (exc.details or {}).get("keyPattern", {})
+        if "dedupeKey" in pattern:
+            assert new.dedupe_key is not None
+            raise await self._key_held(new.dedupe_key) from exc
+        if "scheduleId" in pattern:
+            fire = {"scheduleId": new.schedule_id, "scheduledFor": new.scheduled_for}
+            existing = await self.runs.find_one(fire)
+            if existing is not None:
+                raise DuplicateRun(_run(existing)) from exc
+        # The run collided with was removed before this read; report the collision as it was.
+        raise exc
+
+    async def _key_held(self, key: str) -> KeyHeld:
+        holder = await self.runs.find_one({"dedupeKey": key})
+        return KeyHeld(key, _run(holder) if holder else None)
+
+    async def take_key(self, run: Run, actor: str) -> Moved | Lost:
+        """A run waiting for its dedupe key takes it (it stays `pending`, ready to queue).
+
+        The unique index decides between takers; raises `KeyHeld` if another run has the key.
+        """
+        key = run.dedupe_wait
+        oid = object_id(run.id)
+        if key is None or oid is None:
+            return Lost(run.id, "status", run.status)
+        query = {"_id": oid, "status": RunStatus.PENDING, "dedupeWait": key}
+        now = self.clock.now()
+        update: Doc = {
+            "$set": {"dedupeKey": key, "updateAt": now},
+            "$unset": {"dedupeWait": ""},
+            "$inc": {"version": 1},
+        }
+
+        def events(state: Known) -> list[Doc]:
+            return [
+                _event(
+                    run.id,
+                    "dedupe_key_taken",
+                    actor,
+                    state.scope,
+                    state.scope_id,
+                    state.version + 1,
+                    metadata={"dedupeKey": key},
+                    now=now,
+                )
+            ]
+
+        try:
+            written = await self._write(query, update, None, CLAIMABLE, None, events)
+        except DuplicateKeyError:
+            raise await self._key_held(key) from None
+        if written is None:
+            return await self._lost(run.id, None, "take_key")
+        await self._outbox.hand(oid, written[1])
+        return Moved(run.id, RunStatus.PENDING, RunStatus.PENDING)
+
+    async def next_waiting(self, key: str) -> Run | None:
+        """The oldest pending run waiting for `key`."""
+        query = {"dedupeWait": key, "status": RunStatus.PENDING}
+        doc = await self.runs.find_one(query, sort=[("_id", 1)])
+        return _run(doc) if doc else None
+
+    async def waited_keys(self, limit: int) -> list[str]:
+        """Keys that pending runs wait for (the scheduler admits their next run if it is free)."""
+        cursor = await self.runs.aggregate(
+            [
+                {"$match": {"dedupeWait": {"$exists": True}, "status": RunStatus.PENDING}},
+                {"$group": {"_id": "$dedupeWait"}},
+                {"$limit": limit},
+            ]
+        )
+        return [d["_id"] async for d in cursor]
 
     async def get_run(self, run_id: str) -> Run | None:
         oid = object_id(run_id)
@@ -417,6 +584,63 @@ class MongoStore:
         # clocks of two processes (or two writes in one millisecond) cannot.
         return sorted(map(_event_model, trail.values()), key=lambda e: (e.run_version, e.id))
 
+    async def list_runs(
+        self, query: RunQuery, within: Sequence[tuple[str, str]] | None, limit: int
+    ) -> list[Run]:
+        """Runs matching `query`, newest first, only in the scopes `within` unless it is None."""
+        find: Doc = {
+            field: value
+            for field, value in (
+                ("status", query.status),
+                ("templateType", query.template_type),
+                ("scope", query.scope),
+                ("scopeId", query.scope_id),
+                ("scheduleId", query.schedule_id),
+            )
+            if value is not None
+        }
+        if within is not None:
+            find["$or"] = [{"scope": s, "scopeId": i} for s, i in within]
+        if query.before is not None:
+            find["_id"] = {"$lt": ObjectId(query.before)}
+        cursor = self.runs.find(find, {"outbox": 0}).sort("_id", -1).limit(limit)
+        return [_run(d) async for d in cursor]
+
+    def event_query(self, query: EventQuery, within: Sequence[tuple[str, str]] | None) -> Doc:
+        find: Doc = {
+            field: value
+            for field, value in (
+                ("jobId", query.job_id),
+                ("type", query.type),
+                ("scope", query.scope),
+                ("scopeId", query.scope_id),
+                ("actor", query.actor),
+            )
+            if value is not None
+        }
+        if within is not None:
+            find["$or"] = [{"scope": s, "scopeId": i} for s, i in within]
+        created: Doc = {}
+        if query.since is not None:
+            created["$gte"] = query.since
+        if query.until is not None:
+            created["$lt"] = query.until
+        if query.after is not None:
+            at, last = query.after
+            created["$gte"] = max(at, created.get("$gte", at))
+            find["$nor"] = [{"createAt": at, "_id": {"$lte": ObjectId(last)}}]
+        if created:
+            find["createAt"] = created
+        return find
+
+    async def list_events(
+        self, query: EventQuery, within: Sequence[tuple[str, str]] | None, limit: int
+    ) -> list[Event]:
+        """Events matching `query` in (createAt, _id) order, after `query.after`."""
+        find = self.event_query(query, within)
+        cursor = self.events.find(find).sort([("createAt", 1), ("_id", 1)]).limit(limit)
+        return [_event_model(d) async for d in cursor]
+
     async def sweep_outboxes(self, idle_since: datetime, limit: int) -> int:
         """Copy events left in the outboxes of runs untouched since `idle_since`: events whose
         writer died before copying them. Returns how many events were copied."""
@@ -430,7 +654,11 @@ class MongoStore:
     async def claimable(self, after: str | None, limit: int, idle_since: datetime) -> list[Run]:
         """Pending and queued runs untouched since `idle_since`, in id order, for the reconciler
         to check against Redis (younger ones are most likely being created right now)."""
-        query: Doc = {"status": {"$in": sorted(CLAIMABLE)}, "updateAt": {"$lt": idle_since}}
+        query: Doc = {
+            "status": {"$in": sorted(CLAIMABLE)},
+            "updateAt": {"$lt": idle_since},
+            "dedupeWait": {"$exists": False},
+        }
         if after:
             query["_id"] = {"$gt": ObjectId(after)}
         cursor = self.runs.find(query).sort("_id", 1).limit(limit)
@@ -456,7 +684,7 @@ class MongoStore:
                 "completedAt": now,
                 "progress.steps.$[p].status": StepStatus.SKIPPED,
             },
-            unset=["dedupeKey"],
+            unset=["dedupeKey", "dedupeWait"],
             array_filters=[_UNDONE_STEP],
             message=reason,
         )
@@ -515,7 +743,12 @@ class MongoStore:
             "to": RunStatus.RUNNING.value,
         }
         await self.runs.update_many(
-            {"_id": {"$in": oids}, "status": {"$in": sorted(CLAIMABLE)}, **due},
+            {
+                "_id": {"$in": oids},
+                "status": {"$in": sorted(CLAIMABLE)},
+                "dedupeWait": {"$exists": False},
+                **due,
+            },
             [
                 {
                     "$set": {
@@ -692,7 +925,10 @@ class MongoStore:
         output: Any,
         result: Any,
         started_at: datetime | None = None,
+        spend_key: bool = False,
     ) -> Moved | Lost:
+        """The last step succeeded. With `spend_key` (a template that is not `repeatable`) the
+        run keeps its dedupe key, so the unique index refuses every later run for that key."""
         now = self.clock.now()
         started, before = _unwritten_start(index, step_id, started_at)
         before.append(("step_finished", None, {"step": step_id}))
@@ -708,7 +944,7 @@ class MongoStore:
                 "completedAt": now,
                 "progress.percentage": 100,
             },
-            unset=["leaseToken", "lockedUntil", "dedupeKey"],
+            unset=["leaseToken", "lockedUntil", *([] if spend_key else ["dedupeKey"])],
             before=before,
         )
 

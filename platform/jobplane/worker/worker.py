@@ -22,6 +22,7 @@ from typing import Any, Literal
 from jobplane.clock import Clock, SystemClock
 from jobplane.model import Run, RunError, RunStatus, StepStatus, Template
 from jobplane.queue.redis import QueueEntry, RedisQueue
+from jobplane.runs import RunService
 from jobplane.settings import Settings
 from jobplane.store import Lease, Lost, MongoStore
 from jobplane.worker.backoff import backoff_seconds
@@ -211,6 +212,16 @@ class Worker:
             with contextlib.suppress(Exception):
                 await self.queue.release_run(held.run.id, held.lease.owner)
             self._slot_free.set()
+            if held.run.dedupe_key is not None:
+                await self._admit_next(held.run.dedupe_key, held.lease.actor)
+
+    async def _admit_next(self, key: str, actor: str) -> None:
+        """A run that held a dedupe key stopped: a run waiting for the key may start (if the
+        run still holds it, being queued for a retry, nothing happens)."""
+        try:
+            await RunService(self.store, self.queue).admit_next(key, actor)
+        except Exception:
+            log.exception("admitting the next run for key %s failed; the scheduler will", key)
 
     async def _release(self, held: _Held) -> None:
         """Shutdown: hand the run back to the queue, or finish a cancel that was asked for."""
@@ -237,7 +248,11 @@ class Worker:
         if first == len(steps):  # every step succeeded before a crash cut the final write short
             last = steps[-1].id
             output = outputs.get(last)
-            self._check(await self.store.complete(lease, first - 1, last, output, output))
+            spend = not template.repeatable
+            moved = await self.store.complete(
+                lease, first - 1, last, output, output, spend_key=spend
+            )
+            self._check(moved)
             return
         for index in range(first, len(steps)):
             step = steps[index]
@@ -264,7 +279,9 @@ class Worker:
                     await self.store.finish_step(lease, index, step.id, output, percentage, began)
                 )
                 continue
-            moved = await self.store.complete(lease, index, step.id, output, output, began)
+            moved = await self.store.complete(
+                lease, index, step.id, output, output, began, spend_key=not template.repeatable
+            )
             if isinstance(moved, Lost) and moved.status == RunStatus.CANCEL_REQUESTED:
                 # The step ran to its end (it may be non-cancelable): keep its output, then
                 # acknowledge the cancel, which the table requires over success.

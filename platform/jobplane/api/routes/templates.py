@@ -1,9 +1,9 @@
-"""Registering and reading templates."""
+"""Registering, reading, enabling and disabling templates."""
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from jobplane.api.deps import CallerDep, StoreDep
+from jobplane.api.deps import StoreDep, TemplateAuthor, TemplateReader
 from jobplane.api.errors import ERROR_RESPONSES
 from jobplane.errors import NotFound
 from jobplane.model import Template
@@ -11,9 +11,27 @@ from jobplane.templates import parse_template
 
 router = APIRouter(prefix="/v1/templates", tags=["templates"], responses=ERROR_RESPONSES)
 
+_YAML_BODY = {"application/yaml": {"schema": {"type": "string"}}}
+_TEMPLATE_BODY = {
+    "requestBody": {
+        "required": True,
+        "content": {
+            "application/json": {"schema": {"$ref": "#/components/schemas/TemplateSpec"}},
+            **_YAML_BODY,
+        },
+    }
+}
 
-@router.post("", status_code=201, response_model=Template, response_model_by_alias=True)
-async def register(request: Request, store: StoreDep, caller: CallerDep) -> JSONResponse:
+
+@router.post(
+    "",
+    status_code=201,
+    response_model=Template,
+    response_model_by_alias=True,
+    responses={200: {"model": Template, "description": "unchanged: the latest version"}},
+    openapi_extra=_TEMPLATE_BODY,
+)
+async def register(request: Request, store: StoreDep, caller: TemplateAuthor) -> JSONResponse:
     """Register a template from JSON or YAML (`Content-Type: application/yaml`).
 
     An unchanged definition returns the latest version with 200; a changed one is stored as
@@ -26,17 +44,38 @@ async def register(request: Request, store: StoreDep, caller: CallerDep) -> JSON
     return JSONResponse(body, status_code=201 if created else 200)
 
 
+@router.get("", response_model=list[Template], response_model_by_alias=True)
+async def latest_of_each(store: StoreDep, caller: TemplateReader) -> list[Template]:
+    """The latest version of every template."""
+    return await store.latest_templates()
+
+
 @router.get("/{type_}", response_model=Template, response_model_by_alias=True)
-async def latest(type_: str, store: StoreDep, caller: CallerDep) -> Template:
-    template = await store.get_template(type_)
-    if template is None:
-        raise NotFound(f"template {type_!r} not found")
-    return template
+async def latest(type_: str, store: StoreDep, caller: TemplateReader) -> Template:
+    return _found(await store.get_template(type_), type_)
 
 
 @router.get("/{type_}/versions/{version}", response_model=Template, response_model_by_alias=True)
-async def version(type_: str, version: int, store: StoreDep, caller: CallerDep) -> Template:
+async def version(type_: str, version: int, store: StoreDep, caller: TemplateReader) -> Template:
     template = await store.get_template(type_, version)
     if template is None:
         raise NotFound(f"template {type_!r} version {version} not found")
+    return template
+
+
+@router.post("/{type_}/enable", response_model=Template, response_model_by_alias=True)
+async def enable(type_: str, store: StoreDep, caller: TemplateAuthor) -> Template:
+    return _found(await store.set_template_enabled(type_, True), type_)
+
+
+@router.post("/{type_}/disable", response_model=Template, response_model_by_alias=True)
+async def disable(type_: str, store: StoreDep, caller: TemplateAuthor) -> Template:
+    """New runs (and schedule fires) are refused with 409 `TemplateDisabled`; runs already
+    created go on."""
+    return _found(await store.set_template_enabled(type_, False), type_)
+
+
+def _found(template: Template | None, type_: str) -> Template:
+    if template is None:
+        raise NotFound(f"template {type_!r} not found")
     return template

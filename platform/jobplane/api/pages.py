@@ -1,0 +1,64 @@
+"""Cursor pagination: a page of items and an opaque cursor to the next one."""
+
+import base64
+import binascii
+from datetime import UTC, datetime
+from typing import Annotated, Generic, TypeVar
+
+from bson import ObjectId
+from fastapi import Query
+from pydantic import BaseModel, ConfigDict
+from pydantic.alias_generators import to_camel
+
+from jobplane.errors import ValidationFailed
+
+T = TypeVar("T")
+Limit = Annotated[int, Query(ge=1, le=500)]
+Cursor = Annotated[str | None, Query(max_length=200)]
+
+
+class Page(BaseModel, Generic[T]):
+    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True)
+
+    items: list[T]
+    next_cursor: str | None = None
+
+
+def run_cursor(run_id: str) -> str:
+    return _encode(run_id)
+
+
+def after_run(cursor: str) -> str:
+    [run_id] = _decode(cursor, 1)
+    return run_id
+
+
+def event_cursor(at: datetime, event_id: str) -> str:
+    return _encode(str(round(at.timestamp() * 1000)), event_id)
+
+
+def after_event(cursor: str) -> tuple[datetime, str]:
+    ms, event_id = _decode(cursor, 2)
+    return datetime.fromtimestamp(int(ms) / 1000, tz=UTC), event_id
+
+
+def _encode(*parts: str) -> str:
+    return base64.urlsafe_b64encode("|".join(parts).encode()).decode().rstrip("=")
+
+
+def _decode(cursor: str, parts: int) -> list[str]:
+    """The parts of a cursor made here (the last one an id, any other a number)."""
+    try:
+        text = base64.urlsafe_b64decode(cursor + "=" * (-len(cursor) % 4)).decode()
+    except (binascii.Error, UnicodeDecodeError):
+        text = ""
+    decoded = text.split("|")
+    if (
+        len(decoded) != parts
+        or not ObjectId.is_valid(decoded[-1])
+        or not all(p.isdigit() and len(p) < 16 for p in decoded[:-1])
+    ):
+        raise ValidationFailed(
+            "invalid cursor", [{"pointer": "/cursor", "message": "not a cursor from this API"}]
+        )
+    return decoded

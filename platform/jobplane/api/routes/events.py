@@ -1,0 +1,51 @@
+"""The audit trail: events across runs, by run, scope, type, actor and time."""
+
+from datetime import datetime
+from typing import Annotated, Literal
+
+from fastapi import APIRouter, Query
+
+from jobplane.api import pages
+from jobplane.api.deps import EventReader, StoreDep
+from jobplane.api.errors import ERROR_RESPONSES
+from jobplane.api.pages import Cursor, Limit, Page
+from jobplane.errors import ValidationFailed
+from jobplane.model import Event
+from jobplane.store import EventQuery
+
+router = APIRouter(prefix="/v1/events", tags=["events"], responses=ERROR_RESPONSES)
+
+
+@router.get("", response_model=Page[Event], response_model_by_alias=True)
+async def search(
+    store: StoreDep,
+    caller: EventReader,
+    job_id: Annotated[str | None, Query(alias="jobId")] = None,
+    type_: Annotated[str | None, Query(alias="type")] = None,
+    scope: Literal["user", "account", "system"] | None = None,
+    scope_id: Annotated[str | None, Query(alias="scopeId")] = None,
+    actor: str | None = None,
+    since: Annotated[datetime | None, Query(alias="from")] = None,
+    until: Annotated[datetime | None, Query(alias="to")] = None,
+    limit: Limit = 100,
+    cursor: Cursor = None,
+) -> Page[Event]:
+    """Events in time order (`from` inclusive, `to` exclusive). A user key sees only events
+    of its own scopes. Events reach this trail within milliseconds of their write (a run's
+    own trail, `GET /v1/runs/{id}/events`, has them at once)."""
+    for name, at in (("from", since), ("to", until)):
+        if at is not None and at.tzinfo is None:
+            raise ValidationFailed(
+                "times need an offset",
+                [{"pointer": f"/{name}", "message": "e.g. 2026-01-01T00:00:00Z"}],
+            )
+    if scope is not None and scope_id is not None:
+        caller.may_act_in(scope, scope_id)
+    after = pages.after_event(cursor) if cursor else None
+    query = EventQuery(job_id, type_, scope, scope_id, actor, since, until, after)
+    found = await store.list_events(query, caller.within, limit + 1)
+    more = len(found) > limit
+    items = found[:limit]
+    last = items[-1] if more else None
+    next_cursor = pages.event_cursor(last.create_at, last.id) if last else None
+    return Page(items=items, next_cursor=next_cursor)
