@@ -8,11 +8,16 @@ class Clock(Protocol):
     def now(self) -> datetime: ...
 
 
+def as_stored(t: datetime) -> datetime:
+    """`t` in UTC to the millisecond, as a BSON date keeps it: reads then equal what was
+    written."""
+    t = t.astimezone(UTC)
+    return t.replace(microsecond=t.microsecond // 1000 * 1000)
+
+
 class SystemClock:
     def now(self) -> datetime:
-        # BSON dates keep milliseconds; truncating here keeps reads equal to what was written.
-        t = datetime.now(UTC)
-        return t.replace(microsecond=t.microsecond // 1000 * 1000)
+        return as_stored(datetime.now(UTC))
 
 
 class ManualClock:

@@ -1,10 +1,13 @@
 """Backends and helpers for tests against the real MongoDB and Redis of the session."""
 
 from collections.abc import AsyncIterator, Awaitable, Callable
+from contextlib import AsyncExitStack
 from typing import Any
 
+import httpx
 import pytest
 
+from jobplane.api import create_app
 from jobplane.backends import Backends, open_backends
 from jobplane.model import Template, TemplateSpec
 from jobplane.queue.redis import RedisQueue
@@ -12,6 +15,7 @@ from jobplane.settings import Settings
 from jobplane.store import MongoStore
 
 Register = Callable[..., Awaitable[Template]]
+Client = Callable[[str], httpx.AsyncClient]
 
 
 @pytest.fixture
@@ -59,3 +63,18 @@ def register(store: MongoStore) -> Register:
         return template
 
     return register
+
+
+@pytest.fixture
+async def client_for(backends: Backends, settings: Settings) -> AsyncIterator[Client]:
+    """`client_for(key)`: a client of one ASGI app that sends `key` as its bearer key."""
+    transport = httpx.ASGITransport(app=create_app(settings, backends))
+    async with AsyncExitStack() as stack:
+
+        def client(key: str) -> httpx.AsyncClient:
+            headers = {"authorization": f"Bearer {key}"}
+            made = httpx.AsyncClient(transport=transport, base_url="http://t", headers=headers)
+            stack.push_async_callback(made.aclose)
+            return made
+
+        yield client

@@ -10,6 +10,7 @@ import pytest
 from jobplane.api import create_app
 from jobplane.backends import Backends
 from jobplane.settings import Settings
+from tests.integration.api_client import error_of, pointers
 
 TEMPLATES = Path(__file__).parents[2] / "templates"
 DEMO_YAML = (TEMPLATES / "demo_long_task.yaml").read_text()
@@ -21,19 +22,6 @@ async def api(backends: Backends, settings: Settings) -> AsyncIterator[httpx.Asy
     headers = {"authorization": f"Bearer {settings.admin_key}"}
     async with httpx.AsyncClient(transport=transport, base_url="http://t", headers=headers) as c:
         yield c
-
-
-def error_of(response: httpx.Response, status: int, code: str) -> dict[str, Any]:
-    assert response.status_code == status, response.text
-    body = response.json()
-    assert set(body) == {"error"} and set(body["error"]) == {"code", "message", "details"}
-    assert body["error"]["code"] == code
-    error: dict[str, Any] = body["error"]
-    return error
-
-
-def pointers(error: dict[str, Any]) -> list[str]:
-    return [e["pointer"] for e in error["details"]["errors"]]
 
 
 async def test_health_and_readiness(api: httpx.AsyncClient) -> None:

@@ -4,6 +4,9 @@ from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 from fastapi import FastAPI
+from starlette.datastructures import Headers
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from jobplane.api import errors
 from jobplane.api.routes import events, health, keys, runs, templates
@@ -21,19 +24,47 @@ def create_app(settings: Settings, backends: Backends | None = None) -> FastAPI:
             app.state.store, app.state.queue = opened.store, opened.queue
             yield
 
-    # Room for the largest payload and its envelope, and for the largest template: a bigger
-    # body is refused (413) before it is read into memory.
-    limit = max(settings.max_payload_bytes + 64 * 1024, MAX_TEMPLATE_BYTES)
-    app = FastAPI(
-        title="jobplane",
-        version="1",
-        lifespan=None if backends else lifespan,
-        max_body_size=limit,
-    )
+    app = FastAPI(title="jobplane", version="1", lifespan=None if backends else lifespan)
     app.state.settings = settings
     if backends is not None:
         app.state.store, app.state.queue = backends.store, backends.queue
     errors.install(app)
     for module in (health, keys, templates, runs, events):
         app.include_router(module.router)
+    # Room for the largest payload and its envelope, and for the largest template.
+    limit = max(settings.max_payload_bytes + 64 * 1024, MAX_TEMPLATE_BYTES)
+    app.add_middleware(BodyLimit, limit=limit)
     return app
+
+
+class BodyLimit:
+    """Refuses a request body over `limit` bytes (413) before it is read into memory.
+
+    Starlette's own limiter answers in plain text, not in SPEC.md's error shape. This one
+    raises an `HTTPException` from `receive`, which FastAPI passes on to the error handlers.
+    """
+
+    def __init__(self, app: ASGIApp, limit: int) -> None:
+        self.app = app
+        self.limit = limit
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        too_large = HTTPException(413, f"request body over {self.limit} bytes")
+        declared = Headers(scope=scope).get("content-length", "")
+        if declared.isdigit() and int(declared) > self.limit:
+            await errors.http_error(too_large)(scope, receive, send)
+            return
+        seen = 0
+
+        async def counted() -> Message:
+            nonlocal seen
+            message = await receive()
+            seen += len(message.get("body", b""))
+            if seen > self.limit:
+                raise too_large
+            return message
+
+        await self.app(scope, counted, send)

@@ -35,6 +35,11 @@ def error_response(status: int, code: str, message: str, details: dict[str, Any]
     return JSONResponse(body, status_code=status)
 
 
+def http_error(exc: HTTPException) -> JSONResponse:
+    code = _HTTP_CODES.get(exc.status_code, "Error")
+    return error_response(exc.status_code, code, str(exc.detail), {})
+
+
 def install(app: FastAPI) -> None:
     @app.exception_handler(JobplaneError)
     async def domain(_: Request, exc: JobplaneError) -> JSONResponse:
@@ -53,8 +58,7 @@ def install(app: FastAPI) -> None:
 
     @app.exception_handler(HTTPException)
     async def http(_: Request, exc: HTTPException) -> JSONResponse:
-        code = _HTTP_CODES.get(exc.status_code, "Error")
-        return error_response(exc.status_code, code, str(exc.detail), {})
+        return http_error(exc)
 
     @app.exception_handler(RedisError)
     async def redis_down(_: Request, exc: RedisError) -> JSONResponse:

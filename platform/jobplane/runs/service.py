@@ -10,6 +10,7 @@ from typing import Any, Literal
 from jsonschema import Draft202012Validator
 from redis.exceptions import RedisError
 
+from jobplane.clock import as_stored
 from jobplane.errors import (
     ConcurrencyConflict,
     NotFound,
@@ -62,7 +63,7 @@ class RunService:
         if not template.enabled:
             raise TemplateDisabled(f"template {template.type!r} is disabled")
         validate_payload(template, request.payload)
-        not_before = request.not_before
+        not_before = as_stored(request.not_before) if request.not_before else None
         if request.delay_seconds:
             not_before = self.store.clock.now() + timedelta(seconds=request.delay_seconds)
         key = dedupe_key(template, request)
