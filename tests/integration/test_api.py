@@ -169,6 +169,10 @@ async def test_an_idempotency_key_returns_the_first_run(
     again = await api.post("/v1/runs", json={**body, "idempotencyKey": "order-42"})
     assert (first.status_code, again.status_code) == (201, 200)
     assert again.json()["id"] == first.json()["id"]
+    changed = await api.post(
+        "/v1/runs", json={**body, "payload": {"target": "b"}, "idempotencyKey": "order-42"}
+    )
+    assert error_of(changed, 409, "ResourceInvalidState")["details"]["runId"] == first.json()["id"]
     other = await api.post("/v1/runs", json={**body, "scopeId": "u2", "idempotencyKey": "order-42"})
     assert other.status_code == 201 and other.json()["id"] != first.json()["id"]
     assert await backends.store.runs.count_documents({}) == 2

@@ -6,12 +6,18 @@ import json
 import os
 import sys
 import time
+from collections.abc import Callable
+from datetime import datetime
+from functools import partial
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn, TypeVar
+from urllib.parse import quote
+
+from pydantic import BaseModel
 
 from jobplane.cli.client import APIClient, CLIError
-from jobplane.cli.render import LiveView
-from jobplane.model import TERMINAL, Run
+from jobplane.cli.render import RUN_HEADER, LiveView, event_line, run_row, template_line
+from jobplane.model import TERMINAL, Event, Run, RunStatus, Template
 from jobplane.settings import Settings
 
 
@@ -24,6 +30,13 @@ def main(argv: list[str] | None = None) -> None:
         sys.exit(1)
     except KeyboardInterrupt:
         sys.exit(130)
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str) -> NoReturn:
+        # One line like every other error; argparse would print the whole usage first.
+        line = CLIError("InvalidArgument", f"{self.prog}: {message} (see --help)")
+        self.exit(2, f"error: {line}\n")
 
 
 def _settings(args: argparse.Namespace) -> Settings:
@@ -71,62 +84,209 @@ def _dev(args: argparse.Namespace) -> None:
     try:
         code = asyncio.run(run_dev(settings, args.templates, args.demo, args.exit_after_demo))
     except RuntimeError as exc:  # a local server that would not start says why
-        raise CLIError(str(exc)) from exc
+        raise CLIError("Unavailable", str(exc)) from exc
     sys.exit(code)
 
 
 # -- API commands --------------------------------------------------------------------------------
 
+APICommand = Callable[[argparse.Namespace, APIClient], None]
+M = TypeVar("M", bound=BaseModel)
 
-def _templates_apply(args: argparse.Namespace) -> None:
+
+def _with_client(command: APICommand, args: argparse.Namespace) -> None:
+    with _client(args) as client:
+        command(args, client)
+
+
+def _present(**fields: Any) -> dict[str, Any]:
+    """Only the options given: the API tells an absent field from a null one."""
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+def _segment(value: str) -> str:
+    # Ids and types come from the user; a `/` or `?` in one must not change the route.
+    return quote(value, safe="")
+
+
+def _templates_apply(args: argparse.Namespace, client: APIClient) -> None:
+    from jobplane.templates.loader import SUFFIXES
+
     path = Path(args.path)
-    files = sorted(p for p in path.iterdir() if p.suffix in {".yaml", ".yml", ".json"})
-    client = _client(args)
-    for file in files if path.is_dir() else [path]:
+    if path.is_dir():
+        files = sorted(p for p in path.iterdir() if p.suffix in SUFFIXES)
+    elif path.is_file():
+        files = [path]
+    else:
+        raise CLIError("InvalidArgument", f"{path}: no such file or directory")
+    if not files:
+        raise CLIError("InvalidArgument", f"{path}: no {', '.join(sorted(SUFFIXES))} files")
+    for file in files:
         kind = "application/json" if file.suffix == ".json" else "application/yaml"
-        t = client.call(
-            "POST", "/v1/templates", content=file.read_bytes(), headers={"content-type": kind}
-        )
+        try:
+            t = client.call(
+                "POST", "/v1/templates", content=file.read_bytes(), headers={"content-type": kind}
+            )
+        except OSError as exc:
+            raise CLIError("InvalidArgument", f"{file}: {exc.strerror}") from exc
+        except CLIError as exc:  # in a directory, say which file was refused
+            raise CLIError(exc.code, f"{file.name}: {exc.message}") from exc
         print(f"{file.name}: {t['type']} v{t['version']}")
 
 
-def _runs_create(args: argparse.Namespace) -> None:
-    try:
-        payload = json.loads(args.payload)
-    except ValueError as exc:
-        raise CLIError(f"--payload is not JSON: {exc}") from exc
-    body: dict[str, Any] = {
-        "templateType": args.template,
-        "scope": args.scope,
-        "scopeId": args.scope_id,
-        "payload": payload,
-    }
-    run = _client(args).call("POST", "/v1/runs", json=body)
+def _templates_list(args: argparse.Namespace, client: APIClient) -> None:
+    for template in client.call("GET", "/v1/templates"):
+        print(template_line(Template.model_validate(template)))
+
+
+def _templates_show(args: argparse.Namespace, client: APIClient) -> None:
+    path = f"/v1/templates/{_segment(args.type)}"
+    if args.version is not None:
+        path += f"/versions/{args.version}"
+    print(json.dumps(client.call("GET", path), indent=2))
+
+
+def _templates_toggle(args: argparse.Namespace, client: APIClient) -> None:
+    t = Template.model_validate(
+        client.call("POST", f"/v1/templates/{_segment(args.type)}/{args.action}")
+    )
+    print(template_line(t))
+
+
+def _runs_create(args: argparse.Namespace, client: APIClient) -> None:
+    body = _present(
+        templateType=args.template,
+        scope=args.scope,
+        scopeId=args.scope_id,
+        payload=args.payload,
+        priority=args.priority,
+        delaySeconds=args.delay_seconds,
+        idempotencyKey=args.idempotency_key,
+    )
+    run = client.call("POST", "/v1/runs", json=body)
     print(run["id"])
     if args.watch:
-        _watch(_client(args), run["id"], args.interval)
+        _watch(client, run["id"], args.interval)
 
 
-def _runs_get(args: argparse.Namespace) -> None:
-    print(json.dumps(_client(args).call("GET", f"/v1/runs/{args.run_id}"), indent=2))
+def _runs_get(args: argparse.Namespace, client: APIClient) -> None:
+    print(json.dumps(client.call("GET", f"/v1/runs/{_segment(args.run_id)}"), indent=2))
 
 
-def _runs_watch(args: argparse.Namespace) -> None:
-    _watch(_client(args), args.run_id, args.interval)
+def _runs_list(args: argparse.Namespace, client: APIClient) -> None:
+    params = _present(
+        status=args.status,
+        templateType=args.template,
+        scope=args.scope,
+        scopeId=args.scope_id,
+        scheduleId=args.schedule_id,
+        limit=args.limit,
+    )
+    _print_pages(client, "/v1/runs", params, args.all, Run, run_row, header=RUN_HEADER)
+
+
+def _runs_cancel(args: argparse.Namespace, client: APIClient) -> None:
+    path = f"/v1/runs/{_segment(args.run_id)}/cancel"
+    run = client.call("POST", path, json=_present(reason=args.reason))
+    print(f"{run['id']} {run['status']}")
+
+
+def _runs_rerun(args: argparse.Namespace, client: APIClient) -> None:
+    run = client.call("POST", f"/v1/runs/{_segment(args.run_id)}/rerun")
+    print(run["id"])
+    if args.watch:
+        _watch(client, run["id"], args.interval)
+
+
+def _runs_watch(args: argparse.Namespace, client: APIClient) -> None:
+    _watch(client, args.run_id, args.interval)
 
 
 def _watch(client: APIClient, run_id: str, interval: float) -> None:
     view = LiveView(sys.stdout.isatty())
     while True:
-        run = Run.model_validate(client.call("GET", f"/v1/runs/{run_id}"))
+        run = Run.model_validate(client.call("GET", f"/v1/runs/{_segment(run_id)}"))
         view.show(run)
-        if run.status in TERMINAL:
+        if run.status == RunStatus.SUCCEEDED:
             return
+        if run.status in TERMINAL:  # a script waiting on the run learns it from the exit code
+            raise CLIError("RunNotSucceeded", f"run {run.id} ended {run.status.value}")
         time.sleep(interval)
 
 
+def _events(args: argparse.Namespace, client: APIClient) -> None:
+    params = _present(
+        jobId=args.job_id,
+        type=args.type,
+        scope=args.scope,
+        scopeId=args.scope_id,
+        actor=args.actor,
+        limit=args.limit,
+        **{"from": args.since, "to": args.until},
+    )
+    _print_pages(client, "/v1/events", params, args.all, Event, event_line)
+
+
+def _print_pages(
+    client: APIClient,
+    path: str,
+    params: dict[str, Any],
+    every: bool,
+    model: type[M],
+    line: Callable[[M], str],
+    header: str | None = None,
+) -> None:
+    more = False
+    for page in client.pages(path, params, every):
+        if header is not None:  # only once the API has answered: a refusal prints no table
+            print(header)
+            header = None
+        for item in page["items"]:
+            print(line(model.model_validate(item)), flush=True)
+        more = page.get("nextCursor") is not None
+    if more and not every:
+        # On stderr, so a script reading the rows sees only rows.
+        print("(more on the next page: --all lists them all)", file=sys.stderr)
+
+
+def _keys_create(args: argparse.Namespace, client: APIClient) -> None:
+    body = {"name": args.name, "role": args.role, "scopes": args.scope}
+    key = client.call("POST", "/v1/api-keys", json=body)
+    print(f"id:     {key['id']}")
+    print(f"name:   {key['name']}")
+    print(f"role:   {key['role']}")
+    print(f"scopes: {' '.join(key['scopes']) or '(all)'}")
+    print(f"secret: {key['key']}")
+    print("The secret is shown only this once: only its hash is stored. Keep it safe.")
+
+
+# -- argument types: bad input stops here, before any request -------------------------------------
+
+
+def _json_object(text: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"not JSON: {exc}") from exc
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"not a JSON object: {text}")
+    return value
+
+
+def _instant(text: str) -> str:
+    try:
+        at = datetime.fromisoformat(text)
+    except ValueError:
+        at = None
+    if at is None or at.tzinfo is None:
+        raise argparse.ArgumentTypeError(
+            f"{text!r} is not an ISO 8601 time with an offset, e.g. 2026-01-01T00:00:00Z"
+        )
+    return at.isoformat()
+
+
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="jobplane", description=__doc__)
+    parser = _Parser(prog="jobplane", description=__doc__)
     sub = parser.add_subparsers(required=True, metavar="COMMAND")
 
     api = sub.add_parser("api", help="serve the HTTP API")
@@ -151,33 +311,82 @@ def _parser() -> argparse.ArgumentParser:
     dev.add_argument("--exit-after-demo", action="store_true", help=argparse.SUPPRESS)
     dev.set_defaults(command=_dev)
 
-    def client_args(p: argparse.ArgumentParser) -> None:
+    def client_command(
+        group: "argparse._SubParsersAction[_Parser]", name: str, command: APICommand, help: str
+    ) -> _Parser:
+        p = group.add_parser(name, help=help)
         p.add_argument("--url", help="API base URL (JOBPLANE_URL)")
-        p.add_argument("--key", help="API key (JOBPLANE_API_KEY)")
+        p.add_argument("--key", help="API key (JOBPLANE_API_KEY, else JOBPLANE_ADMIN_KEY)")
+        p.set_defaults(command=partial(_with_client, command))
+        return p
 
-    templates = sub.add_parser("templates", help="template files").add_subparsers(required=True)
-    apply = templates.add_parser("apply", help="register every template in DIR, or one FILE")
-    apply.add_argument("path")
-    client_args(apply)
-    apply.set_defaults(command=_templates_apply)
+    def watchable(p: argparse.ArgumentParser, default: bool = False) -> None:
+        if not default:
+            p.add_argument("--watch", action="store_true", help="then progress bars until it ends")
+        p.add_argument("--interval", type=float, default=0.5, help="seconds between polls")
 
-    runs = sub.add_parser("runs", help="create, read and watch runs").add_subparsers(required=True)
-    create = runs.add_parser("create", help="create a run")
-    create.add_argument("template")
-    create.add_argument("--scope", default="system", choices=["user", "account", "system"])
+    scopes = ["user", "account", "system"]
+    templates = sub.add_parser("templates", help="register and manage templates")
+    tsub = templates.add_subparsers(required=True, metavar="ACTION")
+    apply = client_command(tsub, "apply", _templates_apply, "register templates from DIR or FILE")
+    apply.add_argument("path", metavar="DIR|FILE")
+    client_command(tsub, "list", _templates_list, "the latest version of each template")
+    show = client_command(tsub, "show", _templates_show, "a template as JSON")
+    show.add_argument("type", metavar="TYPE")
+    show.add_argument("--version", type=int, help="this version instead of the latest")
+    for action in ("enable", "disable"):
+        toggle = client_command(tsub, action, _templates_toggle, f"{action} new runs of TYPE")
+        toggle.add_argument("type", metavar="TYPE")
+        toggle.set_defaults(action=action)
+
+    runs = sub.add_parser("runs", help="create, list, watch, cancel and rerun runs")
+    rsub = runs.add_subparsers(required=True, metavar="ACTION")
+    create = client_command(rsub, "create", _runs_create, "create a run of TEMPLATE")
+    create.add_argument("template", metavar="TEMPLATE")
+    create.add_argument("--scope", default="system", choices=scopes)
     create.add_argument("--scope-id", default="cli")
-    create.add_argument("--payload", default="{}", help="JSON object")
-    create.add_argument("--watch", action="store_true")
-    create.add_argument("--interval", type=float, default=0.5)
-    client_args(create)
-    create.set_defaults(command=_runs_create)
-    get = runs.add_parser("get", help="show a run as JSON")
-    get.add_argument("run_id")
-    client_args(get)
-    get.set_defaults(command=_runs_get)
-    watch = runs.add_parser("watch", help="progress bars until the run ends")
-    watch.add_argument("run_id")
-    watch.add_argument("--interval", type=float, default=0.5)
-    client_args(watch)
-    watch.set_defaults(command=_runs_watch)
+    create.add_argument("--payload", type=_json_object, default={}, help="a JSON object")
+    create.add_argument("--priority", type=int, help="-100 to 100; higher runs first")
+    create.add_argument("--delay-seconds", type=float, help="not before this many seconds")
+    create.add_argument("--idempotency-key", help="a repeat returns the first run")
+    watchable(create)
+    get = client_command(rsub, "get", _runs_get, "a run as JSON")
+    get.add_argument("run_id", metavar="ID")
+    listing = client_command(rsub, "list", _runs_list, "runs, newest first")
+    listing.add_argument("--status", choices=[s.value for s in RunStatus])
+    listing.add_argument("--template", help="template type")
+    listing.add_argument("--scope", choices=scopes)
+    listing.add_argument("--scope-id")
+    listing.add_argument("--schedule-id")
+    listing.add_argument("--limit", type=int, help="runs per page")
+    listing.add_argument("--all", action="store_true", help="every page, not just the first")
+    cancel = client_command(rsub, "cancel", _runs_cancel, "cancel a run")
+    cancel.add_argument("run_id", metavar="ID")
+    cancel.add_argument("--reason")
+    rerun = client_command(rsub, "rerun", _runs_rerun, "a new run like a finished one")
+    rerun.add_argument("run_id", metavar="ID")
+    watchable(rerun)
+    watch = client_command(rsub, "watch", _runs_watch, "progress bars until the run ends")
+    watch.add_argument("run_id", metavar="ID")
+    watchable(watch, default=True)
+
+    events = client_command(sub, "events", _events, "the audit trail, oldest first")
+    events.add_argument("--job-id", help="one run's events")
+    events.add_argument("--type", help="e.g. status_changed, cancel_requested")
+    events.add_argument("--scope", choices=scopes)
+    events.add_argument("--scope-id")
+    events.add_argument("--actor", help="e.g. user:admin, scheduler, worker:<id>")
+    events.add_argument("--from", dest="since", type=_instant, help="ISO 8601, inclusive")
+    events.add_argument("--to", dest="until", type=_instant, help="ISO 8601, exclusive")
+    events.add_argument("--limit", type=int, help="events per page")
+    events.add_argument("--all", action="store_true", help="every page, not just the first")
+
+    keys = sub.add_parser("keys", help="API keys")
+    ksub = keys.add_subparsers(required=True, metavar="ACTION")
+    key = client_command(ksub, "create", _keys_create, "create a key; its secret is shown once")
+    key.add_argument("name", metavar="NAME")
+    key.add_argument("--role", required=True, choices=["admin", "author", "user", "auditor"])
+    key.add_argument(
+        "--scope", action="append", default=[], help="for a user key: user:u1 (repeatable)"
+    )
     return parser

@@ -1,19 +1,41 @@
 """The CLI's HTTP client: one call per command, errors as one readable line."""
 
 import json
+from collections.abc import Iterator
+from types import TracebackType
 from typing import Any
 
 import httpx
 
 
 class CLIError(Exception):
-    """Shown to the user as one line; the command exits non-zero."""
+    """Shown to the user as one line, `<Code>: <message>`; the command exits non-zero.
+
+    Codes are the API's own, plus `Unavailable` (no answer from the server) and
+    `InvalidArgument` (bad local input), so scripts can match on one vocabulary.
+    """
+
+    def __init__(self, code: str, message: str) -> None:
+        # Server messages may span lines (a YAML parser's, say); a terminal line must not.
+        self.code, self.message = code, " ".join(message.split())
+        super().__init__(f"{self.code}: {self.message}")
 
 
 class APIClient:
     def __init__(self, url: str, key: str | None, timeout: float = 30) -> None:
         headers = {"authorization": f"Bearer {key}"} if key else {}
-        self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout)
+        try:
+            self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout)
+        except httpx.InvalidURL as exc:
+            raise CLIError("InvalidArgument", f"--url {url!r}: {exc}") from exc
+
+    def __enter__(self) -> "APIClient":
+        return self
+
+    def __exit__(
+        self, kind: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
+    ) -> None:
+        self.close()
 
     def close(self) -> None:
         self.http.close()
@@ -22,21 +44,39 @@ class APIClient:
         try:
             response = self.http.request(method, path, **kwargs)
         except httpx.HTTPError as exc:
-            raise CLIError(f"cannot reach {self.http.base_url}: {exc}") from exc
+            # A timeout's text is often empty: its class name is then the only clue.
+            reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            raise CLIError("Unavailable", f"cannot reach {self.http.base_url} ({reason})") from exc
         if response.status_code >= 400:
-            raise CLIError(describe_error(response))
-        return response.json()
+            raise api_error(response)
+        try:
+            return response.json()
+        except ValueError as exc:
+            raise CLIError(
+                "Unavailable", f"{response.url} answered {response.status_code} without JSON"
+            ) from exc
+
+    def pages(self, path: str, params: dict[str, Any], every: bool) -> Iterator[Any]:
+        """The pages of a list: the first one, or with `every` each one to the end."""
+        while True:
+            page = self.call("GET", path, params=params)
+            yield page
+            if not (every and page.get("nextCursor")):
+                return
+            params = {**params, "cursor": page["nextCursor"]}
 
 
-def describe_error(response: httpx.Response) -> str:
+def api_error(response: httpx.Response) -> CLIError:
     try:
         error = response.json()["error"]
+        code, message = error["code"], error["message"]
     except (ValueError, KeyError, TypeError):
-        return f"HTTP {response.status_code}: {response.text[:200]}"
-    line = f"{error['code']}: {error['message']}"
-    problems = error.get("details", {}).get("errors")
-    if problems:
-        line += " (" + "; ".join(f"{p['pointer'] or '/'}: {p['message']}" for p in problems) + ")"
-    elif error.get("details"):
-        line += " " + json.dumps(error["details"])
-    return line
+        return CLIError(f"HTTP {response.status_code}", response.text[:200] or "(no body)")
+    return CLIError(code, message + _details(error.get("details") or {}))
+
+
+def _details(details: dict[str, Any]) -> str:
+    rest = dict(details)
+    notes = [f"{p.get('pointer') or '/'}: {p.get('message')}" for p in rest.pop("errors", [])]
+    notes += [f"{k}: {v if isinstance(v, str) else json.dumps(v)}" for k, v in rest.items()]
+    return f" ({'; '.join(notes)})" if notes else ""

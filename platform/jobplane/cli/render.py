@@ -1,6 +1,8 @@
-"""Drawing a run's progress in a terminal: one bar per step."""
+"""Drawing runs, templates and events in a terminal: progress bars, table rows, log lines."""
 
-from jobplane.model import Run, StepStatus
+from datetime import datetime
+
+from jobplane.model import Event, Run, StepStatus, Template
 
 _MARK = {
     StepStatus.PENDING: " ",
@@ -26,6 +28,33 @@ def render(run: Run) -> list[str]:
     if run.error:
         lines.append(f"  error: {run.error.code}: {run.error.message}")
     return lines
+
+
+# Fixed widths, so rows line up across pages printed as they arrive.
+RUN_HEADER = f"{'ID':<24}  {'STATUS':<16}  {'TEMPLATE':<28}  {'SCOPE':<24}  {'DONE':>6}  CREATED"
+
+
+def run_row(run: Run) -> str:
+    template = f"{run.template_type} v{run.template_version}"
+    scope = f"{run.scope}:{run.scope_id}"
+    done = f"{run.progress.percentage:.0f}%"
+    created = _time(run.create_at)
+    return f"{run.id:<24}  {run.status:<16}  {template:<28}  {scope:<24}  {done:>6}  {created}"
+
+
+def template_line(template: Template) -> str:
+    state = "enabled" if template.enabled else "disabled"
+    return f"{template.type:<32}  v{template.version:<4}  {state}"
+
+
+def event_line(event: Event) -> str:
+    moved = f"{event.from_ or ''}→{event.to or ''}" if event.from_ or event.to else "-"
+    line = f"{_time(event.create_at)}  {event.job_id}  {event.type:<20}  {moved:<32}  "
+    return (line + f"{event.actor:<20}  {event.message or ''}").rstrip()
+
+
+def _time(at: datetime) -> str:
+    return at.isoformat(timespec="milliseconds")
 
 
 class LiveView:

@@ -81,7 +81,15 @@ class RunService:
         try:
             return await self._insert(new, template, actor), True
         except DuplicateRun as duplicate:
-            return duplicate.run, False
+            first = duplicate.run
+            if (first.template_type, first.payload) != (template.type, request.payload):
+                # A key reused for another request is a client bug; answering with the first
+                # run would hide that the second request was never carried out.
+                raise ResourceInvalidState(
+                    "this idempotencyKey was used for a different request",
+                    {"runId": first.id},
+                ) from None
+            return first, False
 
     async def _insert(self, new: NewRun, template: Template, actor: str) -> Run:
         # A key whose holder ended between our insert and the read of the holder is free now.

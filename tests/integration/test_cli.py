@@ -1,0 +1,448 @@
+"""The `jobplane` CLI against a real API server on a real port, in process and as processes.
+
+In-process calls run in a thread: the CLI's HTTP client is synchronous, and the server it
+talks to runs on this test's event loop.
+"""
+
+import asyncio
+import contextlib
+import io
+import json
+import os
+import sys
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import pytest
+import uvicorn
+
+from jobplane.api import create_app
+from jobplane.backends import Backends
+from jobplane.cli import main
+from jobplane.devstack import free_port
+from jobplane.process import HTTPServer, serve_http
+from jobplane.settings import Settings
+from jobplane.templates.loader import SUFFIXES
+from tests.integration.conftest import Register
+from tests.integration.workers import running
+
+TEMPLATES = Path(__file__).parents[2] / "templates"
+ADMIN = "test-admin-key"  # the `settings` fixture's admin key
+
+
+@dataclass
+class Result:
+    code: int
+    out: str
+    err: str
+
+    @property
+    def lines(self) -> list[str]:
+        return self.out.splitlines()
+
+
+CLI = Callable[..., Awaitable[Result]]
+
+
+@pytest.fixture
+async def url(settings: Settings, backends: Backends) -> AsyncIterator[str]:
+    """The API served by uvicorn on a free port of 127.0.0.1."""
+    assert settings.admin_key == ADMIN
+    port = free_port()
+    config = uvicorn.Config(
+        create_app(settings, backends),
+        host="127.0.0.1",
+        port=port,
+        log_config=None,
+        access_log=False,
+        ws="none",
+        lifespan="off",
+    )
+    server, stop = HTTPServer(config), asyncio.Event()
+    task = asyncio.create_task(serve_http(server, stop))
+    async with asyncio.timeout(30):
+        while not server.started:  # uvicorn exposes readiness only as a flag
+            if task.done():
+                task.result()  # raises why it stopped
+                pytest.fail("the API server stopped before it started")
+            await asyncio.sleep(0.02)
+    yield f"http://127.0.0.1:{port}"
+    stop.set()
+    await task
+
+
+def invoke(argv: list[str]) -> Result:
+    out, err = io.StringIO(), io.StringIO()
+    code = 0
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        try:
+            main(argv)
+        except SystemExit as exit:
+            code = exit.code if isinstance(exit.code, int) else 1
+    return Result(code, out.getvalue(), err.getvalue())
+
+
+@pytest.fixture
+def cli(url: str) -> CLI:
+    """`jobplane ARGS --url <the server> --key <key, the admin's by default>`, in process."""
+
+    async def cli(*args: str, key: str = ADMIN) -> Result:
+        return await asyncio.to_thread(invoke, [*args, "--url", url, "--key", key])
+
+    return cli
+
+
+async def jobplane(*args: str, env: dict[str, str]) -> Result:
+    """`python -m jobplane ARGS` as a process."""
+    proc = await asyncio.create_subprocess_exec(
+        sys.executable,
+        "-m",
+        "jobplane",
+        *args,
+        env=env,
+        stdin=asyncio.subprocess.DEVNULL,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    async with asyncio.timeout(60):
+        out, err = await proc.communicate()
+    assert proc.returncode is not None
+    return Result(proc.returncode, out.decode(), err.decode())
+
+
+def ok(result: Result) -> Result:
+    assert result.code == 0, result
+    assert result.err == "", result
+    return result
+
+
+def failed(result: Result, code: str) -> str:
+    """The one stderr line of a failed command, which names `code`."""
+    assert result.code != 0, result
+    assert result.out == "", result
+    [line] = result.err.splitlines()
+    assert line.startswith(f"error: {code}: "), line
+    return line
+
+
+def fields(result: Result) -> dict[str, str]:
+    """`label: value` lines, as `keys create` prints them."""
+    pairs = (line.split(":", 1) for line in result.lines if ": " in line)
+    return {label: value.strip() for label, value in pairs}
+
+
+def row_ids(result: Result) -> list[str]:
+    """The run ids of a `runs list` table, below its header."""
+    assert result.lines[0].startswith("ID ")
+    return [line.split()[0] for line in result.lines[1:]]
+
+
+async def created(cli: CLI, *args: str, key: str = ADMIN) -> str:
+    result = ok(await cli("runs", "create", *args, key=key))
+    [run_id] = result.lines
+    return run_id
+
+
+async def test_templates_apply_list_show_enable_disable(cli: CLI, tmp_path: Path) -> None:
+    applied = ok(await cli("templates", "apply", str(TEMPLATES)))
+    assert "demo_long_task.yaml: demo_long_task v1" in applied.lines
+    assert len(applied.lines) == len([p for p in TEMPLATES.iterdir() if p.suffix in SUFFIXES])
+
+    # One FILE, changed: the next version.
+    changed = tmp_path / "demo.yaml"
+    yaml = (TEMPLATES / "demo_long_task.yaml").read_text()
+    changed.write_text(yaml.replace("graceSeconds: 30", "graceSeconds: 45"))
+    assert ok(await cli("templates", "apply", str(changed))).lines == [
+        "demo.yaml: demo_long_task v2"
+    ]
+
+    listed = {
+        line.split()[0]: line.split()[1:] for line in ok(await cli("templates", "list")).lines
+    }
+    assert listed["demo_long_task"] == ["v2", "enabled"]
+    assert listed["scheduled_report"] == ["v1", "enabled"]
+    assert len(listed) == len(applied.lines)
+
+    latest = json.loads(ok(await cli("templates", "show", "demo_long_task")).out)
+    assert latest["version"] == 2 and latest["cancelPolicy"]["graceSeconds"] == 45
+    first = json.loads(ok(await cli("templates", "show", "demo_long_task", "--version", "1")).out)
+    assert first["version"] == 1 and first["cancelPolicy"]["graceSeconds"] == 30
+    failed(await cli("templates", "show", "nope"), "NotFound")
+    failed(await cli("templates", "show", "demo_long_task", "--version", "9"), "NotFound")
+
+    disabled = ok(await cli("templates", "disable", "demo_long_task"))
+    assert disabled.out.split() == ["demo_long_task", "v2", "disabled"]
+    assert "disabled" in next(
+        line for line in ok(await cli("templates", "list")).lines if "demo_long_task" in line
+    )
+    refused = await cli("runs", "create", "demo_long_task", "--payload", '{"target": "a"}')
+    failed(refused, "TemplateDisabled")
+    assert ok(await cli("templates", "enable", "demo_long_task")).out.split()[-1] == "enabled"
+    assert await created(cli, "demo_long_task", "--payload", '{"target": "a"}')
+    failed(await cli("templates", "enable", "nope"), "NotFound")
+
+    # A refused file is named; the parser's multi-line complaint stays on one line.
+    bad = tmp_path / "bad" / "broken.yaml"
+    bad.parent.mkdir()
+    bad.write_text("type: [unclosed\n")
+    assert "broken.yaml: " in failed(
+        await cli("templates", "apply", str(bad.parent)), "ValidationFailed"
+    )
+    failed(await cli("templates", "apply", str(tmp_path / "missing")), "InvalidArgument")
+    (tmp_path / "empty").mkdir()
+    failed(await cli("templates", "apply", str(tmp_path / "empty")), "InvalidArgument")
+
+
+async def test_a_user_key_acts_only_in_its_scopes(cli: CLI, register: Register) -> None:
+    await register("t_noop")
+    elsewhere = await created(cli, "t_noop", "--scope", "user", "--scope-id", "u2")
+
+    made = ok(
+        await cli(
+            "keys",
+            "create",
+            "alice",
+            "--role",
+            "user",
+            "--scope",
+            "user:u1",
+            "--scope",
+            "account:a1",
+        )
+    )
+    shown = fields(made)
+    assert shown["name"] == "alice" and shown["role"] == "user"
+    assert shown["scopes"] == "user:u1 account:a1"
+    assert shown["secret"].startswith("jp_") and "shown only this once" in made.out
+    alice = shown["secret"]
+
+    mine = await created(cli, "t_noop", "--scope", "user", "--scope-id", "u1", key=alice)
+    theirs = await created(cli, "t_noop", "--scope", "account", "--scope-id", "a1", key=alice)
+    run = json.loads(ok(await cli("runs", "get", mine, key=alice)).out)
+    assert (run["scope"], run["scopeId"], run["status"]) == ("user", "u1", "queued")
+    assert row_ids(ok(await cli("runs", "list", key=alice))) == [theirs, mine]
+    scoped = await cli("runs", "list", "--scope", "user", "--scope-id", "u1", key=alice)
+    assert row_ids(ok(scoped)) == [mine]
+    # The admin sees every scope.
+    assert row_ids(ok(await cli("runs", "list"))) == [theirs, mine, elsewhere]
+
+    outside = await cli(
+        "runs", "create", "t_noop", "--scope", "user", "--scope-id", "u2", key=alice
+    )
+    assert "user:u2" in failed(outside, "Forbidden")
+    failed(await cli("runs", "list", "--scope", "user", "--scope-id", "u2", key=alice), "Forbidden")
+    failed(await cli("runs", "get", elsewhere, key=alice), "NotFound")
+    failed(await cli("runs", "cancel", elsewhere, key=alice), "NotFound")
+    failed(await cli("keys", "create", "mallory", "--role", "admin", key=alice), "Forbidden")
+    failed(await cli("runs", "list", key="jp_wrong"), "Unauthorized")
+
+    # The API checks what the parser cannot: scopes fit the role, names are unique.
+    assert "needs at least one scope" in failed(
+        await cli("keys", "create", "bob", "--role", "user"), "ValidationFailed"
+    )
+    failed(
+        await cli("keys", "create", "audit", "--role", "auditor", "--scope", "user:u1"),
+        "ValidationFailed",
+    )
+    failed(
+        await cli("keys", "create", "alice", "--role", "user", "--scope", "user:u3"),
+        "ResourceInvalidState",
+    )
+    auditor = fields(ok(await cli("keys", "create", "audit", "--role", "auditor")))
+    assert auditor["scopes"] == "(all)"
+    assert len(row_ids(ok(await cli("runs", "list", key=auditor["secret"])))) == 3
+    failed(await cli("runs", "cancel", mine, key=auditor["secret"]), "Forbidden")
+
+
+async def test_runs_list_follows_cursors_with_all(cli: CLI, register: Register) -> None:
+    await register("t_noop")
+    await register("t_other")
+    ids = [await created(cli, "t_noop", "--scope-id", f"s{i}") for i in range(5)]
+    other = await created(cli, "t_other", "--priority", "5", "--delay-seconds", "60")
+    newest_first = [other, *reversed(ids)]
+
+    first = await cli("runs", "list", "--limit", "2")
+    assert first.code == 0 and row_ids(first) == newest_first[:2]
+    assert "--all" in first.err  # more pages exist, and the hint is not in the table
+    every = ok(await cli("runs", "list", "--limit", "2", "--all"))
+    assert row_ids(every) == newest_first
+    assert every.lines[1].split()[:3] == [other, "queued", "t_other"]
+
+    assert row_ids(ok(await cli("runs", "list", "--template", "t_other", "--all"))) == [other]
+    assert row_ids(ok(await cli("runs", "list", "--scope-id", "s3"))) == [ids[3]]
+    for run_id in ids[1:3]:
+        ok(await cli("runs", "cancel", run_id))
+    cancelled = ok(await cli("runs", "list", "--status", "cancelled", "--limit", "1", "--all"))
+    assert row_ids(cancelled) == [ids[2], ids[1]]
+    assert row_ids(ok(await cli("runs", "list", "--scope", "user"))) == []
+    failed(await cli("runs", "list", "--limit", "0"), "ValidationFailed")
+    failed(await cli("runs", "list", "--status", "done"), "InvalidArgument")
+
+
+async def test_cancel_and_rerun(
+    cli: CLI, register: Register, backends: Backends, settings: Settings
+) -> None:
+    await register("t_noop", payloadSchema={"type": "object"})
+    once = ("t_noop", "--payload", '{"n": 1}', "--idempotency-key", "k1")
+    run_id = await created(cli, *once)
+    assert await created(cli, *once) == run_id  # the first run
+    reused = await cli("runs", "create", "t_noop", "--idempotency-key", "k1")
+    assert run_id in failed(reused, "ResourceInvalidState")  # the key, for another payload
+
+    assert ok(await cli("runs", "cancel", run_id, "--reason", "not needed")).out.split() == [
+        run_id,
+        "cancelled",
+    ]
+    run = json.loads(ok(await cli("runs", "get", run_id)).out)
+    assert run["status"] == "cancelled" and run["cancelReason"] == "not needed"
+    assert "cancelled" in failed(await cli("runs", "cancel", run_id), "ResourceInvalidState")
+
+    active = await created(cli, "t_noop")
+    failed(await cli("runs", "rerun", active), "ResourceInvalidState")  # not finished yet
+    ok(await cli("runs", "cancel", active))  # no reason given
+
+    async with running(backends, settings):
+        rerun = ok(await cli("runs", "rerun", run_id, "--watch", "--interval", "0.1"))
+    again = rerun.lines[0]
+    assert again != run_id and rerun.lines[1].startswith(f"run {again}  t_noop v1  ")
+    assert f"run {again}  t_noop v1  succeeded" in rerun.lines
+    run = json.loads(ok(await cli("runs", "get", again)).out)
+    assert (run["status"], run["rerunOf"], run["payload"]) == ("succeeded", run_id, {"n": 1})
+    watched = ok(await cli("runs", "watch", again))
+    assert watched.lines[0].startswith(f"run {again}  t_noop v1  succeeded")
+    failed(await cli("runs", "rerun", "0" * 24), "NotFound")
+
+
+async def test_events_with_filters(cli: CLI, register: Register) -> None:
+    await register("t_noop")
+    run_id = await created(cli, "t_noop", "--scope", "user", "--scope-id", "u1")
+    ok(await cli("runs", "cancel", run_id, "--reason", "stop it"))
+    other = await created(cli, "t_noop")
+
+    # The audit trail gets a run's events a moment after their writes.
+    async with asyncio.timeout(10):
+        while True:
+            trail = ok(await cli("events", "--job-id", run_id)).lines
+            if len(trail) >= 3:
+                break
+            await asyncio.sleep(0.1)
+    assert all(line.split()[1] == run_id for line in trail)
+    assert [line.split()[2] for line in trail] == ["created", "status_changed", "status_changed"]
+    assert trail[0].split()[3] == "→pending" and trail[-1].split()[3] == "queued→cancelled"
+    assert trail[-1].split()[4] == "user:admin" and trail[-1].endswith("stop it")
+    times = [line.split()[0] for line in trail]
+    assert times == sorted(times) and all(t.endswith("+00:00") for t in times)
+
+    created_only = ok(await cli("events", "--job-id", run_id, "--type", "created")).lines
+    assert [line.split()[2] for line in created_only] == ["created"]
+    in_scope = ok(await cli("events", "--scope", "user", "--scope-id", "u1")).lines
+    assert in_scope == trail
+    assert other not in ok(await cli("events", "--scope", "user", "--scope-id", "u1")).out
+    assert ok(await cli("events", "--actor", "user:nobody")).lines == []
+    assert ok(await cli("events", "--job-id", run_id, "--actor", "user:admin")).lines == trail
+
+    # The cancel came a whole CLI call after the others, so at a later millisecond.
+    since = trail[-1].split()[0]
+    assert ok(await cli("events", "--job-id", run_id, "--from", since)).lines == trail[-1:]
+    assert ok(await cli("events", "--job-id", run_id, "--to", since)).lines == trail[:-1]
+    assert ok(await cli("events", "--from", "2999-01-01T00:00:00Z")).lines == []
+    assert ok(await cli("events", "--to", "2000-01-01T00:00:00+08:00")).lines == []
+
+    page = await cli("events", "--job-id", run_id, "--limit", "1")
+    assert page.code == 0 and page.lines == trail[:1] and "--all" in page.err
+    assert ok(await cli("events", "--job-id", run_id, "--limit", "1", "--all")).lines == trail
+
+    no_offset = await cli("events", "--from", "2026-01-01T00:00:00")
+    assert "ISO 8601" in failed(no_offset, "InvalidArgument")
+    failed(await cli("events", "--to", "yesterday"), "InvalidArgument")
+
+
+async def test_bad_input_is_one_line_and_a_failure(cli: CLI, register: Register) -> None:
+    await register(
+        "t_typed", payloadSchema={"type": "object", "properties": {"n": {"type": "integer"}}}
+    )
+    assert "not JSON" in failed(
+        await cli("runs", "create", "t_typed", "--payload", "{bad"), "InvalidArgument"
+    )
+    assert "not a JSON object" in failed(
+        await cli("runs", "create", "t_typed", "--payload", "[1]"), "InvalidArgument"
+    )
+    failed(await cli("runs", "create", "t_typed", "--priority", "high"), "InvalidArgument")
+    schema = failed(
+        await cli("runs", "create", "t_typed", "--payload", '{"n": "x"}'), "ValidationFailed"
+    )
+    assert "(/payload/n: 'x' is not of type 'integer')" in schema
+    assert "/priority" in failed(
+        await cli("runs", "create", "t_typed", "--priority", "500"), "ValidationFailed"
+    )
+    failed(await cli("runs", "create", "t_missing"), "NotFound")
+    failed(await cli("runs", "get", "nope"), "NotFound")
+    failed(await cli("runs", "get", "0" * 24), "NotFound")
+    failed(await cli("runs", "cancel", "a/b?c"), "NotFound")  # an id cannot reroute the call
+
+    nobody = f"http://127.0.0.1:{free_port()}"
+    unreachable = await asyncio.to_thread(invoke, ["runs", "get", "x", "--url", nobody])
+    assert nobody in failed(unreachable, "Unavailable")
+    failed(
+        await asyncio.to_thread(invoke, ["runs", "list", "--url", "http://[::1"]), "InvalidArgument"
+    )
+    failed(await asyncio.to_thread(invoke, ["runs", "frobnicate"]), "InvalidArgument")
+
+
+def clean_env(**extra: str) -> dict[str, str]:
+    env = {k: v for k, v in os.environ.items() if not k.startswith("JOBPLANE_")}
+    env.update(extra)
+    return env
+
+
+async def test_as_processes_end_to_end(
+    url: str, cli: CLI, backends: Backends, settings: Settings
+) -> None:
+    # With JOBPLANE_API_KEY unset, the key is JOBPLANE_ADMIN_KEY (which `jobplane dev` prints).
+    env = clean_env(JOBPLANE_URL=url, JOBPLANE_ADMIN_KEY=ADMIN)
+    applied = await jobplane("templates", "apply", str(TEMPLATES), env=env)
+    assert applied.code == 0 and "demo_long_task.yaml: demo_long_task v1" in applied.out
+
+    payload = {"target": "cli", "sleepSeconds": 0.3}
+    async with running(backends, settings):
+        watched = await jobplane(
+            "runs", "create", "demo_long_task", "--payload", json.dumps(payload), "--watch", env=env
+        )
+    assert watched.code == 0, watched.err
+    run_id = watched.lines[0]
+    assert "succeeded" in watched.out and "100.0%" in watched.out
+    assert "+ finalize" in watched.out  # a bar per step, each marked done
+    again = await jobplane("runs", "watch", run_id, env=env)
+    assert again.code == 0 and again.lines[0].endswith("demo_long_task v1  succeeded")
+
+    trail = await jobplane("events", "--job-id", run_id, "--type", "status_changed", env=env)
+    assert trail.code == 0 and any("running→succeeded" in line for line in trail.lines)
+
+    # JOBPLANE_API_KEY wins over JOBPLANE_ADMIN_KEY: a user key sees only its scope.
+    made = ok(await cli("keys", "create", "carol", "--role", "user", "--scope", "user:c1"))
+    carol = env | {"JOBPLANE_API_KEY": fields(made)["secret"]}
+    mine = await jobplane(
+        "runs",
+        "create",
+        "demo_long_task",
+        "--scope",
+        "user",
+        "--scope-id",
+        "c1",
+        "--payload",
+        '{"target": "x"}',
+        env=carol,
+    )
+    assert mine.code == 0, mine.err
+    listed = await jobplane("runs", "list", env=carol)
+    assert listed.code == 0 and row_ids(listed) == mine.lines
+    refused = await jobplane("runs", "get", run_id, env=carol)
+    assert refused.code == 1 and failed(refused, "NotFound")
+
+    bad = await jobplane("runs", "create", "demo_long_task", "--payload", "{", env=env)
+    assert bad.code == 2 and failed(bad, "InvalidArgument")
+    down = await jobplane(
+        "runs", "list", env=env | {"JOBPLANE_URL": f"http://127.0.0.1:{free_port()}"}
+    )
+    assert down.code == 1 and failed(down, "Unavailable")
