@@ -211,16 +211,18 @@ class Bench:
         a = self.args
         async with self.stack(role) as stack:
             await create_runs(stack.clients, a.warmup)
-            await settle(stack)
+            total = a.warmup
+            await settle(stack, total)
             for name, n, callers in (
                 (f"{role} key, {a.callers} callers", a.runs, a.callers),
                 (f"{role} key, sequential", a.sequential_runs, 1),
             ):
                 before = await Counters.read(stack.backends, stack.settings, self.procs)
                 window = await create_runs(stack.clients[:callers], n)
+                total += n
                 # The API copies each run's events to `job_events` just after answering: that
                 # work belongs to these runs, so the counters are read once it is done.
-                await settle(stack)
+                await settle(stack, total)
                 after = await Counters.read(stack.backends, stack.settings, self.procs)
                 self.record(name, window, before, after)
             await verify(stack, a.warmup + a.runs + a.sequential_runs)
@@ -249,13 +251,11 @@ class Bench:
             print(f"      {line}", flush=True)
 
 
-async def settle(stack: Stack) -> None:
-    """Wait until no run's outbox holds events still to be copied to `job_events`."""
-    waiting = {"outbox.0": {"$exists": True}}
+async def settle(stack: Stack, runs: int) -> None:
+    """Wait until the events of `runs` creates (`created`, `pending -> queued`) are copied from
+    the runs' trails to `job_events`."""
     async with asyncio.timeout(SETTLE_SECONDS):
-        while True:
-            if not await stack.backends.store.runs.count_documents(waiting, hint="outbox_sweep"):
-                return
+        while await stack.backends.store.events.estimated_document_count() < 2 * runs:  # noqa: ASYNC110
             await asyncio.sleep(0.05)
 
 

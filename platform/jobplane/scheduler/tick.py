@@ -2,7 +2,7 @@
 
 Each tick reaps expired leases, reconciles Redis with MongoDB (pending runs are queued and
 queued runs missing from Redis after a flush or failover are pushed again), and copies the events
-a dead process left in runs' outboxes. Redis sorted sets
+a dead process never copied from the runs' trails to `job_events`. Redis sorted sets
 ignore a second add of the same id, and MongoDB decides every claim, so a redundant push costs
 a wasted pop, never a second execution.
 """
@@ -59,8 +59,8 @@ class Scheduler:
         reaped = await self.reap()
         queued = await self.reconcile()
         # Writers copy their own events within milliseconds; a tick later, nobody will.
-        idle_since = self.clock.now() - timedelta(seconds=self.settings.reconcile_seconds)
-        swept = await self.store.sweep_outboxes(idle_since, self.settings.reap_batch)
+        settled = self.clock.now() - timedelta(seconds=self.settings.reconcile_seconds)
+        swept = await self.store.sweep_trails(settled)
         if reaped or queued or swept:
             log.info("tick: reaped %d, queued %d, swept %d events", reaped, queued, swept)
 

@@ -2,8 +2,8 @@
 
 Every change of a run's status is one named method built on `_transition`: a single conditional
 update whose filter names the source statuses from `TRANSITIONS` (plus `lockedBy` and
-`leaseToken` for worker writes) and which carries the transition's `job_events` entries in the
-run's outbox, to be copied into `job_events` right after. A filter that matches nothing is a lost
+`leaseToken` for worker writes) and which appends the transition's events to the run's own
+`trail`, to be copied into `job_events` right after. A filter that matches nothing is a lost
 race; it comes back as `Lost` and is never retried here.
 """
 
@@ -12,11 +12,11 @@ import logging
 import secrets
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
-from datetime import datetime, timedelta
+from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
 from bson import ObjectId
-from pymongo import ASCENDING, DESCENDING, AsyncMongoClient, IndexModel, UpdateOne
+from pymongo import ASCENDING, DESCENDING, AsyncMongoClient, IndexModel
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import BulkWriteError, DuplicateKeyError
 from pymongo.write_concern import WriteConcern
@@ -43,6 +43,10 @@ Doc = dict[str, Any]
 log = logging.getLogger("jobplane.store")
 
 _DUPLICATE_KEY = 11000
+# How far before the last sweep's end the next one starts: writers' clocks may lag.
+_SWEEP_SKEW = timedelta(seconds=5)
+# A run's trail can be long; reads that do not need it leave it out.
+_NO_TRAIL = {"trail": 0}
 # The audit query's equality filters, each with an index ending in (createAt, _id).
 _EVENT_FILTERS: list[list[tuple[str, int]]] = [
     [],
@@ -191,35 +195,32 @@ def object_id(run_id: str) -> ObjectId | None:
     return ObjectId(run_id) if ObjectId.is_valid(run_id) else None
 
 
-class _Outbox:
-    """Copies events from the runs' outboxes into `job_events`, in bulk, off the callers' path.
+class _Copier:
+    """Copies events from the runs' trails into `job_events`, in bulk, off the callers' path.
 
-    A write pushes its events into the run's `outbox` array in the same update, so they are as
-    durable as the write itself. This copier then inserts them into `job_events` (each keeps its
-    `_id`, so a second copy is a duplicate-key no-op) and pulls them from the outbox. While one
-    copy is in flight new events gather for the next; whatever a process that died never
-    copied, the scheduler's sweep copies later.
+    A write appends its events to the run's `trail` array in the same update, so they are as
+    durable as the write itself, and the trail is kept. This copier then inserts them into
+    `job_events`; each keeps its `_id`, so a second copy is a duplicate-key no-op. While one
+    copy is in flight new events gather for the next. Whatever a process that died never
+    copied, the scheduler's sweep finds in the trails and copies.
     """
 
     # Beyond this many events waiting, writers wait for the copier (MongoDB is not keeping up).
     MAX_BACKLOG = 10_000
 
-    def __init__(self, runs: AsyncCollection[Doc], events: AsyncCollection[Doc]) -> None:
-        self._runs = runs
+    def __init__(self, events: AsyncCollection[Doc]) -> None:
         self._events = events
-        self._pending: list[tuple[ObjectId, list[Doc]]] = []
-        self._backlog = 0
+        self._pending: list[Doc] = []
         self._taken = asyncio.Event()
         self._copier: asyncio.Task[None] | None = None
 
-    async def hand(self, run: ObjectId, events: list[Doc]) -> None:
+    async def hand(self, events: list[Doc]) -> None:
         if not events:
             return
-        self._pending.append((run, events))
-        self._backlog += len(events)
+        self._pending.extend(events)
         if self._copier is None:
             self._copier = asyncio.create_task(self._copy_pending())
-        while self._backlog > self.MAX_BACKLOG and self._copier is not None:
+        while len(self._pending) > self.MAX_BACKLOG and self._copier is not None:
             await self._taken.wait()
 
     async def drain(self) -> None:
@@ -227,40 +228,28 @@ class _Outbox:
         while self._copier is not None:
             await asyncio.wait([self._copier])
 
-    async def copy(self, batch: Sequence[tuple[ObjectId, list[Doc]]]) -> None:
+    async def copy(self, events: list[Doc]) -> None:
         try:
-            await self._events.insert_many(
-                [e for _, events in batch for e in events], ordered=False
-            )
+            await self._events.insert_many(events, ordered=False)
         except BulkWriteError as exc:
             # Copied before, by this process or by the sweep: the copy is already there.
             if exc.details.get("writeConcernErrors") or any(
                 e["code"] != _DUPLICATE_KEY for e in exc.details["writeErrors"]
             ):
                 raise
-        copied: dict[ObjectId, list[ObjectId]] = {}
-        for run, events in batch:
-            copied.setdefault(run, []).extend(e["_id"] for e in events)
-        await self._runs.bulk_write(
-            [
-                UpdateOne({"_id": run}, {"$pull": {"outbox": {"_id": {"$in": ids}}}})
-                for run, ids in copied.items()
-            ],
-            ordered=False,
-        )
 
     async def _copy_pending(self) -> None:
         try:
             while self._pending:
-                batch, self._pending, self._backlog = self._pending, [], 0
+                batch, self._pending = self._pending, []
                 self._taken.set()
                 self._taken = asyncio.Event()
                 try:
                     await self.copy(batch)
                 except Exception:
                     log.warning(
-                        "copying %d events failed; they wait in their runs' outboxes for the sweep",
-                        sum(len(events) for _, events in batch),
+                        "copying %d events failed; the sweep copies them from the runs' trails",
+                        len(batch),
                         exc_info=True,
                     )
         finally:
@@ -284,7 +273,8 @@ class MongoStore:
         self.events: AsyncCollection[Doc] = self.db["job_events"]
         self.api_keys: AsyncCollection[Doc] = self.db["api_keys"]
         self.clock: Clock = clock or SystemClock()
-        self._outbox = _Outbox(self.runs, self.events)
+        self.meta: AsyncCollection[Doc] = self.db["job_meta"]
+        self._copier = _Copier(self.events)
 
     @classmethod
     def connect(
@@ -299,7 +289,7 @@ class MongoStore:
 
     async def flush_events(self) -> None:
         """Wait until the events of this process's writes have been copied to `job_events`."""
-        await self._outbox.drain()
+        await self._copier.drain()
 
     async def ping(self) -> None:
         await self.db.command("ping")
@@ -339,12 +329,8 @@ class MongoStore:
                     [("dedupeWait", ASCENDING), ("_id", ASCENDING)],
                     partialFilterExpression={"dedupeWait": has},
                 ),
-                # The sweep: runs whose outbox still holds events nobody copied.
-                IndexModel(
-                    [("updateAt", ASCENDING)],
-                    name="outbox_sweep",
-                    partialFilterExpression={"outbox.0": has},
-                ),
+                # The sweep: runs written since its last pass.
+                IndexModel([("updateAt", ASCENDING)]),
             ]
         )
         await self.schedules.create_indexes(
@@ -408,10 +394,6 @@ class MongoStore:
             ]
         )
         return [_template(d) async for d in cursor]
-
-    async def template_versions(self, type_: str) -> list[int]:
-        cursor = self.templates.find({"type": type_}, {"version": 1}).sort("version", 1)
-        return [d["version"] async for d in cursor]
 
     async def set_template_enabled(self, type_: str, enabled: bool) -> Template | None:
         """Enable or disable a template type. `enabled` is not part of a version's definition,
@@ -478,12 +460,12 @@ class MongoStore:
         created = _event(
             run.id, "created", actor, run.scope, run.scope_id, 1, to=RunStatus.PENDING, now=now
         )
-        doc["outbox"] = [created]
+        doc["trail"] = [created]
         try:
             await self.runs.insert_one(doc)
         except DuplicateKeyError as exc:
             await self._raise_duplicate(exc, new)
-        await self._outbox.hand(doc["_id"], [created])
+        await self._copier.hand([created])
         return run
 
     async def _raise_duplicate(self, exc: DuplicateKeyError, new: NewRun) -> None:
@@ -491,7 +473,8 @@ class MongoStore:
         over a dedupe key collision: a repeated create is answered with its first run."""
         if new.idempotency_key is not None:
             same = {"scope": new.scope, "scopeId": new.scope_id}
-            existing = await self.runs.find_one({**same, "idempotencyKey": new.idempotency_key})
+            idempotent = {**same, "idempotencyKey": new.idempotency_key}
+            existing = await self.runs.find_one(idempotent, _NO_TRAIL)
             if existing is not None:
                 raise DuplicateRun(_run(existing)) from exc
         pattern = (exc.details or {}).get("keyPattern", {})
@@ -500,14 +483,14 @@ class MongoStore:
             raise await self._key_held(new.dedupe_key) from exc
         if "scheduleId" in pattern:
             fire = {"scheduleId": new.schedule_id, "scheduledFor": new.scheduled_for}
-            existing = await self.runs.find_one(fire)
+            existing = await self.runs.find_one(fire, _NO_TRAIL)
             if existing is not None:
                 raise DuplicateRun(_run(existing)) from exc
         # The run collided with was removed before this read; report the collision as it was.
         raise exc
 
     async def _key_held(self, key: str) -> KeyHeld:
-        holder = await self.runs.find_one({"dedupeKey": key})
+        holder = await self.runs.find_one({"dedupeKey": key}, _NO_TRAIL)
         return KeyHeld(key, _run(holder) if holder else None)
 
     async def take_key(self, run: Run, actor: str) -> Moved | Lost:
@@ -547,13 +530,13 @@ class MongoStore:
             raise await self._key_held(key) from None
         if written is None:
             return await self._lost(run.id, None, "take_key")
-        await self._outbox.hand(oid, written[1])
+        await self._copier.hand(written[1])
         return Moved(run.id, RunStatus.PENDING, RunStatus.PENDING)
 
     async def next_waiting(self, key: str) -> Run | None:
         """The oldest pending run waiting for `key`."""
         query = {"dedupeWait": key, "status": RunStatus.PENDING}
-        doc = await self.runs.find_one(query, sort=[("_id", 1)])
+        doc = await self.runs.find_one(query, _NO_TRAIL, sort=[("_id", 1)])
         return _run(doc) if doc else None
 
     async def waited_keys(self, limit: int) -> list[str]:
@@ -569,17 +552,16 @@ class MongoStore:
 
     async def get_run(self, run_id: str) -> Run | None:
         oid = object_id(run_id)
-        doc = await self.runs.find_one({"_id": oid}) if oid else None
+        doc = await self.runs.find_one({"_id": oid}, _NO_TRAIL) if oid else None
         return _run(doc) if doc else None
 
     async def events_of(self, run_id: str) -> list[Event]:
-        """The run's whole trail, including events still in its outbox."""
+        """The run's whole trail, whether or not its events were copied to `job_events` yet
+        (plus `stale_write_rejected` events, which are not a write to the run)."""
         oid = object_id(run_id)
-        # Outbox first: an event copied after this read was still in it; one copied before is
-        # already in `job_events` for the next read.
-        run = await self.runs.find_one({"_id": oid}, {"outbox": 1}) if oid else None
+        run = await self.runs.find_one({"_id": oid}, {"trail": 1}) if oid else None
         copied = await self.events.find({"jobId": run_id}).to_list()
-        trail = {d["_id"]: d for d in [*(run or {}).get("outbox", []), *copied]}
+        trail = {d["_id"]: d for d in [*(run or {}).get("trail", []), *copied]}
         # The run's version orders its trail: MongoDB serialized the writes that made it, while
         # clocks of two processes (or two writes in one millisecond) cannot.
         return sorted(map(_event_model, trail.values()), key=lambda e: (e.run_version, e.id))
@@ -603,10 +585,11 @@ class MongoStore:
             find["$or"] = [{"scope": s, "scopeId": i} for s, i in within]
         if query.before is not None:
             find["_id"] = {"$lt": ObjectId(query.before)}
-        cursor = self.runs.find(find, {"outbox": 0}).sort("_id", -1).limit(limit)
+        cursor = self.runs.find(find, _NO_TRAIL).sort("_id", -1).limit(limit)
         return [_run(d) async for d in cursor]
 
     def event_query(self, query: EventQuery, within: Sequence[tuple[str, str]] | None) -> Doc:
+        """The filter of `list_events` (public so a test can check its plan with `explain`)."""
         find: Doc = {
             field: value
             for field, value in (
@@ -641,15 +624,40 @@ class MongoStore:
         cursor = self.events.find(find).sort([("createAt", 1), ("_id", 1)]).limit(limit)
         return [_event_model(d) async for d in cursor]
 
-    async def sweep_outboxes(self, idle_since: datetime, limit: int) -> int:
-        """Copy events left in the outboxes of runs untouched since `idle_since`: events whose
-        writer died before copying them. Returns how many events were copied."""
-        query = {"outbox.0": {"$exists": True}, "updateAt": {"$lt": idle_since}}
-        docs = await self.runs.find(query, {"outbox": 1}).limit(limit).to_list()
-        batch = [(d["_id"], d["outbox"]) for d in docs]
-        if batch:
-            await self._outbox.copy(batch)
-        return sum(len(events) for _, events in batch)
+    async def sweep_trails(self, settled: datetime) -> int:
+        """Copy the events missing from `job_events` of runs written since the last sweep and
+        before `settled`: events whose writer died before it copied them.
+
+        The last sweep's end is kept in `job_meta`; the window reaches `_SWEEP_SKEW` before it,
+        since `updateAt` comes from the writers' clocks. Returns how many events were copied.
+        """
+        mark = await self.meta.find_one({"_id": "trail_sweep"})
+        since = mark["through"] - _SWEEP_SKEW if mark else datetime.min.replace(tzinfo=UTC)
+        cursor = await self.runs.aggregate(
+            [
+                {"$match": {"updateAt": {"$gte": since, "$lt": settled}}},
+                {"$project": {"trail": 1}},
+                {"$unwind": "$trail"},
+                {
+                    "$lookup": {
+                        "from": self.events.name,
+                        "localField": "trail._id",
+                        "foreignField": "_id",
+                        "as": "copy",
+                        "pipeline": [{"$project": {"_id": 1}}],
+                    }
+                },
+                {"$match": {"copy": {"$size": 0}}},
+                {"$replaceWith": "$trail"},
+            ]
+        )
+        missing = await cursor.to_list()
+        for start in range(0, len(missing), 1000):
+            await self._copier.copy(missing[start : start + 1000])
+        await self.meta.update_one(
+            {"_id": "trail_sweep"}, {"$set": {"through": settled}}, upsert=True
+        )
+        return len(missing)
 
     async def claimable(self, after: str | None, limit: int, idle_since: datetime) -> list[Run]:
         """Pending and queued runs untouched since `idle_since`, in id order, for the reconciler
@@ -661,7 +669,7 @@ class MongoStore:
         }
         if after:
             query["_id"] = {"$gt": ObjectId(after)}
-        cursor = self.runs.find(query).sort("_id", 1).limit(limit)
+        cursor = self.runs.find(query, _NO_TRAIL).sort("_id", 1).limit(limit)
         return [_run(d) async for d in cursor]
 
     # -- transitions without a lease -----------------------------------------------------------
@@ -719,7 +727,7 @@ class MongoStore:
         event_ids = [ObjectId() for _ in oids]
         # The claim event is built by the pipeline, which sees each run as it was before the
         # write: its `from` status and version are exact whatever lands after. Its `_id` comes
-        # from the list made here, so this worker knows which event in the outbox is its own.
+        # from the list made here, so this worker knows which event in the trail is its own.
         claim_event = {
             "_id": {
                 "$arrayElemAt": [
@@ -761,27 +769,33 @@ class MongoStore:
                         "heartbeatAt": now,
                         "updateAt": now,
                         "startedAt": {"$ifNull": ["$startedAt", now]},
-                        "outbox": {"$concatArrays": [{"$ifNull": ["$outbox", []]}, [claim_event]]},
+                        "trail": {"$concatArrays": [{"$ifNull": ["$trail", []]}, [claim_event]]},
                     }
                 }
             ],
         )
-        docs = await self.runs.find(
-            {"_id": {"$in": oids}, "lockedBy": worker_id, "leaseToken": token}
-        ).to_list()
-        ours = set(event_ids)
+        # The runs this token won, each with only this claim's event of its trail: the rest is
+        # not the worker's to copy.
+        mine = {"$in": ["$$this._id", {"$literal": event_ids}]}
+        cursor = await self.runs.aggregate(
+            [
+                {"$match": {"_id": {"$in": oids}, "lockedBy": worker_id, "leaseToken": token}},
+                {"$set": {"trail": {"$filter": {"input": "$trail", "cond": mine}}}},
+            ]
+        )
+        docs = await cursor.to_list()
         claimed: list[tuple[Run, Lease]] = []
         for doc in docs:
             run = _run(doc)
             known = Known(run.status, run.version, run.scope, run.scope_id)
             claimed.append((run, Lease(run.id, worker_id, token, known)))
-            await self._outbox.hand(doc["_id"], [e for e in doc["outbox"] if e["_id"] in ours])
+        await self._copier.hand([e for doc in docs for e in doc.get("trail", [])])
         return claimed
 
     async def expired_leases(self, limit: int) -> list[Run]:
         """Leased runs whose `lockedUntil` has passed, oldest lease first."""
         query = {"status": {"$in": sorted(LEASED)}, "lockedUntil": {"$lt": self.clock.now()}}
-        cursor = self.runs.find(query).sort("lockedUntil", 1).limit(limit)
+        cursor = self.runs.find(query, _NO_TRAIL).sort("lockedUntil", 1).limit(limit)
         return [_run(d) async for d in cursor]
 
     async def reap(self, run: Run) -> Moved | Lost:
@@ -1121,7 +1135,7 @@ class MongoStore:
         state, trail = written
         if lease is not None:
             lease.known = Known(t.target, state.version + 1, state.scope, state.scope_id)
-        await self._outbox.hand(oid, trail)
+        await self._copier.hand(trail)
         return Moved(run_id, state.status, t.target)
 
     async def _fenced_write(
@@ -1164,7 +1178,7 @@ class MongoStore:
             return await self._lost(lease.run_id, lease, what)
         state, recorded = written
         lease.known = Known(state.status, state.version + 1, state.scope, state.scope_id)
-        await self._outbox.hand(oid, recorded)
+        await self._copier.hand(recorded)
         return None
 
     async def _write(
@@ -1176,7 +1190,7 @@ class MongoStore:
         array_filters: list[Doc] | None,
         events: Callable[[Known], list[Doc]],
     ) -> tuple[Known, list[Doc]] | None:
-        """One conditional write that pushes its events into the run's outbox.
+        """One conditional write that appends its events to the run's trail.
 
         The events name the state the write moves the run from, so the write is filtered on
         that exact status and version as well as on the guards in `query`. A writer that knows
@@ -1194,7 +1208,7 @@ class MongoStore:
                     RunStatus(doc["status"]), doc["version"], doc["scope"], doc["scopeId"]
                 )
             trail = events(state)
-            write = {**update, "$push": {"outbox": {"$each": trail}}} if trail else update
+            write = {**update, "$push": {"trail": {"$each": trail}}} if trail else update
             exact = {**query, "status": state.status, "version": state.version}
             result = await self.runs.update_one(exact, write, array_filters=array_filters)
             if result.matched_count:

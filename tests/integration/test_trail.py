@@ -1,0 +1,83 @@
+"""A write and its events are one MongoDB write: the events live in the run's trail, survive a
+writer that dies before copying them into `job_events`, and the sweep copies them once."""
+
+import asyncio
+from datetime import timedelta
+
+import pytest
+
+from jobplane.clock import ManualClock
+from jobplane.model import RunStatus
+from jobplane.store import MongoStore, NewRun
+from tests.integration.conftest import Register
+
+
+async def test_events_a_dead_writer_never_copied_are_read_and_swept_once(
+    store: MongoStore, register: Register, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    template = await register()
+    with monkeypatch.context() as patched:
+        # The process dies after each write and before its copy.
+        patched.setattr(store._copier, "copy", _die)
+        run = await store.insert_run(NewRun(template, "user", "u1"), "user:a")
+        [(_, lease)] = await store.claim([run.id], "w", 5)
+        await store.complete(lease, 0, "only", "out", None)
+        await store.flush_events()
+    assert await store.events.count_documents({"jobId": run.id}) == 0
+
+    # Readers see the whole trail already: it is durable with the writes themselves.
+    trail = [(e.type, e.to) for e in await store.events_of(run.id)]
+    assert trail == [
+        ("created", RunStatus.PENDING),
+        ("status_changed", RunStatus.RUNNING),
+        ("step_finished", None),
+        ("status_changed", RunStatus.SUCCEEDED),
+    ]
+
+    # Runs written after the settled mark are left to their writers.
+    assert await store.sweep_trails(store.clock.now() - timedelta(seconds=60)) == 0
+    # Two sweeps racing copy each event once.
+    later = store.clock.now() + timedelta(seconds=1)
+    await asyncio.gather(store.sweep_trails(later), store.sweep_trails(later))
+    assert await store.events.count_documents({"jobId": run.id}) == 4
+    assert [(e.type, e.to) for e in await store.events_of(run.id)] == trail
+    assert await store.sweep_trails(later) == 0
+
+
+async def test_the_sweep_checks_only_runs_written_since_its_last_pass(
+    store: MongoStore, register: Register, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    clock = ManualClock()
+    timed = MongoStore(store.client, store.db.name, clock=clock)
+    template = await register()
+    first = await timed.insert_run(NewRun(template, "user", "u1"), "user:a")
+    await timed.flush_events()
+    assert await timed.sweep_trails(clock.now() + timedelta(seconds=10)) == 0
+    # An event gone from `job_events` of a run nobody wrote since is not looked for again...
+    await timed.events.delete_many({"jobId": first.id})
+    clock.advance(60)
+    # ...but one of a run written after the last pass is.
+    with monkeypatch.context() as patched:
+        patched.setattr(timed._copier, "copy", _die)
+        second = await timed.insert_run(NewRun(template, "user", "u2"), "user:a")
+        await timed.flush_events()
+    assert await timed.sweep_trails(clock.now() + timedelta(seconds=1)) == 1
+    assert await timed.events.count_documents({"jobId": second.id}) == 1
+    assert await timed.events.count_documents({"jobId": first.id}) == 0
+
+
+async def test_copies_keep_up_and_trails_stay_whole(store: MongoStore, register: Register) -> None:
+    template = await register()
+    runs = [await store.insert_run(NewRun(template, "user", "u1"), "user:a") for _ in range(20)]
+    claimed = await store.claim([r.id for r in runs], "w", 5)
+    await asyncio.gather(*(store.complete(lease, 0, "only", None, None) for _, lease in claimed))
+    await store.flush_events()
+    assert await store.events.count_documents({}) == 20 * 4
+    doc = await store.runs.find_one({})
+    assert doc is not None and len(doc["trail"]) == 4
+    later = store.clock.now() + timedelta(seconds=1)
+    assert await store.sweep_trails(later) == 0
+
+
+async def _die(events: object) -> None:
+    raise ConnectionError("the process died before it copied its events")
