@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: demo test lint typecheck pytest bench clean
+.PHONY: demo test lint typecheck pytest bench bench-api clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -32,6 +32,9 @@ pytest: $(STAMP)
 
 bench: $(STAMP)
 	$(BIN)/python bench/throughput.py
+
+bench-api: $(STAMP)
+	$(BIN)/python bench/api.py
 
 clean:
 	rm -rf $(VENV) .jobplane .pytest_cache .mypy_cache .ruff_cache
