@@ -2,6 +2,7 @@
 and the audit query, against real MongoDB and Redis."""
 
 import asyncio
+import base64
 import random
 from datetime import datetime
 from itertools import pairwise
@@ -200,6 +201,8 @@ async def test_delay_and_not_before(api: httpx.AsyncClient) -> None:
     at = await create(api, notBefore="2031-01-01T09:00:00+08:00")
     assert at["notBefore"].startswith("2031-01-01T01:00:00")
     error_of(await api.post("/v1/runs", json=run_body(notBefore="soon")), 422, "ValidationFailed")
+    naive = await api.post("/v1/runs", json=run_body(notBefore="2031-01-01T09:00:00"))
+    assert "/notBefore" in pointers(error_of(naive, 422, "ValidationFailed"))
 
 
 async def test_reject_same_scope_lets_one_of_50_concurrent_creates_win(
@@ -272,11 +275,13 @@ async def test_a_non_repeatable_template_runs_once_per_key(
     )
     async with running(backends, settings):
         await settled(backends.store, [first["id"]], within=20)
-    refused = await api.post("/v1/runs", json=run_body(scope_id="u9", payload={"order": 1}))
+    refused = await api.post("/v1/runs", json=run_body(payload={"order": 1}))
     error = error_of(refused, 409, "ResourceInvalidState")
     assert error["details"]["succeededRunId"] == first["id"]
     error_of(await api.post(f"/v1/runs/{first['id']}/rerun"), 409, "ResourceInvalidState")
     await create(api, payload={"order": 2})
+    # Keys are per scope: another scope's run for the same order is its own.
+    await create(api, scope_id="u9", payload={"order": 1})
 
 
 async def test_a_cancel_racing_a_claim_ends_in_one_consistent_state(
@@ -346,6 +351,8 @@ async def test_the_audit_query_filters_and_pages(
     error_of(await api.get("/v1/events?from=yesterday"), 422, "ValidationFailed")
     error_of(await api.get("/v1/events?from=2026-01-01T00:00:00"), 422, "ValidationFailed")
     error_of(await api.get("/v1/events?cursor=abc"), 422, "ValidationFailed")
+    far = base64.urlsafe_b64encode(f"{10**14}|{'0' * 24}".encode()).decode()
+    error_of(await api.get(f"/v1/events?cursor={far}"), 422, "ValidationFailed")
 
 
 @pytest.mark.parametrize(

@@ -52,5 +52,5 @@ def test_worker_transitions_are_fenced() -> None:
 
 
 def test_reaper_acts_only_on_leased_runs() -> None:
-    for name in ("reap_requeue", "reap_expire", "reap_cancel"):
+    for name in ("reap_requeue", "reap_expire", "reap_cancel", "cancel_timeout", "deadline_expire"):
         assert TRANSITIONS[name].sources <= LEASED

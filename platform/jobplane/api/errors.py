@@ -1,15 +1,19 @@
 """Every error leaves the API as {"error": {"code", "message", "details"}}."""
 
+import logging
 from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
+from pymongo.errors import ConnectionFailure
 from redis.exceptions import RedisError
 from starlette.exceptions import HTTPException
 
 from jobplane.errors import JobplaneError
+
+log = logging.getLogger("jobplane.api")
 
 _HTTP_CODES = {
     401: "Unauthorized",
@@ -63,6 +67,16 @@ def install(app: FastAPI) -> None:
     @app.exception_handler(RedisError)
     async def redis_down(_: Request, exc: RedisError) -> JSONResponse:
         return error_response(503, "Unavailable", f"Redis unavailable: {exc}", {})
+
+    @app.exception_handler(ConnectionFailure)
+    async def mongo_down(_: Request, exc: ConnectionFailure) -> JSONResponse:
+        # Also raised while a replica set elects a primary: the client may try again.
+        return error_response(503, "Unavailable", f"MongoDB unavailable: {exc}", {})
+
+    @app.exception_handler(Exception)
+    async def unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error", exc_info=exc)
+        return error_response(500, "Internal", "internal error; it was logged", {})
 
 
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {

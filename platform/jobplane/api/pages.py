@@ -56,7 +56,8 @@ def _decode(cursor: str, parts: int) -> list[str]:
     if (
         len(decoded) != parts
         or not ObjectId.is_valid(decoded[-1])
-        or not all(p.isdigit() and len(p) < 16 for p in decoded[:-1])
+        # Milliseconds since 1970 have 13 digits until the year 2286.
+        or not all(p.isdigit() and len(p) <= 13 for p in decoded[:-1])
     ):
         raise ValidationFailed(
             "invalid cursor", [{"pointer": "/cursor", "message": "not a cursor from this API"}]

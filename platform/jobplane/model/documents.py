@@ -113,6 +113,8 @@ class RunError(Document):
     message: str
     step: str | None = None
     attempt: int = 0
+    # The last frames of the exception, for the person reading a dead letter.
+    traceback: str | None = None
 
 
 class Run(Document):
@@ -134,6 +136,12 @@ class Run(Document):
     attempt: int = 0
     max_attempts: int = 1
     not_before: datetime | None = None
+    # Copied from the template at creation: the whole-run limit counted from the first start
+    # (`deadline` is set then), and how long a requested cancel may take (`cancelDeadline`).
+    timeout_seconds: float | None = None
+    cancel_grace_seconds: float = 30
+    deadline: datetime | None = None
+    cancel_deadline: datetime | None = None
     locked_by: str | None = None
     lease_token: str | None = None
     locked_until: datetime | None = None

@@ -73,6 +73,10 @@ _ALL = [
     _t("reap_requeue", {S.RUNNING, S.WAITING_WORKER}, S.QUEUED),
     _t("reap_expire", {S.RUNNING, S.WAITING_WORKER, S.CANCEL_REQUESTED}, S.EXPIRED),
     _t("reap_cancel", {S.RUNNING, S.WAITING_WORKER, S.CANCEL_REQUESTED}, S.CANCELLED),
+    # A worker that does not converge within `cancelPolicy.graceSeconds` is overruled.
+    _t("cancel_timeout", {S.CANCEL_REQUESTED}, S.CANCELLED),
+    # The run's `deadline` (template `timeoutSeconds` from its first start) passed.
+    _t("deadline_expire", {S.RUNNING, S.WAITING_WORKER, S.CANCEL_REQUESTED}, S.EXPIRED),
 ]
 del S
 

@@ -180,10 +180,14 @@ class RunService:
                 if not isinstance(await self.store.cancel(run.id, actor, reason), Lost):
                     with contextlib.suppress(RedisError, OSError):  # a popped id is skipped
                         await self.queue.remove(run.id, run.queue, run.priority)
-                    if run.dedupe_key is not None:
-                        await self.admit_next(run.dedupe_key, actor)
+                    # The run may have taken the key it waited for since it was read.
+                    if key := run.dedupe_key or run.dedupe_wait:
+                        await self.admit_next(key, actor)
                     return await self.get(run_id)
-            elif not isinstance(await self.store.request_cancel(run.id, actor, reason), Lost):
+            elif not isinstance(
+                await self.store.request_cancel(run.id, actor, reason, run.cancel_grace_seconds),
+                Lost,
+            ):
                 # Heartbeats bring the cancel from MongoDB too, should the signal be lost.
                 with contextlib.suppress(RedisError, OSError):
                     await self.queue.signal_cancel(run.id)
@@ -216,16 +220,18 @@ def validate_payload(template: Template, payload: dict[str, Any]) -> None:
 def dedupe_key(template: Template, request: RunRequest) -> str | None:
     """The key that keeps runs of one template apart, or None if any number may be active.
 
-    Made of the template type and the values named by `dedupeKeys` (the run's scope when it
-    names none). A template that is not `repeatable` always has one: its key must be held from
-    creation to success, so two runs of it cannot both succeed.
+    Made of the template type, the run's scope and the values named by `dedupeKeys`. The scope
+    is always part of it: the policies are per scope (`*_same_scope`), and a conflict names the
+    run holding the key, which must be one the caller may see. A template that is not
+    `repeatable` always has one: its key must be held from creation to success, so two runs of
+    it cannot both succeed.
     """
     if template.concurrency_policy == "allow" and template.repeatable:
         return None
     fields: dict[str, Any] = {"scope": request.scope, "scopeId": request.scope_id}
-    parts = template.dedupe_keys or ["scope", "scopeId"]
-    values = [_lookup(part, fields, request.payload) for part in parts]
-    return json.dumps([template.type, *values], sort_keys=True, separators=(",", ":"))
+    values = [_lookup(part, fields, request.payload) for part in template.dedupe_keys]
+    key = [template.type, request.scope, request.scope_id, *values]
+    return json.dumps(key, sort_keys=True, separators=(",", ":"))
 
 
 def _lookup(part: str, fields: dict[str, Any], payload: dict[str, Any]) -> Any:

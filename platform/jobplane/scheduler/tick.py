@@ -65,10 +65,17 @@ class Scheduler:
             log.info("tick: reaped %d, queued %d, swept %d events", reaped, queued, swept)
 
     async def reap(self) -> int:
-        """Recover runs whose lease expired; requeued runs go back to Redis."""
+        """End runs past their deadline or cancel grace, and recover runs whose lease expired
+        (requeued runs go back to Redis). Returns how many runs moved."""
+        batch = self.settings.reap_batch
+        late, slow = await self.store.overdue(batch)
+        outcomes = [
+            *[(run, await self.store.expire_deadline(run, "reaper")) for run in late],
+            *[(run, await self.store.time_out_cancel(run)) for run in slow],
+            *[(run, await self.store.reap(run)) for run in await self.store.expired_leases(batch)],
+        ]
         moved = 0
-        for run in await self.store.expired_leases(self.settings.reap_batch):
-            outcome = await self.store.reap(run)
+        for run, outcome in outcomes:
             if isinstance(outcome, Lost):
                 continue
             moved += 1
@@ -84,7 +91,10 @@ class Scheduler:
         a dedupe key that is free (the process that freed it may have died before it could)."""
         service = RunService(self.store, self.queue)
         for key in await self.store.waited_keys(self.settings.reap_batch):
-            await service.admit_next(key, "scheduler")
+            try:
+                await service.admit_next(key, "scheduler")
+            except Exception:  # one key's trouble must not hold up the rest of the tick
+                log.exception("admitting the next run for key %s failed", key)
         pushed = 0
         after: str | None = None
         # A run created within the last tick is most likely still on its way into Redis.

@@ -25,6 +25,7 @@ from jobplane.clock import Clock, SystemClock
 from jobplane.model import (
     CLAIMABLE,
     LEASED,
+    TERMINAL,
     TRANSITIONS,
     ApiKey,
     Event,
@@ -44,7 +45,7 @@ log = logging.getLogger("jobplane.store")
 
 _DUPLICATE_KEY = 11000
 # How far before the last sweep's end the next one starts: writers' clocks may lag.
-_SWEEP_SKEW = timedelta(seconds=5)
+_SWEEP_SKEW = timedelta(seconds=30)
 # A run's trail can be long; reads that do not need it leave it out.
 _NO_TRAIL = {"trail": 0}
 # The audit query's equality filters, each with an index ending in (createAt, _id).
@@ -304,8 +305,10 @@ class MongoStore:
             [
                 # Claim path: the reconciler finds claimable runs missing from Redis.
                 IndexModel([("status", ASCENDING), ("_id", ASCENDING)]),
-                # Lease expiry: the reaper's scan of leased runs whose lease ran out.
+                # The reaper's scans: leases that ran out, deadlines and cancel graces passed.
                 IndexModel([("status", ASCENDING), ("lockedUntil", ASCENDING)]),
+                IndexModel([("status", ASCENDING), ("deadline", ASCENDING)]),
+                IndexModel([("status", ASCENDING), ("cancelDeadline", ASCENDING)]),
                 IndexModel(
                     [("dedupeKey", ASCENDING)],
                     unique=True,
@@ -445,6 +448,8 @@ class MongoStore:
             queue=t.queue,
             progress=Progress(steps=[StepProgress(id=s.id) for s in t.steps]),
             max_attempts=t.retry_policy.max_attempts,
+            timeout_seconds=t.timeout_seconds,
+            cancel_grace_seconds=t.cancel_policy.grace_seconds,
             not_before=new.not_before,
             dedupe_key=new.dedupe_key,
             dedupe_wait=new.dedupe_wait,
@@ -540,11 +545,23 @@ class MongoStore:
         return _run(doc) if doc else None
 
     async def waited_keys(self, limit: int) -> list[str]:
-        """Keys that pending runs wait for (the scheduler admits their next run if it is free)."""
+        """Keys that pending runs wait for and no active run holds: the process that freed
+        them may have died before it admitted the next run (held keys are left out, so a
+        backlog of them cannot crowd out the free ones)."""
         cursor = await self.runs.aggregate(
             [
                 {"$match": {"dedupeWait": {"$exists": True}, "status": RunStatus.PENDING}},
                 {"$group": {"_id": "$dedupeWait"}},
+                {
+                    "$lookup": {
+                        "from": self.runs.name,
+                        "localField": "_id",
+                        "foreignField": "dedupeKey",
+                        "as": "holder",
+                        "pipeline": [{"$match": {"status": {"$nin": sorted(TERMINAL)}}}],
+                    }
+                },
+                {"$match": {"holder": {"$size": 0}}},
                 {"$limit": limit},
             ]
         )
@@ -636,8 +653,10 @@ class MongoStore:
         cursor = await self.runs.aggregate(
             [
                 {"$match": {"updateAt": {"$gte": since, "$lt": settled}}},
-                {"$project": {"trail": 1}},
+                # Only events written in the window: a run's older events were swept before.
+                {"$project": {"_id": 0, "trail": 1}},
                 {"$unwind": "$trail"},
+                {"$match": {"trail.createAt": {"$gte": since}}},
                 {
                     "$lookup": {
                         "from": self.events.name,
@@ -697,14 +716,22 @@ class MongoStore:
             message=reason,
         )
 
-    async def request_cancel(self, run_id: str, actor: str, reason: str | None) -> Moved | Lost:
-        """Ask the worker holding the run to stop; it converges via `acknowledge_cancel`."""
+    async def request_cancel(
+        self, run_id: str, actor: str, reason: str | None, grace_seconds: float = 30
+    ) -> Moved | Lost:
+        """Ask the worker holding the run to stop; it converges via `acknowledge_cancel`, or
+        the reaper overrules it once `grace_seconds` have passed (`cancel_timeout`)."""
         now = self.clock.now()
         return await self._transition(
             "request_cancel",
             run_id,
             actor,
-            set_={"cancelRequestedAt": now, "cancelReason": reason, "cancelRequestedBy": actor},
+            set_={
+                "cancelRequestedAt": now,
+                "cancelReason": reason,
+                "cancelRequestedBy": actor,
+                "cancelDeadline": now + timedelta(seconds=grace_seconds),
+            },
             also=[("cancel_requested", reason, {})],
             message=reason,
         )
@@ -769,6 +796,19 @@ class MongoStore:
                         "heartbeatAt": now,
                         "updateAt": now,
                         "startedAt": {"$ifNull": ["$startedAt", now]},
+                        # The whole-run limit counts from the first start, across attempts.
+                        "deadline": {
+                            "$ifNull": [
+                                "$deadline",
+                                {
+                                    "$cond": [
+                                        {"$gt": ["$timeoutSeconds", 0]},
+                                        {"$add": [now, {"$multiply": ["$timeoutSeconds", 1000]}]},
+                                        "$$REMOVE",
+                                    ]
+                                },
+                            ]
+                        },
                         "trail": {"$concatArrays": [{"$ifNull": ["$trail", []]}, [claim_event]]},
                     }
                 }
@@ -797,6 +837,63 @@ class MongoStore:
         query = {"status": {"$in": sorted(LEASED)}, "lockedUntil": {"$lt": self.clock.now()}}
         cursor = self.runs.find(query, _NO_TRAIL).sort("lockedUntil", 1).limit(limit)
         return [_run(d) async for d in cursor]
+
+    async def overdue(self, limit: int) -> tuple[list[Run], list[Run]]:
+        """Runs past their deadline, and cancel-requested runs past their grace."""
+        now = self.clock.now()
+        late = {"status": {"$in": sorted(LEASED)}, "deadline": {"$lt": now}}
+        slow = {"status": RunStatus.CANCEL_REQUESTED, "cancelDeadline": {"$lt": now}}
+        return (
+            [_run(d) async for d in self.runs.find(late, _NO_TRAIL).limit(limit)],
+            [_run(d) async for d in self.runs.find(slow, _NO_TRAIL).limit(limit)],
+        )
+
+    async def expire_deadline(self, run: Run, actor: str) -> Moved | Lost:
+        """End a run whose deadline passed, even if its worker still heartbeats: the lease is
+        taken away, so the worker's later writes are fenced."""
+        now = self.clock.now()
+        error = RunError(
+            code="deadline_exceeded",
+            message=f"run exceeded its timeout of {run.timeout_seconds}s (deadline {run.deadline})",
+            step=run.phase,
+            attempt=run.attempt,
+        )
+        return await self._transition(
+            "deadline_expire",
+            run.id,
+            actor,
+            extra={"deadline": {"$lte": now}},
+            set_={
+                "error": _error(error),
+                "completedAt": now,
+                "progress.steps.$[r].status": StepStatus.FAILED,
+                "progress.steps.$[r].completedAt": now,
+                "progress.steps.$[p].status": StepStatus.SKIPPED,
+            },
+            unset=[*_LEASE_FIELDS, "dedupeKey"],
+            array_filters=[_RUNNING_STEP, _UNDONE_STEP],
+            message=error.message,
+        )
+
+    async def time_out_cancel(self, run: Run) -> Moved | Lost:
+        """The worker did not acknowledge a cancel within the grace: cancel it without it."""
+        now = self.clock.now()
+        return await self._transition(
+            "cancel_timeout",
+            run.id,
+            "reaper",
+            extra={"cancelDeadline": {"$lte": now}},
+            set_={
+                "completedAt": now,
+                "progress.steps.$[r].status": StepStatus.CANCELLED,
+                "progress.steps.$[r].completedAt": now,
+                "progress.steps.$[p].status": StepStatus.SKIPPED,
+            },
+            unset=[*_LEASE_FIELDS, "dedupeKey"],
+            array_filters=[_RUNNING_STEP, _UNDONE_STEP],
+            message=f"cancel not acknowledged within {run.cancel_grace_seconds}s",
+            also=[("cancel_timeout", None, {"graceSeconds": run.cancel_grace_seconds})],
+        )
 
     async def reap(self, run: Run) -> Moved | Lost:
         """Recover a run whose lease expired, as seen in `run`.

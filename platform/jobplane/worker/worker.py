@@ -42,6 +42,9 @@ LOOPS_CLOSE_SECONDS = 5.0
 # A step still running after this long gets its start written on its own; a quicker one has
 # its start written together with its end, saving a MongoDB write per step.
 START_WRITE_AFTER = 0.05
+# A failed step's error keeps this much of its traceback: the innermost frames.
+TRACEBACK_FRAMES = 5
+TRACEBACK_CHARS = 4000
 
 
 def default_worker_id() -> str:
@@ -70,6 +73,10 @@ class _Held:
         self.stop = reason
         if self.handler is not None:
             self.handler.cancel()
+
+
+class _Overdue(Exception):
+    """The run's deadline passed: it ends `expired`, whatever its step was doing."""
 
 
 class _Stopped(Exception):
@@ -197,6 +204,9 @@ class Worker:
             except CancelRequested as cancel:
                 ack = await self.store.acknowledge_cancel(held.lease, cancel.interrupted)
                 self._check(ack)
+            except _Overdue:
+                # Not fenced: if the reaper got there first, the run is expired already.
+                await self.store.expire_deadline(held.run, held.lease.actor)
         except _Stopped as stopped:
             if stopped.reason == "shutdown":
                 try:
@@ -260,13 +270,15 @@ class Worker:
                 raise _Stopped(held.stop)
             if held.cancel.is_set():
                 raise CancelRequested(run.id, interrupted=False)
+            if self._time_left(run) == 0:
+                raise _Overdue
             if step.worker_type == "external":
                 # The run waits for an external worker's callback; this worker lets go of it.
                 self._check(await self.store.wait_worker(lease, index, step.id))
                 return
             try:
                 output = await self._call(held, template, index, outputs)
-            except (CancelRequested, _Stopped):
+            except (CancelRequested, _Stopped, _Overdue):
                 raise
             except Exception as exc:
                 await self._failed(held, template, index, exc)
@@ -333,8 +345,10 @@ class Worker:
             work = asyncio.wrap_future(self._threads.submit(call, handler, ctx))
             # A thread cannot be cancelled: interrupting cancels this shield, not the thread.
             held.handler = asyncio.shield(work)
+        left = self._time_left(held.run)
+        overdue = left is not None and (step.timeout_seconds is None or left < step.timeout_seconds)
         try:
-            async with asyncio.timeout(step.timeout_seconds):
+            async with asyncio.timeout(left if overdue else step.timeout_seconds):
                 # A step over at once has its start written with its end: one write, not two.
                 await asyncio.wait([held.handler], timeout=START_WRITE_AFTER)
                 if not held.handler.done():
@@ -348,6 +362,8 @@ class Worker:
                 # Keep the lease until the thread returns (its checkpoint() now raises), so
                 # a retry or a release never runs the step twice at once.
                 await asyncio.wait([work])
+            if isinstance(exc, TimeoutError) and overdue:
+                raise _Overdue from exc
             if isinstance(exc, TimeoutError):
                 message = f"step {step.id!r} exceeded {step.timeout_seconds}s"
                 raise StepTimeout(message) from exc
@@ -370,8 +386,13 @@ class Worker:
         run, lease = held.run, held.lease
         code = exc.code if isinstance(exc, StepError) else "step_error"
         summary = "".join(traceback.format_exception_only(exc)).strip()
+        frames = "".join(traceback.format_exception(exc, limit=-TRACEBACK_FRAMES))
         error = RunError(
-            code=code, message=summary, step=template.steps[index].id, attempt=run.attempt
+            code=code,
+            message=summary,
+            step=template.steps[index].id,
+            attempt=run.attempt,
+            traceback=frames[-TRACEBACK_CHARS:],
         )
         began = held.unwritten_start
         if isinstance(exc, FatalError) or run.attempt >= run.max_attempts:
@@ -381,6 +402,12 @@ class Worker:
         not_before = self.clock.now() + timedelta(seconds=delay)
         self._check(await self.store.retry(lease, index, error, not_before, began))
         await self._push(run.model_copy(update={"not_before": not_before}))
+
+    def _time_left(self, run: Run) -> float | None:
+        """Seconds until the run's deadline (0 once passed), or None without one."""
+        if run.deadline is None:
+            return None
+        return max(0.0, (run.deadline - self.clock.now()).total_seconds())
 
     def _check(self, outcome: object) -> None:
         """Stop the run when a write was lost.
@@ -431,7 +458,7 @@ class Worker:
             # reaper may have given the run to another worker, so stop working on it.
             deadline = time.monotonic() - self.settings.lease_seconds
             for held in list(self.held.values()):
-                if held.renewed < deadline and held.handler is not None:
+                if held.renewed < deadline and held.handler is not None and held.stop is None:
                     log.warning("run %s: lease not renewed in time; stopping", held.run.id)
                     held.interrupt("lost")
 
@@ -451,7 +478,8 @@ class Worker:
                 # Not renewed means lost only while a handler runs: then no write of the worker's
                 # own can have ended the lease. Outside a handler the run may have just finished,
                 # and the worker's next write, fenced by MongoDB, finds a real loss by itself.
-                if held.handler is not None:
+                # Once stopped, a sync handler's thread may run on: the loss is recorded once.
+                if held.handler is not None and held.stop is None:
                     log.warning("run %s: lease lost; stopping its handler", held.run.id)
                     held.interrupt("lost")
                     await self.store.lease_lost(held.lease, "heartbeat")

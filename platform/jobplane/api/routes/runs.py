@@ -1,11 +1,10 @@
 """Creating, listing, reading, cancelling and rerunning runs."""
 
 import json
-from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Response
-from pydantic import BaseModel, ConfigDict, Field, StrictInt, StrictStr
+from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, StrictInt, StrictStr
 from pydantic.alias_generators import to_camel
 
 from jobplane.api import pages
@@ -35,7 +34,8 @@ class RunCreate(Body):
     payload: dict[str, Any] = Field(default_factory=dict)
     priority: Annotated[StrictInt, Field(ge=-100, le=100)] | None = None
     delay_seconds: Annotated[float, Field(ge=0, le=366 * 86400)] | None = None
-    not_before: Annotated[datetime, Field(strict=False)] | None = None
+    # With an offset: a time without one would be read in the server's zone.
+    not_before: Annotated[AwareDatetime, Field(strict=False)] | None = None
     idempotency_key: Annotated[StrictStr, Field(min_length=1, max_length=200)] | None = None
 
 
