@@ -1,15 +1,19 @@
 """Backends and helpers for tests against the real MongoDB and Redis of the session."""
 
+import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
 from contextlib import AsyncExitStack
 from typing import Any
 
 import httpx
 import pytest
+import uvicorn
 
 from jobplane.api import create_app
 from jobplane.backends import Backends, open_backends
+from jobplane.devstack import free_port
 from jobplane.model import Template, TemplateSpec
+from jobplane.process import HTTPServer, serve_http
 from jobplane.queue.redis import RedisQueue
 from jobplane.settings import Settings
 from jobplane.store import MongoStore
@@ -78,3 +82,29 @@ async def client_for(backends: Backends, settings: Settings) -> AsyncIterator[Cl
             return made
 
         yield client
+
+
+@pytest.fixture
+async def url(settings: Settings, backends: Backends) -> AsyncIterator[str]:
+    """The API served by uvicorn on a free port of 127.0.0.1."""
+    port = free_port()
+    config = uvicorn.Config(
+        create_app(settings, backends),
+        host="127.0.0.1",
+        port=port,
+        log_config=None,
+        access_log=False,
+        ws="none",
+        lifespan="off",
+    )
+    server, stop = HTTPServer(config), asyncio.Event()
+    task = asyncio.create_task(serve_http(server, stop))
+    async with asyncio.timeout(30):
+        while not server.started:  # uvicorn exposes readiness only as a flag
+            if task.done():
+                task.result()  # raises why it stopped
+                pytest.fail("the API server stopped before it started")
+            await asyncio.sleep(0.02)
+    yield f"http://127.0.0.1:{port}"
+    stop.set()
+    await task

@@ -10,18 +10,15 @@ import io
 import json
 import os
 import sys
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
 
 import pytest
-import uvicorn
 
-from jobplane.api import create_app
 from jobplane.backends import Backends
 from jobplane.cli import main
 from jobplane.devstack import free_port
-from jobplane.process import HTTPServer, serve_http
 from jobplane.settings import Settings
 from jobplane.templates.loader import SUFFIXES
 from tests.integration.conftest import Register
@@ -43,33 +40,6 @@ class Result:
 
 
 CLI = Callable[..., Awaitable[Result]]
-
-
-@pytest.fixture
-async def url(settings: Settings, backends: Backends) -> AsyncIterator[str]:
-    """The API served by uvicorn on a free port of 127.0.0.1."""
-    assert settings.admin_key == ADMIN
-    port = free_port()
-    config = uvicorn.Config(
-        create_app(settings, backends),
-        host="127.0.0.1",
-        port=port,
-        log_config=None,
-        access_log=False,
-        ws="none",
-        lifespan="off",
-    )
-    server, stop = HTTPServer(config), asyncio.Event()
-    task = asyncio.create_task(serve_http(server, stop))
-    async with asyncio.timeout(30):
-        while not server.started:  # uvicorn exposes readiness only as a flag
-            if task.done():
-                task.result()  # raises why it stopped
-                pytest.fail("the API server stopped before it started")
-            await asyncio.sleep(0.02)
-    yield f"http://127.0.0.1:{port}"
-    stop.set()
-    await task
 
 
 def invoke(argv: list[str]) -> Result:

@@ -1,8 +1,10 @@
 """Every named transition against every status, on the real database."""
 
+import asyncio
 from collections.abc import Awaitable, Callable
 
 import pytest
+from bson import ObjectId
 
 from jobplane.model import TRANSITIONS, RunError, RunStatus
 from jobplane.store import Lease, Lost, MongoStore, Moved
@@ -70,8 +72,7 @@ OPS: dict[str, tuple[str, Op]] = {
     "retry": ("retry", lambda s, i, le: s.retry(le, 0, ERROR, s.clock.now())),
     "release": ("release", lambda s, i, le: s.release(le)),
     "acknowledge_cancel": ("acknowledge_cancel", lambda s, i, le: s.acknowledge_cancel(le, True)),
-    "wait_worker": ("wait_worker", lambda s, i, le: s.wait_worker(le, 0, "only")),
-    "resume": ("resume", lambda s, i, le: s.resume(le)),
+    "wait_worker": ("wait_worker", lambda s, i, le: s.wait_worker(le, 0, "only", "external")),
 }
 
 
@@ -150,3 +151,35 @@ async def test_reap_loses_to_a_renewed_lease(store: MongoStore, register: Regist
     assert held == {run.id}
     assert await store.reap(run) == Lost(run.id, "status", RunStatus.RUNNING)
     assert TOKEN == (await store.get_run(run.id)).lease_token  # type: ignore[union-attr]
+
+
+async def test_external_claims_resume_only_waiting_runs_of_their_type(
+    store: MongoStore, register: Register
+) -> None:
+    template = await register()
+    runs = {s: (await run_in(store, template, s))[0] for s in RunStatus}
+    waiting = runs[RunStatus.WAITING_WORKER]
+    await store.runs.update_one(
+        {"_id": ObjectId(waiting.id)},
+        {"$set": {"externalType": "external"}, "$unset": {"lockedBy": "", "leaseToken": ""}},
+    )
+    assert await store.claim_external("gpu", "x", 5) is None
+    # Two external workers at once: one gets the run, the other nothing.
+    outcomes = await asyncio.gather(
+        *(store.claim_external("external", f"x{i}", 5) for i in range(4))
+    )
+    won = [o for o in outcomes if o is not None]
+    assert len(won) == 1
+    run, lease = won[0]
+    assert run.id == waiting.id and run.status == RunStatus.RUNNING
+    assert (run.locked_by, run.lease_token) == (lease.worker_id, lease.token)
+    assert run.external_type is None and run.attempt == waiting.attempt
+    [resumed] = [e for e in await store.events_of(run.id) if e.type == "status_changed"]
+    assert (resumed.from_, resumed.to, resumed.actor) == (
+        RunStatus.WAITING_WORKER,
+        RunStatus.RUNNING,
+        f"worker:{lease.worker_id}",
+    )
+    for status, other in runs.items():
+        if status != RunStatus.WAITING_WORKER:
+            assert await store.get_run(other.id) == other

@@ -45,9 +45,10 @@ def test_terminal_statuses_have_no_way_out() -> None:
 
 def test_worker_transitions_are_fenced() -> None:
     worker_writes = {"complete", "fail", "retry", "release", "acknowledge_cancel"}
-    for name in worker_writes | {"wait_worker", "resume"}:
+    for name in worker_writes | {"wait_worker"}:
         assert TRANSITIONS[name].fenced, name
-    for name in ("enqueue", "claim", "cancel", "request_cancel", "reap_requeue"):
+    # `resume` is an external worker's claim: it issues a lease rather than proving one.
+    for name in ("enqueue", "claim", "resume", "cancel", "request_cancel", "reap_requeue"):
         assert not TRANSITIONS[name].fenced, name
 
 

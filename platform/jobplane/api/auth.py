@@ -29,6 +29,8 @@ class Permission(StrEnum):
     RUNS_WRITE = "runs:write"
     EVENTS_READ = "events:read"
     KEYS_WRITE = "keys:write"
+    # Claiming and finishing external steps: the work of any scope, so admin keys only.
+    EXTERNAL_WORK = "external:work"
 
 
 P = Permission

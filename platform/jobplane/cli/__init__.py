@@ -77,6 +77,19 @@ def _scheduler(args: argparse.Namespace) -> None:
     asyncio.run(scheduler.serve(_settings(args)))
 
 
+def _external_worker(args: argparse.Namespace) -> None:
+    from jobplane.process import configure_logging
+    from jobplane.worker.external import serve_external
+    from jobplane.worker.worker import default_worker_id
+
+    configure_logging()
+    url = args.url or os.environ.get("JOBPLANE_URL", "http://127.0.0.1:8000")
+    key = args.key or os.environ.get("JOBPLANE_API_KEY") or os.environ.get("JOBPLANE_ADMIN_KEY")
+    worker_id = args.worker_id or default_worker_id()
+    modules = [m for m in args.handlers.split(",") if m]
+    asyncio.run(serve_external(url, key, args.type, worker_id, modules, args.concurrency))
+
+
 def _dev(args: argparse.Namespace) -> None:
     from jobplane.devstack.dev import run_dev
 
@@ -301,6 +314,15 @@ def _parser() -> argparse.ArgumentParser:
 
     scheduler = sub.add_parser("scheduler", help="run the scheduler (reaper, reconciler)")
     scheduler.set_defaults(command=_scheduler)
+
+    external = sub.add_parser("external-worker", help="run external steps over the HTTP API")
+    external.add_argument("--type", default="external", help="the steps' workerType")
+    external.add_argument("--handlers", default="", help="comma-separated handler modules")
+    external.add_argument("--worker-id")
+    external.add_argument("--concurrency", type=int, default=1, help="steps at a time")
+    external.add_argument("--url", help="API base URL (JOBPLANE_URL)")
+    external.add_argument("--key", help="an admin API key (JOBPLANE_API_KEY)")
+    external.set_defaults(command=_external_worker)
 
     dev = sub.add_parser("dev", help="local MongoDB + Redis, then API, worker and scheduler")
     dev.add_argument("--host")

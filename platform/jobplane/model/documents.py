@@ -142,6 +142,8 @@ class Run(Document):
     cancel_grace_seconds: float = 30
     deadline: datetime | None = None
     cancel_deadline: datetime | None = None
+    # While `waiting_worker`: the kind of external worker the current step waits for.
+    external_type: str | None = None
     locked_by: str | None = None
     lease_token: str | None = None
     locked_until: datetime | None = None

@@ -59,8 +59,9 @@ S = RunStatus
 _ALL = [
     _t("enqueue", {S.PENDING}, S.QUEUED),
     _t("claim", {S.PENDING, S.QUEUED}, S.RUNNING),
+    # An external step: the inline worker lets go, and an external worker's claim resumes it.
     _t("wait_worker", {S.RUNNING}, S.WAITING_WORKER, fenced=True),
-    _t("resume", {S.WAITING_WORKER}, S.RUNNING, fenced=True),
+    _t("resume", {S.WAITING_WORKER}, S.RUNNING),
     _t("complete", {S.RUNNING, S.WAITING_WORKER}, S.SUCCEEDED, fenced=True),
     _t("fail", {S.RUNNING, S.WAITING_WORKER}, S.FAILED, fenced=True),
     _t("retry", {S.RUNNING, S.WAITING_WORKER}, S.QUEUED, fenced=True),

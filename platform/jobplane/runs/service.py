@@ -184,8 +184,15 @@ class RunService:
                     if key := run.dedupe_key or run.dedupe_wait:
                         await self.admit_next(key, actor)
                     return await self.get(run_id)
+            # A run waiting for an external worker has no one to acknowledge the cancel: the
+            # reaper ends it at its next tick.
             elif not isinstance(
-                await self.store.request_cancel(run.id, actor, reason, run.cancel_grace_seconds),
+                await self.store.request_cancel(
+                    run.id,
+                    actor,
+                    reason,
+                    0 if run.status == RunStatus.WAITING_WORKER else run.cancel_grace_seconds,
+                ),
                 Lost,
             ):
                 # Heartbeats bring the cancel from MongoDB too, should the signal be lost.

@@ -1142,8 +1142,12 @@ class MongoStore:
             array_filters=[_RUNNING_STEP, _UNDONE_STEP],
         )
 
-    async def wait_worker(self, lease: Lease, index: int, step_id: str) -> Moved | Lost:
-        """Hand the current step to an external worker."""
+    async def wait_worker(
+        self, lease: Lease, index: int, step_id: str, worker_type: str
+    ) -> Moved | Lost:
+        """Hand the current step to an external worker: the inline worker lets go of the lease
+        (a step may wait for an external worker longer than any lease), and the run waits
+        for `claim_external`."""
         now = self.clock.now()
         return await self._transition(
             "wait_worker",
@@ -1152,14 +1156,48 @@ class MongoStore:
             lease=lease,
             set_={
                 "phase": step_id,
+                "externalType": worker_type,
                 f"progress.steps.{index}.status": StepStatus.RUNNING,
                 f"progress.steps.{index}.startedAt": now,
             },
+            unset=list(_LEASE_FIELDS),
         )
 
-    async def resume(self, lease: Lease) -> Moved | Lost:
-        """The external step is done; an inline worker carries on."""
-        return await self._transition("resume", lease.run_id, lease.actor, lease=lease)
+    async def claim_external(
+        self, worker_type: str, worker_id: str, lease_seconds: float
+    ) -> tuple[Run, Lease] | None:
+        """Lease the oldest run waiting for a `worker_type` worker to `worker_id` (`resume`).
+
+        Two external workers may pick the same run; the guarded write lets one have it and the
+        other tries the next.
+        """
+        waiting = {"status": RunStatus.WAITING_WORKER, "externalType": worker_type}
+        for _ in range(5):
+            doc = await self.runs.find_one(waiting, {"_id": 1}, sort=[("_id", 1)])
+            if doc is None:
+                return None
+            now = self.clock.now()
+            token = secrets.token_hex(12)
+            lease = Lease(str(doc["_id"]), worker_id, token)
+            moved = await self._transition(
+                "resume",
+                lease.run_id,
+                lease.actor,
+                lease=lease,
+                extra={"externalType": worker_type},
+                set_={
+                    "lockedBy": worker_id,
+                    "leaseToken": token,
+                    "lockedUntil": now + timedelta(seconds=lease_seconds),
+                    "heartbeatAt": now,
+                },
+                unset=["externalType"],
+            )
+            if isinstance(moved, Moved):
+                run = await self.get_run(lease.run_id)
+                assert run is not None
+                return run, lease
+        return None
 
     # -- the machinery -------------------------------------------------------------------------
 

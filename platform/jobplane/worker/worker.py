@@ -274,7 +274,7 @@ class Worker:
                 raise _Overdue
             if step.worker_type == "external":
                 # The run waits for an external worker's callback; this worker lets go of it.
-                self._check(await self.store.wait_worker(lease, index, step.id))
+                self._check(await self.store.wait_worker(lease, index, step.id, step.worker_type))
                 return
             try:
                 output = await self._call(held, template, index, outputs)
