@@ -3,12 +3,15 @@ failed step leaves for the person reading the dead letter."""
 
 import asyncio
 import threading
+from datetime import timedelta
 
 from jobplane.backends import Backends
-from jobplane.model import RunStatus, StepStatus
+from jobplane.clock import ManualClock
+from jobplane.model import Run, RunStatus, StepStatus
 from jobplane.runs import RunRequest, RunService
 from jobplane.settings import Settings
-from jobplane.worker import StepContext, registry
+from jobplane.store import MongoStore
+from jobplane.worker import StepContext, Worker, registry
 from tests.integration.conftest import Register
 from tests.integration.workers import running, settled
 
@@ -109,3 +112,49 @@ async def test_a_failed_step_keeps_its_traceback(
     assert done.error.message == "ValueError: bad input 7"
     assert done.error.traceback is not None
     assert "in inner" in done.error.traceback and "ValueError: bad input 7" in done.error.traceback
+
+
+async def test_retry_backoff_follows_the_policy_on_an_injected_clock(
+    backends: Backends, settings: Settings, register: Register
+) -> None:
+    """Backoff timing without sleeping through it: the worker, store and queue share a clock
+    that only the test moves."""
+    clock = ManualClock()
+    store = MongoStore(backends.store.client, settings.db, clock=clock)
+    await register(
+        steps=[{"id": "flaky", "handler": "builtin.fail"}],
+        retryPolicy={"maxAttempts": 3, "backoffSeconds": [120, 600]},
+    )
+    service = RunService(store, backends.queue)
+    run, _ = await service.create(RunRequest("t_noop", "user", "u", {"failTimes": 2}), "user:a")
+    failed_at = clock.now()
+
+    async def settled_in(status: RunStatus, attempt: int) -> Run:
+        async with asyncio.timeout(20):
+            while True:
+                now = await store.get_run(run.id)
+                if now is not None and now.status == status and now.attempt == attempt:
+                    return now
+                await asyncio.sleep(0.02)
+
+    worker = Worker(store, backends.queue, settings, clock=clock)
+    stop = asyncio.Event()
+    task = asyncio.create_task(worker.run(stop, drain_seconds=5))
+    try:
+        first = await settled_in(RunStatus.QUEUED, 1)
+        assert first.not_before == failed_at + timedelta(seconds=120)
+        await asyncio.sleep(1)  # real time passes; the injected clock does not
+        assert (await store.get_run(run.id)).status == RunStatus.QUEUED  # type: ignore[union-attr]
+        clock.advance(119)
+        await asyncio.sleep(1)
+        assert (await store.get_run(run.id)).attempt == 1  # type: ignore[union-attr]
+        clock.advance(2)
+        second = await settled_in(RunStatus.QUEUED, 2)
+        assert second.not_before == clock.now() + timedelta(seconds=600)
+        clock.advance(601)
+        done = await settled_in(RunStatus.SUCCEEDED, 3)
+    finally:
+        stop.set()
+        await task
+        await store.flush_events()
+    assert done.error is not None and done.error.attempt == 2
