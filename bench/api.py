@@ -42,7 +42,6 @@ import platform
 import secrets
 import signal
 import statistics
-import sys
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
@@ -59,7 +58,7 @@ from jobplane.settings import Settings
 
 # bench/ is not a package: Python puts a script's own folder first on sys.path, so the sibling
 # benchmark's process registry, throwaway servers and counters are importable from here.
-from throughput import Counters, Processes, interrupt, machine, servers
+from throughput import Counters, Processes, machine, run_main
 
 TEMPLATE = {
     "type": "bench_noop",
@@ -361,15 +360,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse()
-    signal.signal(signal.SIGTERM, interrupt)
-    try:
-        with servers(args) as (mongo_url, redis_url, procs):
-            try:
-                asyncio.run(main_async(Bench(args, mongo_url, redis_url, procs)))
-            finally:
-                signal.signal(signal.SIGTERM, interrupt)  # closing the loop reset it
-    except (KeyboardInterrupt, asyncio.CancelledError):
-        sys.exit(130)
+    run_main(args, lambda mongo, redis, procs: main_async(Bench(args, mongo, redis, procs)))
 
 
 if __name__ == "__main__":

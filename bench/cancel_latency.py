@@ -34,29 +34,26 @@ import argparse
 import asyncio
 import contextlib
 import math
-import os
 import platform
 import signal
-import sys
 import time
-from collections.abc import AsyncIterator, Callable, Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, ClassVar
 
 import pymongo
 import redis
 from bson import ObjectId
 
+# bench/ is not a package: Python puts a script's own folder first on sys.path, so the sibling
+# benchmark's process registry, throwaway servers, counters and machine line are importable.
+import throughput
 from jobplane.backends import Backends, open_backends
 from jobplane.model import TERMINAL, RunStatus, TemplateSpec
 from jobplane.runs import RunService
 from jobplane.runs.service import RunRequest
-from jobplane.settings import Settings
-
-# bench/ is not a package: Python puts a script's own folder first on sys.path, so the sibling
-# benchmark's process registry, throwaway servers, counters and machine line are importable.
-from throughput import Counters, Processes, interrupt, machine, servers
+from throughput import Counters, machine, run_main
 
 TEMPLATE = TemplateSpec.model_validate(
     {"type": "bench_sleep", "steps": [{"id": "nap", "handler": "builtin.sleep"}]}
@@ -125,7 +122,7 @@ class Samples:
 
     def ms(self, name: str, quantile: float) -> float:
         """Nearest rank; 1.0 is the maximum."""
-        values = sorted(getattr(s, name) for s in self.items)
+        values: list[float] = sorted(getattr(s, name) for s in self.items)
         return values[max(1, math.ceil(quantile * len(values))) - 1]
 
     def line(self, name: str) -> str:
@@ -180,40 +177,8 @@ async def cancel_many(
 
 
 @dataclass
-class Bench:
-    args: argparse.Namespace
-    mongo_url: str
-    redis_url: str
-    procs: Processes
-
-    def settings(self) -> Settings:
-        tag = os.urandom(4).hex()
-        return Settings(
-            mongodb_url=self.mongo_url,
-            redis_url=self.redis_url,
-            db=f"bench_{tag}",
-            redis_prefix=f"bench:{tag}:",
-            write_concern=self.args.write_concern,
-            worker_concurrency=self.args.concurrency,
-        )
-
-    @contextlib.asynccontextmanager
-    async def fresh(self) -> AsyncIterator[tuple[Settings, Backends, RunService]]:
-        """Backends on a new database and prefix, with the template; both dropped afterwards."""
-        settings = self.settings()
-        async with open_backends(settings) as backends:
-            try:
-                await backends.store.register_template(TEMPLATE)
-                yield settings, backends, RunService(backends.store, backends.queue)
-            finally:
-                self.procs.stop()
-                await backends.store.flush_events()
-                await backends.store.client.drop_database(settings.db)
-                keys = [
-                    k async for k in backends.queue.redis.scan_iter(f"{settings.redis_prefix}*")
-                ]
-                if keys:
-                    await backends.queue.redis.delete(*keys)
+class Bench(throughput.Bench):
+    template: ClassVar[TemplateSpec] = TEMPLATE
 
     async def round(self) -> Samples:
         a = self.args
@@ -309,15 +274,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
 
 def main() -> None:
     args = parse()
-    signal.signal(signal.SIGTERM, interrupt)
-    try:
-        with servers(args) as (mongo_url, redis_url, procs):
-            try:
-                asyncio.run(main_async(Bench(args, mongo_url, redis_url, procs)))
-            finally:
-                signal.signal(signal.SIGTERM, interrupt)  # closing the loop reset it
-    except (KeyboardInterrupt, asyncio.CancelledError):
-        sys.exit(130)
+    run_main(args, lambda mongo, redis, procs: main_async(Bench(args, mongo, redis, procs)))
 
 
 if __name__ == "__main__":
