@@ -7,9 +7,8 @@ from typing import Annotated, Generic, TypeVar
 
 from bson import ObjectId
 from fastapi import Query
-from pydantic import BaseModel, ConfigDict
-from pydantic.alias_generators import to_camel
 
+from jobplane.api.schema import ResponseBody
 from jobplane.errors import ValidationFailed
 
 T = TypeVar("T")
@@ -17,9 +16,7 @@ Limit = Annotated[int, Query(ge=1, le=500)]
 Cursor = Annotated[str | None, Query(max_length=200)]
 
 
-class Page(BaseModel, Generic[T]):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True)
-
+class Page(ResponseBody, Generic[T]):
     items: list[T]
     next_cursor: str | None = None
 

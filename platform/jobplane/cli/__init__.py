@@ -46,10 +46,15 @@ def _settings(args: argparse.Namespace) -> Settings:
     return Settings(**overrides)
 
 
-def _client(args: argparse.Namespace) -> APIClient:
+def _endpoint(args: argparse.Namespace) -> tuple[str, str | None]:
+    """The API's URL and the key to call it with, from the options or the environment."""
     url = args.url or os.environ.get("JOBPLANE_URL", "http://127.0.0.1:8000")
     key = args.key or os.environ.get("JOBPLANE_API_KEY") or os.environ.get("JOBPLANE_ADMIN_KEY")
-    return APIClient(url, key)
+    return url, key
+
+
+def _client(args: argparse.Namespace) -> APIClient:
+    return APIClient(*_endpoint(args))
 
 
 # -- services ------------------------------------------------------------------------------------
@@ -83,8 +88,7 @@ def _external_worker(args: argparse.Namespace) -> None:
     from jobplane.worker.worker import default_worker_id
 
     configure_logging()
-    url = args.url or os.environ.get("JOBPLANE_URL", "http://127.0.0.1:8000")
-    key = args.key or os.environ.get("JOBPLANE_API_KEY") or os.environ.get("JOBPLANE_ADMIN_KEY")
+    url, key = _endpoint(args)
     worker_id = args.worker_id or default_worker_id()
     modules = [m for m in args.handlers.split(",") if m]
     asyncio.run(serve_external(url, key, args.type, worker_id, modules, args.concurrency))

@@ -4,11 +4,11 @@ from datetime import datetime
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Request, Response
-from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
-from pydantic.alias_generators import to_camel
+from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from jobplane.api.deps import ExternalWorker, SettingsDep
 from jobplane.api.errors import ERROR_RESPONSES
+from jobplane.api.schema import RequestBody, ResponseBody
 from jobplane.model import Run, RunStatus, Template
 from jobplane.model.documents import Name
 from jobplane.runs.external import ExternalSteps
@@ -17,23 +17,13 @@ from jobplane.store import Lease
 router = APIRouter(tags=["external workers"], responses=ERROR_RESPONSES)
 
 
-class Body(BaseModel):
-    model_config = ConfigDict(
-        alias_generator=to_camel, populate_by_name=True, extra="forbid", strict=True
-    )
-
-
-class Out(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True)
-
-
-class ClaimBody(Body):
+class ClaimBody(RequestBody):
     worker_id: Name
     # Long poll: how long to wait for a step when none is waiting now.
     wait_seconds: Annotated[StrictFloat | StrictInt, Field(ge=0, le=60)] = 20
 
 
-class Claimed(Out):
+class Claimed(ResponseBody):
     run_id: str
     step_id: str
     lease_token: str
@@ -43,7 +33,7 @@ class Claimed(Out):
     template: Template
 
 
-class LeaseBody(Body):
+class LeaseBody(RequestBody):
     worker_id: Name
     lease_token: Annotated[StrictStr, Field(min_length=1, max_length=100)]
 
@@ -53,7 +43,7 @@ class HeartbeatBody(LeaseBody):
     message: Annotated[StrictStr, Field(max_length=1000)] | None = None
 
 
-class Beat(Out):
+class Beat(ResponseBody):
     cancel_requested: bool
     locked_until: datetime | None
 

@@ -4,12 +4,12 @@ from datetime import datetime
 from typing import Annotated
 
 from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict, Field, model_validator
-from pydantic.alias_generators import to_camel
+from pydantic import Field, model_validator
 
 from jobplane.api.auth import mint_key
 from jobplane.api.deps import KeyAdmin, StoreDep
 from jobplane.api.errors import ERROR_RESPONSES
+from jobplane.api.schema import RequestBody, ResponseBody
 from jobplane.errors import ResourceInvalidState
 from jobplane.model import Role, ScopeRef
 from jobplane.model.documents import Name
@@ -17,11 +17,7 @@ from jobplane.model.documents import Name
 router = APIRouter(prefix="/v1/api-keys", tags=["api keys"], responses=ERROR_RESPONSES)
 
 
-class KeyCreate(BaseModel):
-    model_config = ConfigDict(
-        alias_generator=to_camel, populate_by_name=True, extra="forbid", strict=True
-    )
-
+class KeyCreate(RequestBody):
     name: Name
     role: Role
     scopes: Annotated[list[ScopeRef], Field(max_length=100)] = Field(default_factory=list)
@@ -35,9 +31,7 @@ class KeyCreate(BaseModel):
         return self
 
 
-class KeyCreated(BaseModel):
-    model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True)
-
+class KeyCreated(ResponseBody):
     id: str
     name: str
     role: Role

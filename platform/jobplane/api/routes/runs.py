@@ -4,13 +4,13 @@ import json
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Response
-from pydantic import AwareDatetime, BaseModel, ConfigDict, Field, StrictInt, StrictStr
-from pydantic.alias_generators import to_camel
+from pydantic import AwareDatetime, Field, StrictInt, StrictStr
 
 from jobplane.api import pages
 from jobplane.api.deps import RunReader, RunsDep, RunWriter, SettingsDep, StoreDep
 from jobplane.api.errors import ERROR_RESPONSES
 from jobplane.api.pages import Cursor, Limit, Page
+from jobplane.api.schema import RequestBody
 from jobplane.errors import PayloadTooLarge
 from jobplane.model import Event, Run, RunStatus
 from jobplane.runs import RunRequest
@@ -19,14 +19,7 @@ from jobplane.store import RunQuery
 router = APIRouter(prefix="/v1/runs", tags=["runs"], responses=ERROR_RESPONSES)
 
 
-class Body(BaseModel):
-    # Strict: "5" is not a number and 1 is not a string; only `notBefore` parses a string.
-    model_config = ConfigDict(
-        alias_generator=to_camel, populate_by_name=True, extra="forbid", strict=True
-    )
-
-
-class RunCreate(Body):
+class RunCreate(RequestBody):
     template_type: StrictStr
     template_version: Annotated[StrictInt, Field(ge=1)] | None = None
     scope: Literal["user", "account", "system"]
@@ -39,7 +32,7 @@ class RunCreate(Body):
     idempotency_key: Annotated[StrictStr, Field(min_length=1, max_length=200)] | None = None
 
 
-class CancelBody(Body):
+class CancelBody(RequestBody):
     reason: Annotated[StrictStr, Field(max_length=1000)] | None = None
 
 
