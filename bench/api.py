@@ -38,7 +38,6 @@ import importlib.util
 import json
 import math
 import os
-import platform
 import secrets
 import signal
 import statistics
@@ -49,8 +48,6 @@ from importlib.metadata import version
 from typing import Any
 
 import httpx
-import pymongo
-import redis
 
 from jobplane.backends import Backends, open_backends
 from jobplane.devstack.servers import free_port
@@ -58,7 +55,7 @@ from jobplane.settings import Settings
 
 # bench/ is not a package: Python puts a script's own folder first on sys.path, so the sibling
 # benchmark's process registry, throwaway servers and counters are importable from here.
-from throughput import Counters, Processes, machine, run_main
+from throughput import Counters, Processes, machine, run_main, software
 
 TEMPLATE = {
     "type": "bench_noop",
@@ -275,18 +272,11 @@ async def verify(stack: Stack, created: int) -> None:
 async def describe(bench: Bench) -> None:
     print(machine())
     settings = bench.settings()
-    async with open_backends(settings) as backends:
-        mongod = (await backends.store.client.admin.command("buildInfo"))["version"]
-        server = await backends.queue.redis.info("server")
-        await backends.store.client.drop_database(settings.db)
+    print(await software(settings))
     # uvicorn picks httptools and uvloop when they are importable, else h11 and asyncio; the
     # API process runs on this same interpreter, so what is importable here is what it uses.
     http = "httptools" if importlib.util.find_spec("httptools") else "h11"
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
-    print(
-        f"python {platform.python_version()}, mongod {mongod}, redis-server "
-        f"{server['redis_version']}, pymongo {pymongo.version}, redis-py {redis.__version__}"
-    )
     print(
         f"api: uvicorn {version('uvicorn')} ({http}, {loop} loop), fastapi "
         f"{version('fastapi')}, starlette {version('starlette')}, pydantic {version('pydantic')}; "

@@ -34,7 +34,6 @@ import argparse
 import asyncio
 import contextlib
 import math
-import platform
 import signal
 import time
 from collections.abc import Callable, Sequence
@@ -42,18 +41,16 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from typing import Any, ClassVar
 
-import pymongo
-import redis
 from bson import ObjectId
 
 # bench/ is not a package: Python puts a script's own folder first on sys.path, so the sibling
 # benchmark's process registry, throwaway servers, counters and machine line are importable.
 import throughput
-from jobplane.backends import Backends, open_backends
+from jobplane.backends import Backends
 from jobplane.model import TERMINAL, RunStatus, TemplateSpec
 from jobplane.runs import RunService
 from jobplane.runs.service import RunRequest
-from throughput import Counters, machine, run_main
+from throughput import Counters, machine, run_main, software
 
 TEMPLATE = TemplateSpec.model_validate(
     {"type": "bench_sleep", "steps": [{"id": "nap", "handler": "builtin.sleep"}]}
@@ -213,15 +210,8 @@ class Bench(throughput.Bench):
 async def describe(bench: Bench) -> None:
     print(machine())
     settings = bench.settings()
-    async with open_backends(settings) as backends:
-        mongod = (await backends.store.client.admin.command("buildInfo"))["version"]
-        server = await backends.queue.redis.info("server")
-        await backends.store.client.drop_database(settings.db)
+    print(await software(settings))
     a = bench.args
-    print(
-        f"python {platform.python_version()}, mongod {mongod}, redis-server "
-        f"{server['redis_version']}, pymongo {pymongo.version}, redis-py {redis.__version__}"
-    )
     print(
         f"runs {a.runs} (warm-up {a.warmup}), in flight {a.in_flight}, workers {a.workers} x "
         f"concurrency {a.concurrency}, sleepSeconds {a.sleep_seconds:g}, poll {a.poll:g}s, "

@@ -453,20 +453,25 @@ def machine() -> str:
     )
 
 
-async def describe(bench: Bench) -> None:
-    print(machine())
-    settings = bench.settings()
+async def software(settings: Settings) -> str:
+    """The versions of Python, the servers and their clients, as one line."""
     async with open_backends(settings) as backends:
         mongod = (await backends.store.client.admin.command("buildInfo"))["version"]
         server = await backends.queue.redis.info("server")
         await backends.store.client.drop_database(settings.db)
-    a = bench.args
-    hiredis = redis.utils.HIREDIS_AVAILABLE
-    print(
+    hiredis = "yes" if redis.utils.HIREDIS_AVAILABLE else "no"
+    return (
         f"python {platform.python_version()}, mongod {mongod}, redis-server "
         f"{server['redis_version']}, pymongo {pymongo.version}, redis-py {redis.__version__} "
-        f"(hiredis {'yes' if hiredis else 'no'})"
+        f"(hiredis {hiredis})"
     )
+
+
+async def describe(bench: Bench) -> None:
+    print(machine())
+    settings = bench.settings()
+    print(await software(settings))
+    a = bench.args
     print(
         f"runs {a.runs} (sequential {a.sequential_runs}), callers {CALLERS}, workers {a.workers}, "
         f"worker concurrency {a.concurrency}, write concern {a.write_concern}, "
