@@ -416,3 +416,35 @@ async def test_as_processes_end_to_end(
         "runs", "list", env=env | {"JOBPLANE_URL": f"http://127.0.0.1:{free_port()}"}
     )
     assert down.code == 1 and failed(down, "Unavailable")
+
+
+async def test_schedules_create_list_preview_pause_trigger(cli: CLI, register: Register) -> None:
+    await register("t_report", schedulable=True, payloadSchema={"type": "object"})
+    made = ok(
+        await cli(
+            "schedules",
+            "create",
+            "t_report",
+            "--cron",
+            "0 9 * * *",
+            "--timezone",
+            "Asia/Taipei",
+            "--payload-template",
+            '{"for": "{{scheduledFor}}"}',
+        )
+    )
+    [line] = made.lines
+    schedule_id = line.split()[0]
+    assert "enabled" in line and "0 9 * * * Asia/Taipei" in line and "T01:00:00.000+00:00" in line
+    assert ok(await cli("schedules", "list")).lines == [line]
+    times = ok(await cli("schedules", "preview", schedule_id, "--count", "3")).lines
+    assert len(times) == 3 and all(t.split()[0].endswith("T01:00:00Z") for t in times)
+    assert all(t.split()[1].endswith("T09:00:00+08:00") for t in times)
+    assert "paused" in ok(await cli("schedules", "pause", schedule_id)).out
+    assert "enabled" in ok(await cli("schedules", "resume", schedule_id)).out
+    [run_id] = ok(await cli("schedules", "trigger", schedule_id)).lines
+    run = json.loads(ok(await cli("runs", "get", run_id)).out)
+    assert run["scheduleId"] == schedule_id and run["payload"]["for"].startswith("20")
+    bad = await cli("schedules", "create", "t_report", "--cron", "0 9 * *")
+    assert "/cron" in failed(bad, "ValidationFailed")
+    failed(await cli("schedules", "pause", "0123456789abcdef01234567"), "NotFound")

@@ -17,7 +17,7 @@ from bson import ObjectId
 from fastapi import Request
 
 from jobplane.errors import Forbidden, NotFound, Unauthorized
-from jobplane.model import ApiKey, Role, Run
+from jobplane.model import ApiKey, Role, Run, Schedule
 from jobplane.settings import Settings
 from jobplane.store import MongoStore
 
@@ -28,6 +28,8 @@ class Permission(StrEnum):
     RUNS_READ = "runs:read"
     RUNS_WRITE = "runs:write"
     EVENTS_READ = "events:read"
+    SCHEDULES_READ = "schedules:read"
+    SCHEDULES_WRITE = "schedules:write"
     KEYS_WRITE = "keys:write"
     # Claiming and finishing external steps: the work of any scope, so admin keys only.
     EXTERNAL_WORK = "external:work"
@@ -38,8 +40,17 @@ PERMISSIONS: dict[Role, frozenset[Permission]] = {
     "admin": frozenset(Permission),
     "author": frozenset({P.TEMPLATES_READ, P.TEMPLATES_WRITE}),
     # Users need to read templates to build payloads; runs and events only in their scopes.
-    "user": frozenset({P.TEMPLATES_READ, P.RUNS_READ, P.RUNS_WRITE, P.EVENTS_READ}),
-    "auditor": frozenset({P.TEMPLATES_READ, P.RUNS_READ, P.EVENTS_READ}),
+    "user": frozenset(
+        {
+            P.TEMPLATES_READ,
+            P.RUNS_READ,
+            P.RUNS_WRITE,
+            P.EVENTS_READ,
+            P.SCHEDULES_READ,
+            P.SCHEDULES_WRITE,
+        }
+    ),
+    "auditor": frozenset({P.TEMPLATES_READ, P.RUNS_READ, P.EVENTS_READ, P.SCHEDULES_READ}),
 }
 # Roles that see every scope; the others see only the scopes on their key.
 ALL_SCOPES: frozenset[Role] = frozenset({"admin", "auditor"})
@@ -76,6 +87,11 @@ class Caller:
         if not self.sees(run.scope, run.scope_id):
             raise NotFound(f"run {run.id!r} not found")
         return run
+
+    def sees_schedule(self, schedule: Schedule) -> Schedule:
+        if not self.sees(schedule.scope, schedule.scope_id):
+            raise NotFound(f"schedule {schedule.id!r} not found")
+        return schedule
 
 
 def parse_scope(ref: str) -> tuple[str, str]:

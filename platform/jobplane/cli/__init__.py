@@ -16,8 +16,15 @@ from urllib.parse import quote
 from pydantic import BaseModel
 
 from jobplane.cli.client import APIClient, CLIError
-from jobplane.cli.render import RUN_HEADER, LiveView, event_line, run_row, template_line
-from jobplane.model import TERMINAL, Event, Run, RunStatus, Template
+from jobplane.cli.render import (
+    RUN_HEADER,
+    LiveView,
+    event_line,
+    run_row,
+    schedule_line,
+    template_line,
+)
+from jobplane.model import TERMINAL, Event, Run, RunStatus, Schedule, Template
 from jobplane.settings import Settings
 
 
@@ -277,6 +284,43 @@ def _keys_create(args: argparse.Namespace, client: APIClient) -> None:
     print("The secret is shown only this once: only its hash is stored. Keep it safe.")
 
 
+def _schedules_create(args: argparse.Namespace, client: APIClient) -> None:
+    body = _present(
+        templateType=args.template,
+        scope=args.scope,
+        scopeId=args.scope_id,
+        cron=args.cron,
+        timezone=args.timezone,
+        payloadTemplate=args.payload_template,
+        misfirePolicy=args.misfire,
+        overlapPolicy=args.overlap,
+        enabled=False if args.paused else None,
+    )
+    print(schedule_line(Schedule.model_validate(client.call("POST", "/v1/schedules", json=body))))
+
+
+def _schedules_list(args: argparse.Namespace, client: APIClient) -> None:
+    params = _present(
+        templateType=args.template, scope=args.scope, scopeId=args.scope_id, limit=args.limit
+    )
+    _print_pages(client, "/v1/schedules", params, args.all, Schedule, schedule_line)
+
+
+def _schedules_act(args: argparse.Namespace, client: APIClient) -> None:
+    """pause, resume, trigger: a POST to the schedule's action."""
+    answer = client.call("POST", f"/v1/schedules/{_segment(args.schedule_id)}/{args.action}")
+    if args.action == "trigger":
+        print(answer["id"])  # the run it created
+    else:
+        print(schedule_line(Schedule.model_validate(answer)))
+
+
+def _schedules_preview(args: argparse.Namespace, client: APIClient) -> None:
+    path = f"/v1/schedules/{_segment(args.schedule_id)}/preview"
+    for t in client.call("GET", path, params={"count": args.count})["times"]:
+        print(f"{t['utc']}  {t['local']}")
+
+
 # -- argument types: bad input stops here, before any request -------------------------------------
 
 
@@ -406,6 +450,38 @@ def _parser() -> argparse.ArgumentParser:
     events.add_argument("--to", dest="until", type=_instant, help="ISO 8601, exclusive")
     events.add_argument("--limit", type=int, help="events per page")
     events.add_argument("--all", action="store_true", help="every page, not just the first")
+
+    schedules = sub.add_parser("schedules", help="cron schedules in a time zone")
+    ssub = schedules.add_subparsers(required=True, metavar="ACTION")
+    screate = client_command(ssub, "create", _schedules_create, "run TEMPLATE on a cron")
+    screate.add_argument("template", metavar="TEMPLATE")
+    screate.add_argument("--cron", required=True, help="e.g. '30 2 * * *' or @daily")
+    screate.add_argument("--timezone", help="IANA zone, e.g. Asia/Taipei (default UTC)")
+    screate.add_argument("--scope", default="system", choices=scopes)
+    screate.add_argument("--scope-id", default="cli")
+    screate.add_argument(
+        "--payload-template", type=_json_object, help="JSON object; {{scheduledFor}} etc."
+    )
+    screate.add_argument("--misfire", choices=["skip", "run_once", "catch_up"])
+    screate.add_argument("--overlap", choices=["allow", "skip", "queue"])
+    screate.add_argument("--paused", action="store_true", help="create it disabled")
+    slist = client_command(ssub, "list", _schedules_list, "schedules, newest first")
+    slist.add_argument("--template", help="template type")
+    slist.add_argument("--scope", choices=scopes)
+    slist.add_argument("--scope-id")
+    slist.add_argument("--limit", type=int, help="schedules per page")
+    slist.add_argument("--all", action="store_true", help="every page, not just the first")
+    for action, what in (
+        ("pause", "stop firing"),
+        ("resume", "fire again"),
+        ("trigger", "a run now; prints its id"),
+    ):
+        act = client_command(ssub, action, _schedules_act, what)
+        act.add_argument("schedule_id", metavar="ID")
+        act.set_defaults(action=action)
+    spreview = client_command(ssub, "preview", _schedules_preview, "the next fire times")
+    spreview.add_argument("schedule_id", metavar="ID")
+    spreview.add_argument("--count", type=int, default=10)
 
     keys = sub.add_parser("keys", help="API keys")
     ksub = keys.add_subparsers(required=True, metavar="ACTION")

@@ -1,8 +1,9 @@
 """Drawing runs, templates and events in a terminal: progress bars, table rows, log lines."""
 
 from datetime import datetime
+from zoneinfo import ZoneInfo
 
-from jobplane.model import Event, Run, StepStatus, Template
+from jobplane.model import Event, Run, Schedule, StepStatus, Template
 
 _MARK = {
     StepStatus.PENDING: " ",
@@ -45,6 +46,16 @@ def run_row(run: Run) -> str:
 def template_line(template: Template) -> str:
     state = "enabled" if template.enabled else "disabled"
     return f"{template.type:<32}  v{template.version:<4}  {state}"
+
+
+def schedule_line(schedule: Schedule) -> str:
+    state = "enabled" if schedule.enabled else "paused"
+    when = f"{schedule.cron} {schedule.timezone}"
+    upcoming = "-"
+    if schedule.next_run_at is not None:
+        local = schedule.next_run_at.astimezone(ZoneInfo(schedule.timezone))
+        upcoming = f"next {_time(schedule.next_run_at)} ({local.isoformat(timespec='minutes')})"
+    return f"{schedule.id}  {state:<7}  {schedule.template_type:<24}  {when:<36}  {upcoming}"
 
 
 def event_line(event: Event) -> str:

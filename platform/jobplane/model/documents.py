@@ -193,3 +193,34 @@ class ApiKey(Document):
     secret_hash: str
     created_by: str
     create_at: datetime
+
+
+class ScheduleSpec(Spec):
+    """What an account asks for: run a template on a cron, in its own time zone."""
+
+    template_type: Name
+    scope: Scope
+    scope_id: Annotated[str, Field(min_length=1, max_length=200)]
+    cron: Annotated[str, Field(min_length=1, max_length=200)]
+    timezone: Annotated[str, Field(min_length=1, max_length=100)] = "UTC"
+    # The payload of each fired run; strings may use {{scheduledFor}}, {{scheduleId}} and
+    # {{scopeId}}.
+    payload_template: dict[str, Any] = Field(default_factory=dict)
+    enabled: bool = True
+    misfire_policy: Literal["skip", "run_once", "catch_up"] = "run_once"
+    # With `catch_up`: at most this many runs for the fire times missed while it was down.
+    catch_up_limit: Annotated[int, Field(ge=1, le=1000)] = 10
+    overlap_policy: Literal["allow", "skip", "queue"] = "allow"
+
+
+class Schedule(ScheduleSpec):
+    model_config = ConfigDict(extra="ignore")
+
+    id: str
+    next_run_at: datetime | None = None
+    last_run_at: datetime | None = None
+    last_run_id: str | None = None
+    created_by: str
+    create_at: datetime
+    update_at: datetime
+    version: int = 1

@@ -37,6 +37,8 @@ class RunRequest:
     not_before: datetime | None = None
     idempotency_key: str | None = None
     rerun_of: str | None = None
+    schedule_id: str | None = None
+    scheduled_for: datetime | None = None
 
 
 class RunService:
@@ -77,6 +79,8 @@ class RunService:
             dedupe_key=key,
             idempotency_key=request.idempotency_key,
             rerun_of=request.rerun_of,
+            schedule_id=request.schedule_id,
+            scheduled_for=request.scheduled_for,
         )
         try:
             return await self._insert(new, template, actor), True

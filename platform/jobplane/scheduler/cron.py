@@ -26,7 +26,12 @@ ALIASES = frozenset(
 
 
 class CronError(ValueError):
-    """An expression or time zone that cannot make a schedule; the message says why."""
+    """An expression or time zone that cannot make a schedule; the message says why, and
+    `field` which of the two (`cron` or `timezone`)."""
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
 
 
 @dataclass(frozen=True)
@@ -42,13 +47,16 @@ class Cron:
             text = text.lower()
         elif len(fields) not in (5, 6) or not croniter.is_valid(text):
             raise CronError(
+                "cron",
                 f"{expression!r} is not a cron expression: 5 fields (minute hour day month "
-                "weekday), 6 with seconds last, or an alias such as @daily"
+                "weekday), 6 with seconds last, or an alias such as @daily",
             )
         try:
             zone = ZoneInfo(timezone)
         except (ZoneInfoNotFoundError, ValueError) as exc:
-            raise CronError(f"{timezone!r} is not an IANA time zone (e.g. Asia/Taipei)") from exc
+            raise CronError(
+                "timezone", f"{timezone!r} is not an IANA time zone (e.g. Asia/Taipei)"
+            ) from exc
         return cls(text, zone)
 
     def next_after(self, instant: datetime) -> datetime:

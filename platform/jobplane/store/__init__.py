@@ -11,6 +11,7 @@ from jobplane.store.mongo import (
     Moved,
     NewRun,
     RunQuery,
+    ScheduleQuery,
 )
 
 __all__ = [
@@ -24,4 +25,5 @@ __all__ = [
     "Moved",
     "NewRun",
     "RunQuery",
+    "ScheduleQuery",
 ]

@@ -16,7 +16,7 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
 from bson import ObjectId
-from pymongo import ASCENDING, DESCENDING, AsyncMongoClient, IndexModel
+from pymongo import ASCENDING, DESCENDING, AsyncMongoClient, IndexModel, ReturnDocument
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import BulkWriteError, DuplicateKeyError
 from pymongo.write_concern import WriteConcern
@@ -33,6 +33,7 @@ from jobplane.model import (
     Run,
     RunError,
     RunStatus,
+    Schedule,
     StepProgress,
     StepStatus,
     Template,
@@ -157,6 +158,17 @@ class RunQuery:
     scope: str | None = None
     scope_id: str | None = None
     schedule_id: str | None = None
+    before: str | None = None
+
+
+@dataclass(frozen=True)
+class ScheduleQuery:
+    """Filters of the schedule list; `before` is the id the previous page ended at."""
+
+    template_type: str | None = None
+    scope: str | None = None
+    scope_id: str | None = None
+    enabled: bool | None = None
     before: str | None = None
 
 
@@ -337,7 +349,10 @@ class MongoStore:
             ]
         )
         await self.schedules.create_indexes(
-            [IndexModel([("enabled", ASCENDING), ("nextRunAt", ASCENDING)])]
+            [
+                IndexModel([("enabled", ASCENDING), ("nextRunAt", ASCENDING)]),
+                IndexModel([("scope", ASCENDING), ("scopeId", ASCENDING), ("_id", DESCENDING)]),
+            ]
         )
         # The audit query pages by (createAt, _id) under at most one equality filter, and each
         # such filter has its index, so no query scans the collection.
@@ -406,6 +421,55 @@ class MongoStore:
             {"type": type_}, {"$set": {"enabled": enabled, "updateAt": now}}
         )
         return await self.get_template(type_) if result.matched_count else None
+
+    # -- schedules -------------------------------------------------------------------------------
+
+    async def insert_schedule(self, schedule: Schedule) -> None:
+        doc = schedule.model_dump(by_alias=True)
+        doc["_id"] = ObjectId(doc.pop("id"))
+        await self.schedules.insert_one(doc)
+
+    async def get_schedule(self, schedule_id: str) -> Schedule | None:
+        oid = object_id(schedule_id)
+        doc = await self.schedules.find_one({"_id": oid}) if oid else None
+        return _schedule(doc) if doc else None
+
+    async def list_schedules(
+        self, query: ScheduleQuery, within: Sequence[tuple[str, str]] | None, limit: int
+    ) -> list[Schedule]:
+        """Schedules matching `query`, newest first, only in the scopes `within` unless None."""
+        find: Doc = {
+            field: value
+            for field, value in (
+                ("templateType", query.template_type),
+                ("scope", query.scope),
+                ("scopeId", query.scope_id),
+                ("enabled", query.enabled),
+            )
+            if value is not None
+        }
+        if within is not None:
+            find["$or"] = [{"scope": s, "scopeId": i} for s, i in within]
+        if query.before is not None:
+            find["_id"] = {"$lt": ObjectId(query.before)}
+        cursor = self.schedules.find(find).sort("_id", -1).limit(limit)
+        return [_schedule(d) async for d in cursor]
+
+    async def replace_schedule(self, schedule: Schedule) -> Schedule | None:
+        """Write `schedule` over the stored one if that is still at `schedule.version`; None
+        if another change got there first (the caller reads again)."""
+        doc = schedule.model_dump(by_alias=True, exclude={"id"})
+        doc |= {"version": schedule.version + 1, "updateAt": self.clock.now()}
+        stored = await self.schedules.find_one_and_replace(
+            {"_id": ObjectId(schedule.id), "version": schedule.version},
+            doc,
+            return_document=ReturnDocument.AFTER,
+        )
+        return _schedule(stored) if stored else None
+
+    async def delete_schedule(self, schedule_id: str) -> bool:
+        oid = object_id(schedule_id)
+        return bool(oid and (await self.schedules.delete_one({"_id": oid})).deleted_count)
 
     # -- API keys --------------------------------------------------------------------------------
 
@@ -1388,6 +1452,12 @@ def _definition(spec: TemplateSpec) -> Doc:
     """What makes two registrations the same version: everything an author wrote but `enabled`."""
     fields = set(TemplateSpec.model_fields) - {"enabled"}
     return spec.model_dump(by_alias=True, mode="json", include=fields)
+
+
+def _schedule(doc: Doc) -> Schedule:
+    doc = dict(doc)
+    doc["id"] = str(doc.pop("_id"))
+    return Schedule.model_validate(doc)
 
 
 def _template(doc: Doc) -> Template:

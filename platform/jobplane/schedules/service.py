@@ -1,0 +1,151 @@
+"""Creating, changing and triggering schedules.
+
+Everything a fire needs is checked when a schedule is written: the cron and its time zone, a
+template that exists and is `schedulable`, and a payload template that renders to a payload
+the template's schema accepts. A fire then has nothing left to fail on but the template being
+disabled, which it records and skips.
+"""
+
+import re
+from datetime import UTC, datetime
+from typing import Any
+
+from bson import ObjectId
+from pydantic import ValidationError
+
+from jobplane.errors import NotFound, ResourceInvalidState, TemplateDisabled, ValidationFailed
+from jobplane.model import Run, Schedule, ScheduleSpec, Template
+from jobplane.queue.redis import RedisQueue
+from jobplane.runs import RunRequest, RunService
+from jobplane.runs.service import validate_payload
+from jobplane.scheduler.cron import Cron, CronError
+from jobplane.store import MongoStore
+from jobplane.templates.loader import pydantic_errors
+
+# `{{name}}` in a payload template's strings.
+_PLACEHOLDER = re.compile(r"\{\{\s*(\w*)\s*\}\}")
+PLACEHOLDERS = ("scheduledFor", "scheduleId", "scopeId")
+
+
+class ScheduleService:
+    def __init__(self, store: MongoStore, queue: RedisQueue) -> None:
+        self.store = store
+        self.queue = queue
+
+    async def create(self, spec: ScheduleSpec, actor: str) -> Schedule:
+        now = self.store.clock.now()
+        schedule_id = str(ObjectId())
+        cron = await self._check(spec, schedule_id)
+        schedule = Schedule(
+            **spec.model_dump(),
+            id=schedule_id,
+            next_run_at=cron.next_after(now),
+            created_by=actor,
+            create_at=now,
+            update_at=now,
+        )
+        await self.store.insert_schedule(schedule)
+        return schedule
+
+    async def update(self, schedule_id: str, changes: dict[str, Any]) -> Schedule:
+        """Apply `changes` (camelCase fields of the spec) and recompute `nextRunAt` from now.
+
+        Two changes at once: the second re-reads and applies itself to the first's result.
+        """
+        for _ in range(5):
+            current = await self.get(schedule_id)
+            fields = current.model_dump(by_alias=True, include=set(ScheduleSpec.model_fields))
+            try:
+                spec = ScheduleSpec.model_validate({**fields, **changes})
+            except ValidationError as exc:
+                raise ValidationFailed("invalid schedule", pydantic_errors(exc)) from exc
+            cron = await self._check(spec, schedule_id)
+            changed = current.model_copy(
+                update={**spec.model_dump(), "next_run_at": cron.next_after(self.store.clock.now())}
+            )
+            if (stored := await self.store.replace_schedule(changed)) is not None:
+                return stored
+        raise ResourceInvalidState(f"schedule {schedule_id} kept changing; try again")
+
+    async def get(self, schedule_id: str) -> Schedule:
+        schedule = await self.store.get_schedule(schedule_id)
+        if schedule is None:
+            raise NotFound(f"schedule {schedule_id!r} not found")
+        return schedule
+
+    async def delete(self, schedule_id: str) -> None:
+        if not await self.store.delete_schedule(schedule_id):
+            raise NotFound(f"schedule {schedule_id!r} not found")
+
+    async def trigger(self, schedule_id: str, actor: str) -> Run:
+        """A run now, as if the schedule fired (its `scheduledFor` is now)."""
+        schedule = await self.get(schedule_id)
+        template = await self.store.get_template(schedule.template_type)
+        if template is None:
+            raise NotFound(f"template {schedule.template_type!r} not found")
+        if not template.enabled:
+            raise TemplateDisabled(f"template {template.type!r} is disabled")
+        at = self.store.clock.now()
+        request = RunRequest(
+            template_type=schedule.template_type,
+            scope=schedule.scope,
+            scope_id=schedule.scope_id,
+            payload=render_payload(schedule.payload_template, _values(schedule, at)),
+            schedule_id=schedule.id,
+            scheduled_for=at,
+        )
+        run, _ = await RunService(self.store, self.queue).create(request, actor)
+        return run
+
+    async def _check(self, spec: ScheduleSpec, schedule_id: str) -> Cron:
+        try:
+            cron = Cron.parse(spec.cron, spec.timezone)
+        except CronError as exc:
+            problem = [{"pointer": f"/{exc.field}", "message": str(exc)}]
+            raise ValidationFailed(str(exc), problem) from exc
+        template = await self.store.get_template(spec.template_type)
+        if template is None or not template.schedulable:
+            why = "no such template" if template is None else "the template is not schedulable"
+            raise ValidationFailed(why, [{"pointer": "/templateType", "message": why}])
+        _check_payload(spec, schedule_id, template)
+        return cron
+
+
+def render_payload(template: Any, values: dict[str, str]) -> Any:
+    """`template` with each `{{name}}` in its strings replaced by `values[name]`."""
+    if isinstance(template, str):
+        return _PLACEHOLDER.sub(lambda m: values[m.group(1)], template)
+    if isinstance(template, dict):
+        return {k: render_payload(v, values) for k, v in template.items()}
+    if isinstance(template, list):
+        return [render_payload(v, values) for v in template]
+    return template
+
+
+def _values(
+    schedule: Schedule | ScheduleSpec, at: datetime, schedule_id: str = ""
+) -> dict[str, str]:
+    sid = schedule.id if isinstance(schedule, Schedule) else schedule_id
+    return {"scheduledFor": at.isoformat(), "scheduleId": sid, "scopeId": schedule.scope_id}
+
+
+def _check_payload(spec: ScheduleSpec, schedule_id: str, template: Template) -> None:
+    """The payload template uses known placeholders only, and renders (with sample values) to
+    a payload the template's schema accepts."""
+    unknown = sorted(
+        {m.group(1) for m in _PLACEHOLDER.finditer(str(spec.payload_template))} - set(PLACEHOLDERS)
+    )
+    if unknown:
+        message = f"unknown placeholders {unknown}; known: {list(PLACEHOLDERS)}"
+        raise ValidationFailed(message, [{"pointer": "/payloadTemplate", "message": message}])
+    sample = render_payload(spec.payload_template, _values(spec, datetime.now(UTC), schedule_id))
+    try:
+        validate_payload(template, sample)
+    except ValidationFailed as exc:
+        errors = [
+            {**e, "pointer": "/payloadTemplate" + e["pointer"].removeprefix("/payload")}
+            for e in exc.details["errors"]
+        ]
+        raise ValidationFailed(
+            "payloadTemplate does not render to a valid payload", errors
+        ) from exc
