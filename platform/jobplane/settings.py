@@ -45,5 +45,8 @@ class Settings(BaseSettings):
     poll_seconds: Annotated[float, Field(gt=0)] = 1.0
 
     reconcile_seconds: Annotated[float, Field(gt=0)] = 10
+    # A fire time the tick reaches later than this was missed (the scheduler was down): the
+    # schedule's `misfirePolicy` decides what happens to it.
+    misfire_grace_seconds: Annotated[float, Field(ge=0)] = 60
     reap_batch: Annotated[int, Field(ge=1)] = 500
     scheduler_lock_seconds: Annotated[float, Field(gt=0)] = 15

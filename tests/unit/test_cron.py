@@ -5,7 +5,7 @@ from itertools import pairwise
 
 import pytest
 
-from jobplane.scheduler.cron import Cron, CronError
+from jobplane.schedules.cron import Cron, CronError
 
 
 def utc(text: str) -> datetime:

@@ -39,6 +39,9 @@ class RunRequest:
     rerun_of: str | None = None
     schedule_id: str | None = None
     scheduled_for: datetime | None = None
+    # A schedule's `overlapPolicy: queue`: the run waits for the schedule's previous run, as
+    # `queue_same_scope` makes runs wait for their dedupe key's holder.
+    queue_behind: str | None = None
 
 
 class RunService:
@@ -68,7 +71,7 @@ class RunService:
         not_before = as_stored(request.not_before) if request.not_before else None
         if request.delay_seconds:
             not_before = self.store.clock.now() + timedelta(seconds=request.delay_seconds)
-        key = dedupe_key(template, request)
+        key = request.queue_behind or dedupe_key(template, request)
         new = NewRun(
             template=template,
             scope=request.scope,
@@ -82,8 +85,9 @@ class RunService:
             schedule_id=request.schedule_id,
             scheduled_for=request.scheduled_for,
         )
+        queueing = request.queue_behind is not None
         try:
-            return await self._insert(new, template, actor), True
+            return await self._insert(new, template, actor, queueing), True
         except DuplicateRun as duplicate:
             first = duplicate.run
             if (first.template_type, first.payload) != (template.type, request.payload):
@@ -95,7 +99,7 @@ class RunService:
                 ) from None
             return first, False
 
-    async def _insert(self, new: NewRun, template: Template, actor: str) -> Run:
+    async def _insert(self, new: NewRun, template: Template, actor: str, queueing: bool) -> Run:
         # A key whose holder ended between our insert and the read of the holder is free now.
         for _ in range(3):
             try:
@@ -103,7 +107,8 @@ class RunService:
             except KeyHeld as held:
                 if held.holder is None:
                     continue
-                if template.concurrency_policy != "queue_same_scope" or _spent(held):
+                queueing = queueing or template.concurrency_policy == "queue_same_scope"
+                if not queueing or _spent(held):
                     raise _refusal(held) from None
                 waiting = replace(new, dedupe_key=None, dedupe_wait=held.key)
                 run = await self.store.insert_run(waiting, actor)

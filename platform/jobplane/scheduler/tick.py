@@ -17,6 +17,7 @@ from jobplane.clock import Clock, SystemClock
 from jobplane.model import RunStatus
 from jobplane.queue.redis import QueueEntry, RedisQueue
 from jobplane.runs import RunService
+from jobplane.schedules import ScheduleService
 from jobplane.settings import Settings
 from jobplane.store import Lost, MongoStore
 
@@ -39,30 +40,55 @@ class Scheduler:
         self.owner = owner or f"scheduler-{os.getpid()}-{os.urandom(4).hex()}"
 
     async def run(self, stop: asyncio.Event) -> None:
+        """Hold the singleton lock and tick: schedules fire the moment they are due (the loop
+        sleeps until the earliest `nextRunAt`), the rest of the tick runs every interval."""
         lock = self.queue.keys.scheduler_lock
         ttl = self.settings.scheduler_lock_seconds
         interval = min(self.settings.reconcile_seconds, ttl / 3)
+        loop = asyncio.get_running_loop()
+        maintained = -interval
         try:
             while not stop.is_set():
+                wait = interval
                 try:
                     if await self.queue.acquire_lock(lock, self.owner, ttl):
-                        await self.tick()
+                        if loop.time() - maintained >= interval:
+                            maintained = loop.time()
+                            await self.tick()
+                        else:
+                            await self.fire()
+                        wait = min(interval - (loop.time() - maintained), ttl / 3)
+                        if (due := await self.store.next_fire_time()) is not None:
+                            wait = min(wait, (due - self.clock.now()).total_seconds())
                 except Exception:
                     log.exception("scheduler tick failed; retrying")
                 with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), interval)
+                    await asyncio.wait_for(stop.wait(), max(0.0, wait))
         finally:
             with contextlib.suppress(Exception):
                 await self.queue.release_lock(lock, self.owner)
 
+    async def fire(self) -> int:
+        """Fire the schedules that are due; returns how many runs were created."""
+        schedules = ScheduleService(self.store, self.queue)
+        batch, grace = self.settings.reap_batch, self.settings.misfire_grace_seconds
+        return await schedules.fire_due(self.clock.now(), batch, grace)
+
     async def tick(self) -> None:
+        fired = await self.fire()
         reaped = await self.reap()
         queued = await self.reconcile()
         # Writers copy their own events within milliseconds; a tick later, nobody will.
         settled = self.clock.now() - timedelta(seconds=self.settings.reconcile_seconds)
         swept = await self.store.sweep_trails(settled)
-        if reaped or queued or swept:
-            log.info("tick: reaped %d, queued %d, swept %d events", reaped, queued, swept)
+        if fired or reaped or queued or swept:
+            log.info(
+                "tick: fired %d, reaped %d, queued %d, swept %d events",
+                fired,
+                reaped,
+                queued,
+                swept,
+            )
 
     async def reap(self) -> int:
         """End runs past their deadline or cancel grace, and recover runs whose lease expired

@@ -7,7 +7,7 @@ disabled, which it records and skips.
 """
 
 import re
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from bson import ObjectId
@@ -18,9 +18,14 @@ from jobplane.model import Run, Schedule, ScheduleSpec, Template
 from jobplane.queue.redis import RedisQueue
 from jobplane.runs import RunRequest, RunService
 from jobplane.runs.service import validate_payload
-from jobplane.scheduler.cron import Cron, CronError
+from jobplane.schedules.cron import Cron, CronError
 from jobplane.store import MongoStore
 from jobplane.templates.loader import pydantic_errors
+
+# Fire times the tick works out for one schedule at most (after a long outage, say); beyond
+# them the schedule jumps to its next future time.
+MAX_MISSED = 1000
+ACTOR = "scheduler"
 
 # `{{name}}` in a payload template's strings.
 _PLACEHOLDER = re.compile(r"\{\{\s*(\w*)\s*\}\}")
@@ -97,6 +102,77 @@ class ScheduleService:
         run, _ = await RunService(self.store, self.queue).create(request, actor)
         return run
 
+    async def fire_due(self, now: datetime, limit: int, grace_seconds: float) -> int:
+        """Fire every schedule whose time has come; returns how many runs were created."""
+        created = 0
+        for schedule in await self.store.due_schedules(now, limit):
+            created += await self._fire(schedule, now, timedelta(seconds=grace_seconds))
+        return created
+
+    async def _fire(self, schedule: Schedule, now: datetime, grace: timedelta) -> int:
+        """Create the runs of one schedule's due fire times, as its policies say, and move it
+        to its next future time.
+
+        A fire time reached more than `grace` late was missed: `skip` drops it, `run_once`
+        makes one run (for the latest missed time), `catch_up` one run per missed time (the
+        latest `catchUpLimit`). Two schedulers firing at once create one run per fire time:
+        (scheduleId, scheduledFor) is unique, and only one of them advances the schedule.
+        """
+        assert schedule.next_run_at is not None
+        cron = Cron.parse(schedule.cron, schedule.timezone)
+        due = [schedule.next_run_at]
+        while len(due) < MAX_MISSED and (later := cron.next_after(due[-1])) <= now:
+            due.append(later)
+        missed = [t for t in due if now - t > grace]
+        fire = [t for t in due if now - t <= grace]
+        if missed and schedule.misfire_policy == "run_once":
+            fire = fire or missed[-1:]
+        elif missed and schedule.misfire_policy == "catch_up":
+            fire = (missed + fire)[-schedule.catch_up_limit :]
+        skipped = [t for t in due if t not in fire]
+        if skipped:
+            await self.store.schedule_event(
+                schedule,
+                "fire_skipped",
+                f"{len(skipped)} missed fire times skipped ({schedule.misfire_policy})",
+                {"reason": "misfire", "first": skipped[0].isoformat(), "count": len(skipped)},
+                ACTOR,
+            )
+        runs = [(at, await self._fire_once(schedule, at)) for at in fire]
+        made = [(at, run.id) for at, run in runs if run is not None]
+        await self.store.advance_schedule(
+            schedule, cron.next_after(now), made[-1] if made else None
+        )
+        return len(made)
+
+    async def _fire_once(self, schedule: Schedule, at: datetime) -> Run | None:
+        """The run for one fire time, unless the template is disabled or (`overlapPolicy:
+        skip`) the schedule's previous run is still active; each skip is an event."""
+        template = await self.store.get_template(schedule.template_type)
+        reason = None
+        if template is None or not template.enabled:
+            reason = "template_disabled"
+        elif schedule.overlap_policy == "skip":
+            active = await self.store.active_run_of(schedule.id)
+            reason = f"overlap: run {active.id} is {active.status.value}" if active else None
+        if reason is not None:
+            metadata = {"reason": reason, "scheduledFor": at.isoformat()}
+            await self.store.schedule_event(
+                schedule, "fire_skipped", f"fire at {at.isoformat()} skipped", metadata, ACTOR
+            )
+            return None
+        request = RunRequest(
+            template_type=schedule.template_type,
+            scope=schedule.scope,
+            scope_id=schedule.scope_id,
+            payload=render_payload(schedule.payload_template, _values(schedule, at)),
+            schedule_id=schedule.id,
+            scheduled_for=at,
+            queue_behind=f"schedule:{schedule.id}" if schedule.overlap_policy == "queue" else None,
+        )
+        run, _ = await RunService(self.store, self.queue).create(request, ACTOR)
+        return run
+
     async def _check(self, spec: ScheduleSpec, schedule_id: str) -> Cron:
         try:
             cron = Cron.parse(spec.cron, spec.timezone)
@@ -107,6 +183,10 @@ class ScheduleService:
         if template is None or not template.schedulable:
             why = "no such template" if template is None else "the template is not schedulable"
             raise ValidationFailed(why, [{"pointer": "/templateType", "message": why}])
+        if spec.overlap_policy == "queue" and not template.repeatable:
+            # Queued fires wait on the run's dedupe key, which a non-repeatable template keeps.
+            why = "overlapPolicy queue needs a repeatable template"
+            raise ValidationFailed(why, [{"pointer": "/overlapPolicy", "message": why}])
         _check_payload(spec, schedule_id, template)
         return cron
 

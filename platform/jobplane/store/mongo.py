@@ -23,6 +23,7 @@ from pymongo.write_concern import WriteConcern
 
 from jobplane.clock import Clock, SystemClock
 from jobplane.model import (
+    ACTIVE,
     CLAIMABLE,
     LEASED,
     TERMINAL,
@@ -466,6 +467,60 @@ class MongoStore:
             return_document=ReturnDocument.AFTER,
         )
         return _schedule(stored) if stored else None
+
+    async def due_schedules(self, now: datetime, limit: int) -> list[Schedule]:
+        """Enabled schedules whose next fire time has come, the most overdue first."""
+        due = {"enabled": True, "nextRunAt": {"$lte": now}}
+        cursor = self.schedules.find(due).sort("nextRunAt", 1).limit(limit)
+        return [_schedule(d) async for d in cursor]
+
+    async def next_fire_time(self) -> datetime | None:
+        """The earliest `nextRunAt` of any enabled schedule: when the tick must look next."""
+        doc = await self.schedules.find_one(
+            {"enabled": True, "nextRunAt": {"$ne": None}}, {"nextRunAt": 1}, sort=[("nextRunAt", 1)]
+        )
+        return doc["nextRunAt"] if doc else None
+
+    async def advance_schedule(
+        self, schedule: Schedule, next_run_at: datetime, fired: tuple[datetime, str] | None
+    ) -> bool:
+        """Move a schedule past the fire times it handled, if nobody else did (another
+        scheduler, or a change that recomputed `nextRunAt`) since it was read."""
+        fields: Doc = {"nextRunAt": next_run_at, "updateAt": self.clock.now()}
+        if fired is not None:
+            fields |= {"lastRunAt": fired[0], "lastRunId": fired[1]}
+        result = await self.schedules.update_one(
+            {
+                "_id": ObjectId(schedule.id),
+                "nextRunAt": schedule.next_run_at,
+                "version": schedule.version,
+            },
+            {"$set": fields, "$inc": {"version": 1}},
+        )
+        return result.modified_count == 1
+
+    async def active_run_of(self, schedule_id: str) -> Run | None:
+        doc = await self.runs.find_one(
+            {"scheduleId": schedule_id, "status": {"$in": sorted(ACTIVE)}}, _NO_TRAIL
+        )
+        return _run(doc) if doc else None
+
+    async def schedule_event(
+        self, schedule: Schedule, kind: str, message: str, metadata: Doc, actor: str
+    ) -> None:
+        """An event about a schedule (a fire skipped, say): its `jobId` is the schedule's id."""
+        event = _event(
+            schedule.id,
+            kind,
+            actor,
+            schedule.scope,
+            schedule.scope_id,
+            schedule.version,
+            message=message,
+            metadata=metadata,
+            now=self.clock.now(),
+        )
+        await self.events.insert_one(event)
 
     async def delete_schedule(self, schedule_id: str) -> bool:
         oid = object_id(schedule_id)

@@ -12,8 +12,8 @@ from jobplane.api.errors import ERROR_RESPONSES
 from jobplane.api.pages import Cursor, Limit, Page
 from jobplane.api.schema import ResponseBody
 from jobplane.model import Run, Schedule, ScheduleSpec
-from jobplane.scheduler.cron import Cron
 from jobplane.schedules import ScheduleService
+from jobplane.schedules.cron import Cron
 from jobplane.store import ScheduleQuery
 
 router = APIRouter(prefix="/v1/schedules", tags=["schedules"], responses=ERROR_RESPONSES)
