@@ -85,20 +85,7 @@ class ScheduleService:
     async def trigger(self, schedule_id: str, actor: str) -> Run:
         """A run now, as if the schedule fired (its `scheduledFor` is now)."""
         schedule = await self.get(schedule_id)
-        template = await self.store.get_template(schedule.template_type)
-        if template is None:
-            raise NotFound(f"template {schedule.template_type!r} not found")
-        if not template.enabled:
-            raise TemplateDisabled(f"template {template.type!r} is disabled")
-        at = self.store.clock.now()
-        request = RunRequest(
-            template_type=schedule.template_type,
-            scope=schedule.scope,
-            scope_id=schedule.scope_id,
-            payload=render_payload(schedule.payload_template, _values(schedule, at)),
-            schedule_id=schedule.id,
-            scheduled_for=at,
-        )
+        request = _request(schedule, self.store.clock.now())
         run, _ = await RunService(self.store, self.queue).create(request, actor)
         return run
 
@@ -148,30 +135,22 @@ class ScheduleService:
     async def _fire_once(self, schedule: Schedule, at: datetime) -> Run | None:
         """The run for one fire time, unless the template is disabled or (`overlapPolicy:
         skip`) the schedule's previous run is still active; each skip is an event."""
-        template = await self.store.get_template(schedule.template_type)
-        reason = None
-        if template is None or not template.enabled:
-            reason = "template_disabled"
-        elif schedule.overlap_policy == "skip":
-            active = await self.store.active_run_of(schedule.id)
-            reason = f"overlap: run {active.id} is {active.status.value}" if active else None
-        if reason is not None:
-            metadata = {"reason": reason, "scheduledFor": at.isoformat()}
-            await self.store.schedule_event(
-                schedule, "fire_skipped", f"fire at {at.isoformat()} skipped", metadata, ACTOR
-            )
+        if schedule.overlap_policy == "skip" and (
+            active := await self.store.active_run_of(schedule.id)
+        ):
+            await self._skip(schedule, at, f"overlap: run {active.id} is {active.status}")
             return None
-        request = RunRequest(
-            template_type=schedule.template_type,
-            scope=schedule.scope,
-            scope_id=schedule.scope_id,
-            payload=render_payload(schedule.payload_template, _values(schedule, at)),
-            schedule_id=schedule.id,
-            scheduled_for=at,
-            queue_behind=f"schedule:{schedule.id}" if schedule.overlap_policy == "queue" else None,
-        )
-        run, _ = await RunService(self.store, self.queue).create(request, ACTOR)
+        try:
+            run, _ = await RunService(self.store, self.queue).create(_request(schedule, at), ACTOR)
+        except (NotFound, TemplateDisabled):
+            await self._skip(schedule, at, "template_disabled")
+            return None
         return run
+
+    async def _skip(self, schedule: Schedule, at: datetime, reason: str) -> None:
+        metadata = {"reason": reason, "scheduledFor": at.isoformat()}
+        message = f"fire at {at.isoformat()} skipped"
+        await self.store.schedule_event(schedule, "fire_skipped", message, metadata, ACTOR)
 
     async def _check(self, spec: ScheduleSpec, schedule_id: str) -> Cron:
         try:
@@ -200,6 +179,19 @@ def render_payload(template: Any, values: dict[str, str]) -> Any:
     if isinstance(template, list):
         return [render_payload(v, values) for v in template]
     return template
+
+
+def _request(schedule: Schedule, at: datetime) -> RunRequest:
+    """The run of one fire time (`overlapPolicy: queue` makes it wait for the previous one)."""
+    return RunRequest(
+        template_type=schedule.template_type,
+        scope=schedule.scope,
+        scope_id=schedule.scope_id,
+        payload=render_payload(schedule.payload_template, _values(schedule, at)),
+        schedule_id=schedule.id,
+        scheduled_for=at,
+        queue_behind=f"schedule:{schedule.id}" if schedule.overlap_policy == "queue" else None,
+    )
 
 
 def _values(
