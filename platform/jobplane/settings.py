@@ -49,4 +49,6 @@ class Settings(BaseSettings):
     # schedule's `misfirePolicy` decides what happens to it.
     misfire_grace_seconds: Annotated[float, Field(ge=0)] = 60
     reap_batch: Annotated[int, Field(ge=1)] = 500
+    # Terminal runs older than this move to `job_runs_archive` (still found by id).
+    run_retention_days: Annotated[float, Field(gt=0)] = 30
     scheduler_lock_seconds: Annotated[float, Field(gt=0)] = 15

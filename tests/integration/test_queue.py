@@ -1,9 +1,15 @@
 """The Redis fast path: queue order, delayed promotion, owner-checked locks."""
 
-from datetime import timedelta
+from datetime import UTC, datetime, timedelta
 
+from jobplane.backends import Backends
+from jobplane.clock import ManualClock
 from jobplane.queue.redis import QueueEntry, RedisQueue
+from jobplane.runs import RunRequest, RunService
+from jobplane.scheduler import Scheduler
+from jobplane.settings import Settings
 from jobplane.store import MongoStore
+from tests.integration.conftest import Register
 
 
 async def test_lock_refresh_and_release_need_the_owner(queue: RedisQueue) -> None:
@@ -65,3 +71,21 @@ async def test_wait_blocks_until_a_push(queue: RedisQueue, store: MongoStore) ->
     assert await queue.wait(["q"], 0.05) is None
     await queue.push([QueueEntry("00000000000000000000000a", "q", 0)], store.clock.now())
     assert await queue.wait(["q"], 1) == "00000000000000000000000a"
+
+
+async def test_the_tick_promotes_delayed_runs_of_a_queue_no_worker_polls(
+    backends: Backends, settings: Settings, register: Register
+) -> None:
+    clock = ManualClock(datetime(2026, 3, 1, tzinfo=UTC))
+    store = MongoStore(backends.store.client, settings.db, clock=clock)
+    await register(queue="reports")
+    request = RunRequest("t_noop", "user", "u1", delay_seconds=60)
+    run, _ = await RunService(store, backends.queue).create(request, "user:test")
+    scheduler = Scheduler(store, backends.queue, settings, clock)
+    ready = backends.queue.keys.queue("reports")
+
+    await scheduler.reconcile()
+    assert await backends.queue.redis.zscore(ready, run.id) is None, "not due yet"
+    clock.advance(61)
+    await scheduler.reconcile()
+    assert await backends.queue.redis.zscore(ready, run.id) is not None

@@ -1,10 +1,12 @@
 """One scheduler is active at a time, through the owner-checked Redis lock.
 
-Each tick reaps expired leases, reconciles Redis with MongoDB (pending runs are queued and
-queued runs missing from Redis after a flush or failover are pushed again), and copies the events
-a dead process never copied from the runs' trails to `job_events`. Redis sorted sets
-ignore a second add of the same id, and MongoDB decides every claim, so a redundant push costs
-a wasted pop, never a second execution.
+Each tick fires due schedules, reaps expired leases, reconciles Redis with MongoDB (pending runs
+are queued, queued runs missing from Redis after a flush or failover are pushed again, and
+delayed runs whose `notBefore` has come are promoted), copies the events a dead process never
+copied from the runs' trails to `job_events`, and archives terminal runs past retention.
+
+Redis sorted sets ignore a second add of the same id, and MongoDB decides every claim, so a
+redundant push costs a wasted pop, never a second execution.
 """
 
 import asyncio
@@ -81,13 +83,18 @@ class Scheduler:
         # Writers copy their own events within milliseconds; a tick later, nobody will.
         settled = self.clock.now() - timedelta(seconds=self.settings.reconcile_seconds)
         swept = await self.store.sweep_trails(settled)
-        if fired or reaped or queued or swept:
+        retained = timedelta(days=self.settings.run_retention_days)
+        archived = await self.store.archive_runs(
+            self.clock.now() - retained, self.settings.reap_batch
+        )
+        if fired or reaped or queued or swept or archived:
             log.info(
-                "tick: fired %d, reaped %d, queued %d, swept %d events",
+                "tick: fired %d, reaped %d, queued %d, swept %d events, archived %d",
                 fired,
                 reaped,
                 queued,
                 swept,
+                archived,
             )
 
     async def reap(self) -> int:
@@ -121,6 +128,9 @@ class Scheduler:
                 await service.admit_next(key, "scheduler")
             except Exception:  # one key's trouble must not hold up the rest of the tick
                 log.exception("admitting the next run for key %s failed", key)
+        # Workers promote delayed runs as they pop; this covers queues no worker is polling, so
+        # their ready sets (and what they show) stay true.
+        await self.queue.pop(await self.store.queues(), 0, self.clock.now())
         pushed = 0
         after: str | None = None
         # A run created within the last tick is most likely still on its way into Redis.

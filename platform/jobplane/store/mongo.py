@@ -16,7 +16,14 @@ from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
 from bson import ObjectId
-from pymongo import ASCENDING, DESCENDING, AsyncMongoClient, IndexModel, ReturnDocument
+from pymongo import (
+    ASCENDING,
+    DESCENDING,
+    AsyncMongoClient,
+    IndexModel,
+    ReplaceOne,
+    ReturnDocument,
+)
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import BulkWriteError, DuplicateKeyError
 from pymongo.write_concern import WriteConcern
@@ -283,6 +290,7 @@ class MongoStore:
         self.db = client.get_database(db_name, write_concern=WriteConcern(w=w))
         self.templates: AsyncCollection[Doc] = self.db["job_templates"]
         self.runs: AsyncCollection[Doc] = self.db["job_runs"]
+        self.archive: AsyncCollection[Doc] = self.db["job_runs_archive"]
         self.schedules: AsyncCollection[Doc] = self.db["job_schedules"]
         self.events: AsyncCollection[Doc] = self.db["job_events"]
         self.api_keys: AsyncCollection[Doc] = self.db["api_keys"]
@@ -347,6 +355,12 @@ class MongoStore:
                 ),
                 # The sweep: runs written since its last pass.
                 IndexModel([("updateAt", ASCENDING)]),
+                # Retention: terminal runs by age. Runs holding a spent dedupe key never move
+                # (the key must stay under the unique index); a null `dedupeKey` bound keeps
+                # the pass from even reading them.
+                IndexModel(
+                    [("status", ASCENDING), ("dedupeKey", ASCENDING), ("updateAt", ASCENDING)]
+                ),
             ]
         )
         await self.schedules.create_indexes(
@@ -413,6 +427,10 @@ class MongoStore:
             ]
         )
         return [_template(d) async for d in cursor]
+
+    async def queues(self) -> list[str]:
+        """Every queue a template version names (a run keeps the queue of its version)."""
+        return sorted(await self.templates.distinct("queue"))
 
     async def set_template_enabled(self, type_: str, enabled: bool) -> Template | None:
         """Enable or disable a template type. `enabled` is not part of a version's definition,
@@ -687,15 +705,23 @@ class MongoStore:
         return [d["_id"] async for d in cursor]
 
     async def get_run(self, run_id: str) -> Run | None:
-        oid = object_id(run_id)
-        doc = await self.runs.find_one({"_id": oid}, _NO_TRAIL) if oid else None
+        """The run, live or archived."""
+        doc = await self._find_run(run_id, _NO_TRAIL)
         return _run(doc) if doc else None
+
+    async def _find_run(self, run_id: str, projection: Doc) -> Doc | None:
+        # `archive_runs` copies before it deletes, so a run that is not in `job_runs` by the
+        # time this reads it is in the archive already.
+        oid = object_id(run_id)
+        if oid is None:
+            return None
+        doc = await self.runs.find_one({"_id": oid}, projection)
+        return doc if doc is not None else await self.archive.find_one({"_id": oid}, projection)
 
     async def events_of(self, run_id: str) -> list[Event]:
         """The run's whole trail, whether or not its events were copied to `job_events` yet
         (plus `stale_write_rejected` events, which are not a write to the run)."""
-        oid = object_id(run_id)
-        run = await self.runs.find_one({"_id": oid}, {"trail": 1}) if oid else None
+        run = await self._find_run(run_id, {"trail": 1})
         copied = await self.events.find({"jobId": run_id}).to_list()
         trail = {d["_id"]: d for d in [*(run or {}).get("trail", []), *copied]}
         # The run's version orders its trail: MongoDB serialized the writes that made it, while
@@ -796,6 +822,25 @@ class MongoStore:
             {"_id": "trail_sweep"}, {"$set": {"through": settled}}, upsert=True
         )
         return len(missing)
+
+    async def archive_runs(self, before: datetime, limit: int) -> int:
+        """Move up to `limit` runs that ended before `before` to `job_runs_archive`; returns
+        how many moved.
+
+        Each run is copied (replacing an earlier copy a crashed pass left) before it is deleted,
+        and deleted only at the version copied, so a reader always finds it in one of the two.
+        Runs holding a dedupe key stay: a non-repeatable template's key must stay unique.
+        """
+        docs = await self.runs.find(archivable(before)).limit(limit).to_list()
+        if not docs:
+            return 0
+        await self.archive.bulk_write(
+            [ReplaceOne({"_id": d["_id"]}, d, upsert=True) for d in docs], ordered=False
+        )
+        moved = await self.runs.delete_many(
+            {"$or": [{"_id": d["_id"], "version": d["version"]} for d in docs]}
+        )
+        return moved.deleted_count
 
     async def claimable(self, after: str | None, limit: int, idle_since: datetime) -> list[Run]:
         """Pending and queued runs untouched since `idle_since`, in id order, for the reconciler
@@ -1517,6 +1562,11 @@ def _schedule(doc: Doc) -> Schedule:
 
 def _template(doc: Doc) -> Template:
     return Template.model_validate({k: v for k, v in doc.items() if k != "_id"})
+
+
+def archivable(before: datetime) -> Doc:
+    """Terminal runs last written before `before` that hold no dedupe key."""
+    return {"status": {"$in": sorted(TERMINAL)}, "dedupeKey": None, "updateAt": {"$lt": before}}
 
 
 def _run(doc: Doc) -> Run:
