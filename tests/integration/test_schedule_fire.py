@@ -154,6 +154,24 @@ async def test_a_disabled_template_skips_the_fire(
     assert (await timed.get(made.id)).next_run_at == made.next_run_at + timedelta(hours=1)  # type: ignore[operator]
 
 
+async def test_a_disabled_schedule_does_not_fire_and_records_the_skip_on_resume(
+    timed: ScheduleService, register: Register, clock: ManualClock
+) -> None:
+    made = await schedule(timed, register)
+    await timed.update(made.id, {"enabled": False})
+    clock.advance(3.5 * 3600)
+    assert await timed.fire_due(clock.now(), 10, GRACE) == 0
+    assert await skips_of(timed, made.id) == []
+    resumed = await timed.update(made.id, {"enabled": True})
+    [skip] = await skips_of(timed, made.id)
+    assert skip["metadata"]["reason"] == "schedule_disabled"
+    assert skip["metadata"]["count"] == 3
+    assert skip["metadata"]["first"] == made.next_run_at.isoformat()  # type: ignore[union-attr]
+    assert resumed.next_run_at == made.next_run_at + timedelta(hours=3)  # type: ignore[operator]
+    assert await timed.fire_due(clock.now(), 10, GRACE) == 0, "nothing of the pause fires late"
+    assert await runs_of(timed, made.id) == []
+
+
 async def test_two_schedulers_firing_at_once_make_one_run_per_fire_time(
     timed: ScheduleService,
     register: Register,

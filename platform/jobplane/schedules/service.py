@@ -69,6 +69,8 @@ class ScheduleService:
                 update={**spec.model_dump(), "next_run_at": cron.next_after(self.store.clock.now())}
             )
             if (stored := await self.store.replace_schedule(changed)) is not None:
+                if not current.enabled and stored.enabled:
+                    await self._skip_paused(current)
                 return stored
         raise ResourceInvalidState(f"schedule {schedule_id} kept changing; try again")
 
@@ -107,9 +109,7 @@ class ScheduleService:
         """
         assert schedule.next_run_at is not None
         cron = Cron.parse(schedule.cron, schedule.timezone)
-        due = [schedule.next_run_at]
-        while len(due) < MAX_MISSED and (later := cron.next_after(due[-1])) <= now:
-            due.append(later)
+        due = _due_times(cron, schedule.next_run_at, now)
         missed = [t for t in due if now - t > grace]
         fire = [t for t in due if now - t <= grace]
         if missed and schedule.misfire_policy == "run_once":
@@ -147,6 +147,21 @@ class ScheduleService:
             return None
         return run
 
+    async def _skip_paused(self, paused: Schedule) -> None:
+        """As a disabled schedule is enabled again, record the fire times it passed (one event:
+        a schedule paused for a month should not write one per minute while it sleeps)."""
+        now = self.store.clock.now()
+        if paused.next_run_at is None or paused.next_run_at > now:
+            return
+        skipped = _due_times(Cron.parse(paused.cron, paused.timezone), paused.next_run_at, now)
+        await self.store.schedule_event(
+            paused,
+            "fire_skipped",
+            f"{len(skipped)} fire times skipped while the schedule was disabled",
+            {"reason": "schedule_disabled", "first": skipped[0].isoformat(), "count": len(skipped)},
+            ACTOR,
+        )
+
     async def _skip(self, schedule: Schedule, at: datetime, reason: str) -> None:
         metadata = {"reason": reason, "scheduledFor": at.isoformat()}
         message = f"fire at {at.isoformat()} skipped"
@@ -179,6 +194,14 @@ def render_payload(template: Any, values: dict[str, str]) -> Any:
     if isinstance(template, list):
         return [render_payload(v, values) for v in template]
     return template
+
+
+def _due_times(cron: Cron, first: datetime, now: datetime) -> list[datetime]:
+    """`first` and the fire times after it up to `now` (at most MAX_MISSED)."""
+    due = [first]
+    while len(due) < MAX_MISSED and (later := cron.next_after(due[-1])) <= now:
+        due.append(later)
+    return due
 
 
 def _request(schedule: Schedule, at: datetime) -> RunRequest:
