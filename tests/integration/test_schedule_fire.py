@@ -10,7 +10,7 @@ import pytest
 
 from jobplane.backends import Backends
 from jobplane.clock import ManualClock
-from jobplane.model import RunStatus, Schedule, ScheduleSpec
+from jobplane.model import Run, RunStatus, Schedule, ScheduleSpec
 from jobplane.runs import RunService
 from jobplane.scheduler import Scheduler
 from jobplane.schedules import ScheduleService
@@ -170,6 +170,28 @@ async def test_a_disabled_schedule_does_not_fire_and_records_the_skip_on_resume(
     assert resumed.next_run_at == made.next_run_at + timedelta(hours=3)  # type: ignore[operator]
     assert await timed.fire_due(clock.now(), 10, GRACE) == 0, "nothing of the pause fires late"
     assert await runs_of(timed, made.id) == []
+
+
+async def test_a_schedule_that_fails_to_fire_holds_up_no_other(
+    timed: ScheduleService, register: Register, clock: ManualClock, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    broken = await schedule(timed, register)
+    fine = await schedule(timed, register)
+    fire_once = timed._fire_once
+
+    async def failing(s: Schedule, at: datetime) -> Run | None:
+        if s.id == broken.id:
+            raise ConnectionError("MongoDB went away for this one")
+        return await fire_once(s, at)
+
+    monkeypatch.setattr(timed, "_fire_once", failing)
+    clock.advance(3600)
+    assert await timed.fire_due(clock.now(), 10, GRACE) == 1
+    assert len(await runs_of(timed, fine.id)) == 1
+    assert (await timed.get(broken.id)).next_run_at == broken.next_run_at, "still due"
+    monkeypatch.undo()
+    assert await timed.fire_due(clock.now(), 10, GRACE) == 1
+    assert len(await runs_of(timed, broken.id)) == 1
 
 
 async def test_two_schedulers_firing_at_once_make_one_run_per_fire_time(

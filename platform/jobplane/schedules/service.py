@@ -6,6 +6,8 @@ the template's schema accepts. A fire then has nothing left to fail on but the t
 disabled, which it records and skips.
 """
 
+import asyncio
+import logging
 import re
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -26,6 +28,8 @@ from jobplane.templates.loader import pydantic_errors
 # them the schedule jumps to its next future time.
 MAX_MISSED = 1000
 ACTOR = "scheduler"
+
+log = logging.getLogger("jobplane.scheduler")
 
 # `{{name}}` in a payload template's strings.
 _PLACEHOLDER = re.compile(r"\{\{\s*(\w*)\s*\}\}")
@@ -92,11 +96,19 @@ class ScheduleService:
         return run
 
     async def fire_due(self, now: datetime, limit: int, grace_seconds: float) -> int:
-        """Fire every schedule whose time has come; returns how many runs were created."""
-        created = 0
-        for schedule in await self.store.due_schedules(now, limit):
-            created += await self._fire(schedule, now, timedelta(seconds=grace_seconds))
-        return created
+        """Fire every schedule whose time has come, all at once (schedules due in the same
+        second must not wait for each other); returns how many runs were created."""
+        grace = timedelta(seconds=grace_seconds)
+        due = await self.store.due_schedules(now, limit)
+        fired = await asyncio.gather(
+            *(self._fire(s, now, grace) for s in due), return_exceptions=True
+        )
+        for schedule, outcome in zip(due, fired, strict=True):
+            if isinstance(outcome, BaseException):
+                # One schedule's trouble must not hold up the others; it stays due and is
+                # tried again at the next tick.
+                log.error("firing schedule %s failed", schedule.id, exc_info=outcome)
+        return sum(n for n in fired if isinstance(n, int))
 
     async def _fire(self, schedule: Schedule, now: datetime, grace: timedelta) -> int:
         """Create the runs of one schedule's due fire times, as its policies say, and move it
