@@ -65,3 +65,23 @@ def test_duplicate_step_ids_are_rejected() -> None:
 def test_yaml_cannot_build_python_objects() -> None:
     with pytest.raises(ValidationFailed):
         parse_template("!!python/object/apply:os.system ['true']", True)
+
+
+def test_a_yaml_bomb_is_refused_before_it_expands() -> None:
+    """Nine anchors of nine aliases each: 387 million strings once expanded, 1 KB as text."""
+    laughs = ['  - a0: &a0 ["lol","lol","lol","lol","lol","lol","lol","lol","lol"]']
+    for i in range(1, 9):
+        laughs.append(f"    a{i}: &a{i} [{','.join([f'*a{i - 1}'] * 9)}]")
+    text = "\n".join(
+        [
+            "type: t_bomb",
+            "steps: [{id: a, handler: builtin.noop}]",
+            "payloadSchema:",
+            "  type: object",
+            "  examples:",
+            *laughs,
+        ]
+    )
+    with pytest.raises(ValidationFailed) as refused:
+        parse_template(text, yaml_syntax=True)
+    assert "aliases are expanded" in refused.value.details["errors"][0]["message"]

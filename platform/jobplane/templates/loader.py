@@ -1,7 +1,8 @@
 """Turn template files into validated `TemplateSpec`s.
 
-YAML is parsed with the safe loader only, and with a size cap, so a file cannot construct
-Python objects or balloon through aliases.
+YAML is parsed with the safe loader only, with a size cap, and with a cap on what its aliases
+expand to, so a file cannot construct Python objects or balloon (a "billion laughs" parses in
+microseconds into shared lists, and only blows up when stored or validated).
 """
 
 import json
@@ -17,6 +18,8 @@ from jobplane.errors import ValidationFailed
 from jobplane.model import TemplateSpec
 
 MAX_TEMPLATE_BYTES = 1 << 20
+# Values in a template once its aliases are expanded; a 1 MiB template without aliases has fewer.
+MAX_TEMPLATE_VALUES = 200_000
 SUFFIXES = {".yaml", ".yml", ".json"}
 
 
@@ -29,6 +32,9 @@ def parse_template(text: str | bytes, yaml_syntax: bool) -> TemplateSpec:
     except (yaml.YAMLError, ValueError) as exc:
         kind = "YAML" if yaml_syntax else "JSON"
         raise ValidationFailed(f"malformed {kind}", [{"pointer": "", "message": str(exc)}]) from exc
+    if _values_over(data, MAX_TEMPLATE_VALUES):
+        message = f"over {MAX_TEMPLATE_VALUES} values once its aliases are expanded"
+        raise ValidationFailed("template too large", [{"pointer": "", "message": message}])
     try:
         spec = TemplateSpec.model_validate(data)
     except ValidationError as exc:
@@ -47,6 +53,22 @@ def parse_template(text: str | bytes, yaml_syntax: bool) -> TemplateSpec:
             "step ids must be unique", [{"pointer": "/steps", "message": f"ids: {ids}"}]
         )
     return spec
+
+
+def _values_over(data: Any, limit: int) -> bool:
+    """Whether `data` holds more than `limit` values, counting a shared value at each place it
+    appears (as storing it would); stops counting at the limit."""
+    stack, seen = [data], 0
+    while stack:
+        value = stack.pop()
+        seen += 1
+        if seen > limit:
+            return True
+        if isinstance(value, dict):
+            stack.extend(value.values())
+        elif isinstance(value, list):
+            stack.extend(value)
+    return False
 
 
 def load_file(path: Path) -> TemplateSpec:
