@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: demo test lint typecheck pytest bench bench-api clean
+.PHONY: demo test lint typecheck pytest bench bench-api bench-fire clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -35,6 +35,9 @@ bench: $(STAMP)
 
 bench-api: $(STAMP)
 	$(BIN)/python bench/api.py
+
+bench-fire: $(STAMP)
+	$(BIN)/python bench/fire_precision.py
 
 clean:
 	rm -rf $(VENV) .jobplane .pytest_cache .mypy_cache .ruff_cache
