@@ -1,0 +1,571 @@
+"""Hostile inputs against the real API (issue 6): deep nesting, huge bodies, bytes that are not
+UTF-8, MongoDB operators where data belongs, NUL bytes, and numbers and times out of range.
+
+Every refusal must be a 4xx in SPEC.md's error shape, never a 500 or a hang, and must leave
+nothing half-written. Rows marked with `bug=` are product bugs: each fails (strict xfail) until
+it is fixed, and its reason says what is wrong and where.
+"""
+
+import json
+from collections.abc import AsyncIterator
+from typing import Any
+
+import httpx
+import pytest
+from bson import ObjectId
+
+from jobplane.backends import Backends
+from jobplane.settings import Settings
+from tests.integration.api_client import error_of, pointers
+from tests.integration.conftest import Client
+from tests.integration.workers import running, settled
+
+# A hostile input that hangs the server fails its case instead of stalling the session.
+pytestmark = pytest.mark.timeout(60)
+
+JSON = "application/json"
+YAML = "application/yaml"
+RUN = {"templateType": "t_noop", "scope": "user", "scopeId": "u1"}
+
+# Why the rows marked `bug=` fail today.
+PARSE_400 = (
+    "FastAPI answers a JSON body its parser cannot decode (RecursionError from deep nesting, "
+    "invalid UTF-8) with HTTPException(400, 'There was an error parsing the body'), which "
+    "api/errors.py passes on as 400 code 'Error': not a SPEC code; malformed JSON is 422 "
+    "ValidationFailed"
+)
+RUN_DEPTH = (
+    "nothing bounds a payload's depth: past MongoDB's 180 levels insert_one in "
+    "store/mongo.py insert_run raises WriteError/OperationFailure, a 500"
+)
+TEMPLATE_RECURSION = (
+    "templates/loader.py parse_template catches (YAMLError, ValueError), but json.loads and "
+    "yaml.safe_load raise RecursionError on deep nesting: a 500"
+)
+TEMPLATE_DEPTH = (
+    "a payloadSchema nested 300 deep parses, then model_dump in store/mongo.py _definition "
+    "raises 'Maximum serialization depth exceeded' (ValueError): a 500"
+)
+SURROGATE_RUN = (
+    'the JSON escape "\\ud800" parses into a str UTF-8 cannot encode; the payload size check '
+    "in api/routes/runs.py create (.encode()) raises UnicodeEncodeError: a 500"
+)
+SURROGATE_TEMPLATE = (
+    'the escape "\\ud800" parses into a str UTF-8 cannot encode; store/mongo.py '
+    "register_template's insert_one raises UnicodeEncodeError: a 500"
+)
+NUL_KEY = (
+    "a NUL in an object key is valid JSON but not BSON: pymongo raises InvalidDocument at "
+    "the insert in store/mongo.py: a 500"
+)
+BIG_INT = (
+    "an integer outside int64 passes validation (no upper bound) and pymongo raises "
+    "OverflowError when it encodes it (store/mongo.py): a 500"
+)
+NAN_PAYLOAD = (
+    "NaN/Infinity (Python's json.loads takes them) are stored, and read back as null: the "
+    "payload is not what was sent"
+)
+INF_TEMPLATE = (
+    "Infinity passes Field(gt=0)/Field(ge=0) in model/documents.py; the template is stored, "
+    "then JSONResponse (allow_nan=False) in api/routes/templates.py register raises: a 500 "
+    "with the template written"
+)
+HUGE_TIMEOUT = (
+    "TemplateSpec.timeout_seconds has no upper bound: 1e30 is stored, and every claim of its "
+    "runs fails with 'date overflow in $add' (deadline in store/mongo.py claim), which also "
+    "strands the other runs of that claim batch in running"
+)
+HUGE_GRACE = (
+    "CancelPolicy.grace_seconds has no upper bound: 1e300 is stored, and cancelling a running "
+    "run raises OverflowError (timedelta in store/mongo.py request_cancel): a 500, the run "
+    "goes on"
+)
+DATE_RANGE = (
+    "AwareDatetime takes a time whose UTC reading falls outside years 1..9999; astimezone(UTC) "
+    "raises OverflowError (clock.as_stored for notBefore, pymongo for /v1/events, "
+    "schedules/cron.py for preview): a 500"
+)
+NEVER_FIRES = (
+    "croniter.is_valid accepts a cron with no fire time (Feb 30); Cron.next_after raises "
+    "CroniterBadDateError in ScheduleService.create/update: a 500"
+)
+TZ_DIRECTORY = (
+    "ZoneInfo('America') raises IsADirectoryError (a folder of the tzdata package), which "
+    "schedules/cron.py Cron.parse does not catch (only ZoneInfoNotFoundError, ValueError): a 500"
+)
+NUL_SCOPE = (
+    "scopeId takes NUL (RunCreate.scope_id in api/routes/runs.py and ScheduleSpec.scope_id in "
+    "model/documents.py have length limits only); an identifier should refuse control characters"
+)
+
+
+def case(name: str, *values: Any, bug: str | None = None) -> Any:
+    """A table row; `bug` marks a known product bug, so the row fails until it is fixed."""
+    marks = [pytest.mark.xfail(strict=True, reason=bug)] if bug else []
+    return pytest.param(*values, id=name, marks=marks)
+
+
+def noop(type_: str = "t_noop", **fields: Any) -> dict[str, Any]:
+    return {"type": type_, "steps": [{"id": "only", "handler": "builtin.noop"}], **fields}
+
+
+def as_json(value: Any) -> bytes:
+    # Python's json writes NaN, Infinity and lone surrogates, which httpx's `json=` refuses.
+    return json.dumps(value).encode()
+
+
+@pytest.fixture
+async def api(client_for: Client, settings: Settings) -> AsyncIterator[httpx.AsyncClient]:
+    """An admin client, with the schedulable template `t_noop` registered."""
+    assert settings.admin_key is not None
+    admin = client_for(settings.admin_key)
+    response = await admin.post("/v1/templates", json=noop(schedulable=True))
+    assert response.status_code == 201, response.text
+    yield admin
+
+
+async def written(backends: Backends) -> tuple[int, int, int]:
+    """Runs, templates and schedules in MongoDB: a refused request must not change them."""
+    store = backends.store
+    return (
+        await store.runs.count_documents({}),
+        await store.templates.count_documents({}),
+        await store.schedules.count_documents({}),
+    )
+
+
+async def create_run(api: httpx.AsyncClient, **fields: Any) -> dict[str, Any]:
+    response = await api.post("/v1/runs", json={**RUN, **fields})
+    assert response.status_code == 201, response.text
+    run: dict[str, Any] = response.json()
+    return run
+
+
+def refused(response: httpx.Response, pointer: str) -> None:
+    """A 422 in SPEC's shape naming `pointer` (or a field inside it)."""
+    error = error_of(response, 422, "ValidationFailed")
+    assert any(p.startswith(pointer) for p in pointers(error)), error
+
+
+def deep_bodies() -> list[Any]:
+    """A run payload and a template's payloadSchema nested deep, as JSON and as YAML (flow style
+    takes the same bytes): 300 levels get past the parsers but not MongoDB (180 levels) or
+    pydantic, 10,000 levels get past nothing."""
+    rows = []
+    for depth, kind in [(300, "list"), (300, "object"), (10_000, "list"), (10_000, "object")]:
+        if kind == "list":
+            nest = b"[" * depth + b"]" * depth
+        else:
+            nest = b'{"a":' * depth + b"1" + b"}" * depth
+        run = as_json(RUN)[:-1] + b', "payload": {"x": ' + nest + b"}}"
+        template = as_json(noop("t_deep"))[:-1] + b', "payloadSchema": {"x": ' + nest + b"}}"
+        run_bug = PARSE_400 if depth > 1000 else RUN_DEPTH
+        bug = TEMPLATE_RECURSION if depth > 1000 else TEMPLATE_DEPTH
+        rows += [
+            case(f"run-{kind}-{depth}", "/v1/runs", JSON, run, bug=run_bug),
+            case(f"json-{kind}-{depth}", "/v1/templates", JSON, template, bug=bug),
+            case(f"yaml-{kind}-{depth}", "/v1/templates", YAML, template, bug=bug),
+        ]
+    return rows
+
+
+STEPS_YAML = b"steps: [{id: a, handler: builtin.noop}]\n"
+
+
+@pytest.mark.parametrize(
+    ("path", "content_type", "body"),
+    [
+        *deep_bodies(),
+        # Bytes that are not UTF-8 (nor UTF-16 with a BOM, which JSON and YAML both detect).
+        case("run-garbage", "/v1/runs", JSON, b"\xff\xfe\x00garbage"),
+        case(
+            "run-invalid-utf8-in-a-string",
+            "/v1/runs",
+            JSON,
+            b'{"templateType": "t_noop", "scope": "user", "scopeId": "\xff"}',
+            bug=PARSE_400,
+        ),
+        case("json-garbage", "/v1/templates", JSON, b"\xff\xfe\x00garbage"),
+        case("yaml-garbage", "/v1/templates", YAML, b"\xff\xfe\x00garbage"),
+        case(
+            "json-latin1", "/v1/templates", JSON, as_json(noop("t_x"))[:-1] + b', "name": "\xe9"}'
+        ),
+        case("yaml-latin1", "/v1/templates", YAML, b"type: t_x\nname: caf\xe9\n" + STEPS_YAML),
+        # Escapes of lone surrogates: valid JSON and YAML, but no UTF-8 string.
+        case(
+            "run-lone-surrogate",
+            "/v1/runs",
+            JSON,
+            as_json({**RUN, "payload": {"s": "\ud800"}}),
+            bug=SURROGATE_RUN,
+        ),
+        case(
+            "json-lone-surrogate",
+            "/v1/templates",
+            JSON,
+            as_json(noop("t_x", description="\ud800")),
+            bug=SURROGATE_TEMPLATE,
+        ),
+        case(
+            "yaml-lone-surrogate",
+            "/v1/templates",
+            YAML,
+            b'type: t_x\ndescription: "\\ud800"\n' + STEPS_YAML,
+            bug=SURROGATE_TEMPLATE,
+        ),
+    ],
+)
+async def test_hostile_bodies_are_refused(
+    api: httpx.AsyncClient, backends: Backends, path: str, content_type: str, body: bytes
+) -> None:
+    before = await written(backends)
+    response = await api.post(path, content=body, headers={"content-type": content_type})
+    error_of(response, 422, "ValidationFailed")
+    assert await written(backends) == before
+
+
+async def ten_megabytes(sent: list[int]) -> AsyncIterator[bytes]:
+    for _ in range(10):
+        sent.append(1)
+        yield b"x" * (1 << 20)
+
+
+@pytest.mark.parametrize("path", ["/v1/runs", "/v1/templates"])
+@pytest.mark.parametrize("declared", [True, False], ids=["content-length", "chunked"])
+async def test_a_10_mb_body_is_refused_with_413(
+    api: httpx.AsyncClient, backends: Backends, path: str, declared: bool
+) -> None:
+    before = await written(backends)
+    sent: list[int] = []
+    body = b"x" * (10 << 20) if declared else ten_megabytes(sent)
+    response = await api.post(path, content=body, headers={"content-type": JSON})
+    error_of(response, 413, "PayloadTooLarge")
+    # Without a declared length the body is cut off once past the limit (1 MiB), unread.
+    assert len(sent) <= 2
+    assert await written(backends) == before
+
+
+@pytest.mark.parametrize(
+    ("fields", "pointer"),
+    [
+        case("type-nul", {"type": "t\0x"}, "/type"),
+        case("schema-key-nul", {"payloadSchema": {"a\0": {}}}, "/payloadSchema", bug=NUL_KEY),
+        case("timeout-negative", {"timeoutSeconds": -1}, "/timeoutSeconds"),
+        case("timeout-huge", {"timeoutSeconds": 1e30}, "/timeoutSeconds", bug=HUGE_TIMEOUT),
+        case("timeout-inf", {"timeoutSeconds": float("inf")}, "/timeoutSeconds", bug=INF_TEMPLATE),
+        case("priority-huge", {"priority": 10**30}, "/priority"),
+        case("attempts-huge", {"retryPolicy": {"maxAttempts": 10**30}}, "/retryPolicy"),
+        case(
+            "backoff-inf",
+            {"retryPolicy": {"maxSeconds": float("inf")}},
+            "/retryPolicy",
+            bug=INF_TEMPLATE,
+        ),
+        case(
+            "grace-huge", {"cancelPolicy": {"graceSeconds": 1e300}}, "/cancelPolicy", bug=HUGE_GRACE
+        ),
+    ],
+)
+async def test_hostile_template_fields_are_refused(
+    api: httpx.AsyncClient, backends: Backends, fields: dict[str, Any], pointer: str
+) -> None:
+    before = await written(backends)
+    body = as_json(noop("t_x", **fields))
+    refused(await api.post("/v1/templates", content=body, headers={"content-type": JSON}), pointer)
+    assert await written(backends) == before
+
+
+@pytest.mark.xfail(strict=True, reason=INF_TEMPLATE)
+async def test_an_infinite_number_in_a_yaml_template_is_refused(
+    api: httpx.AsyncClient, backends: Backends
+) -> None:
+    body = b"type: t_x\ntimeoutSeconds: .inf\n" + STEPS_YAML
+    response = await api.post("/v1/templates", content=body, headers={"content-type": YAML})
+    refused(response, "/timeoutSeconds")
+    assert await backends.store.templates.count_documents({"type": "t_x"}) == 0
+
+
+@pytest.mark.parametrize(
+    ("change", "pointer"),
+    [
+        # MongoDB operators where a value belongs.
+        case("scope-id-op", {"scopeId": {"$gt": ""}}, "/scopeId"),
+        case("scope-op", {"scope": {"$in": ["user"]}}, "/scope"),
+        case("type-op", {"templateType": {"$ne": None}}, "/templateType"),
+        case("version-op", {"templateVersion": {"$gt": 0}}, "/templateVersion"),
+        case("idempotency-key-op", {"idempotencyKey": {"$ne": None}}, "/idempotencyKey"),
+        # NUL bytes.
+        case("scope-id-nul", {"scopeId": "u1\0"}, "/scopeId", bug=NUL_SCOPE),
+        case("payload-key-nul", {"payload": {"a\0b": 1}}, "/payload", bug=NUL_KEY),
+        # Numbers out of range.
+        case("priority-low", {"priority": -101}, "/priority"),
+        case("priority-huge", {"priority": 10**30}, "/priority"),
+        case("priority-tiny", {"priority": -(10**30)}, "/priority"),
+        case("priority-float", {"priority": 1.5}, "/priority"),
+        case("delay-negative", {"delaySeconds": -1}, "/delaySeconds"),
+        case("delay-huge", {"delaySeconds": 10**30}, "/delaySeconds"),
+        case("delay-nan", {"delaySeconds": float("nan")}, "/delaySeconds"),
+        case("delay-inf", {"delaySeconds": float("inf")}, "/delaySeconds"),
+        case("version-0", {"templateVersion": 0}, "/templateVersion"),
+        case("version-2**63", {"templateVersion": 2**63}, "/templateVersion", bug=BIG_INT),
+        case("payload-huge-int", {"payload": {"n": 10**30}}, "/payload", bug=BIG_INT),
+        case("payload-under-int64", {"payload": {"n": -(2**63) - 1}}, "/payload", bug=BIG_INT),
+        case("payload-nan", {"payload": {"n": float("nan")}}, "/payload", bug=NAN_PAYLOAD),
+        case("payload-inf", {"payload": {"n": float("inf")}}, "/payload", bug=NAN_PAYLOAD),
+        # Times whose UTC reading is before year 1 or after year 9999.
+        case("year-0", {"notBefore": "0001-01-01T00:00:00+01:00"}, "/notBefore", bug=DATE_RANGE),
+        case(
+            "year-10000", {"notBefore": "9999-12-31T23:59:59-01:00"}, "/notBefore", bug=DATE_RANGE
+        ),
+    ],
+)
+async def test_hostile_run_fields_are_refused(
+    api: httpx.AsyncClient, backends: Backends, change: dict[str, Any], pointer: str
+) -> None:
+    body = as_json({**RUN, **change})
+    refused(await api.post("/v1/runs", content=body, headers={"content-type": JSON}), pointer)
+    assert await backends.store.runs.count_documents({}) == 0
+
+
+async def test_a_template_type_with_a_nul_is_not_found(
+    api: httpx.AsyncClient, backends: Backends
+) -> None:
+    response = await api.post("/v1/runs", json={**RUN, "templateType": "t_noop\0"})
+    error_of(response, 404, "NotFound")
+    assert await backends.store.runs.count_documents({}) == 0
+
+
+# `$` and `.` in keys, operators as values, a NUL inside a string: all data to the platform.
+ODD_PAYLOAD = {
+    "x": {"$gt": ""},
+    "$where": "sleep(1000)",
+    "$set": {"status": "succeeded"},
+    "a.b": {"$ne": 1},
+    "$": 1,
+    ".": 2,
+    "": 3,
+    "list": [{"$in": []}, "a\0b"],
+}
+
+
+async def test_operators_and_dots_in_a_payload_are_stored_as_data(
+    api: httpx.AsyncClient, backends: Backends, settings: Settings
+) -> None:
+    """The API takes such payloads (MongoDB 5+ stores `$` and `.` in field names of an inserted
+    document) and gives them back exactly: from the API, from MongoDB, and through a worker
+    (`builtin.echo` returns the payload, which the worker writes as the result)."""
+    echo = {"type": "t_echo", "steps": [{"id": "only", "handler": "builtin.echo"}]}
+    assert (await api.post("/v1/templates", json=echo)).status_code == 201
+    run = await create_run(api, templateType="t_echo", payload=ODD_PAYLOAD)
+    assert run["payload"] == ODD_PAYLOAD
+    assert (await api.get(f"/v1/runs/{run['id']}")).json()["payload"] == ODD_PAYLOAD
+    doc = await backends.store.runs.find_one({"_id": ObjectId(run["id"])})
+    assert doc is not None and doc["payload"] == ODD_PAYLOAD
+    async with running(backends, settings):
+        [done] = await settled(backends.store, [run["id"]], within=20)
+    assert (done.status, done.result) == ("succeeded", ODD_PAYLOAD)
+
+
+async def test_an_operator_in_a_dedupe_value_is_compared_as_data(api: httpx.AsyncClient) -> None:
+    once = noop("t_once", concurrencyPolicy="reject_same_scope", dedupeKeys=["payload.target"])
+    assert (await api.post("/v1/templates", json=once)).status_code == 201
+    first = await create_run(api, templateType="t_once", payload={"target": {"$gt": ""}})
+    # `{"$gt": ""}` is a value like any other: it does not match every target.
+    await create_run(api, templateType="t_once", payload={"target": "b"})
+    again = await api.post(
+        "/v1/runs", json={**RUN, "templateType": "t_once", "payload": {"target": {"$gt": ""}}}
+    )
+    assert error_of(again, 409, "ConcurrencyConflict")["details"]["activeRunId"] == first["id"]
+
+
+OPERATOR = '{"$gt":""}'
+LEASE = {"workerId": "w", "leaseToken": "t"}
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "body"),
+    [
+        ("GET", f"/v1/runs/{OPERATOR}", None),
+        ("GET", f"/v1/runs/{OPERATOR}/events", None),
+        ("POST", f"/v1/runs/{OPERATOR}/cancel", {"reason": "x"}),
+        ("POST", f"/v1/runs/{OPERATOR}/rerun", None),
+        ("POST", f"/v1/runs/{OPERATOR}/steps/only/heartbeat", LEASE),
+        ("POST", f"/v1/runs/{OPERATOR}/steps/only/complete", LEASE),
+        ("GET", "/v1/runs/%24where", None),
+        ("GET", f"/v1/schedules/{OPERATOR}", None),
+        ("DELETE", f"/v1/schedules/{OPERATOR}", None),
+        ("POST", f"/v1/schedules/{OPERATOR}/trigger", None),
+        ("GET", f"/v1/templates/{OPERATOR}", None),
+        ("GET", f"/v1/templates/{OPERATOR}/versions/1", None),
+        ("POST", f"/v1/templates/{OPERATOR}/disable", None),
+    ],
+)
+async def test_an_operator_as_an_id_is_not_found(
+    api: httpx.AsyncClient, backends: Backends, method: str, path: str, body: Any
+) -> None:
+    """Ids are looked up as strings: an operator matches nothing, least of all everything."""
+    run = await create_run(api)
+    schedule = await api.post("/v1/schedules", json={**RUN, "cron": "@daily"})
+    assert schedule.status_code == 201, schedule.text
+    before = await written(backends)
+    error_of(await api.request(method, path, json=body), 404, "NotFound")
+    assert await written(backends) == before
+    assert (await api.get(f"/v1/runs/{run['id']}")).json()["status"] == "queued"
+    assert (await api.get("/v1/templates/t_noop")).json()["enabled"] is True
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "pointer"),
+    [
+        ("/v1/runs/{run}/cancel", {"reason": {"$set": {"status": "cancelled"}}}, "/reason"),
+        (
+            "/v1/runs/{run}/steps/only/heartbeat",
+            {**LEASE, "leaseToken": {"$ne": None}},
+            "/leaseToken",
+        ),
+        ("/v1/runs/{run}/steps/only/complete", {**LEASE, "workerId": {"$ne": ""}}, "/workerId"),
+        ("/v1/external/inline/claim", {"workerId": {"$gt": ""}, "waitSeconds": 0}, "/workerId"),
+        ("/v1/api-keys", {"name": {"$gt": ""}, "role": "admin"}, "/name"),
+        ("/v1/api-keys", {"name": "k", "role": {"$ne": "user"}}, "/role"),
+    ],
+)
+async def test_an_operator_in_another_body_is_refused(
+    api: httpx.AsyncClient, backends: Backends, path: str, body: Any, pointer: str
+) -> None:
+    """The fencing fields of a worker's call above all: `{"$ne": null}` must not pass for
+    any lease token."""
+    run = await create_run(api)
+    refused(await api.post(path.replace("{run}", run["id"]), json=body), pointer)
+    assert (await api.get(f"/v1/runs/{run['id']}")).json()["status"] == "queued"
+    assert await backends.store.api_keys.count_documents({}) == 0
+
+
+async def test_operators_in_filters_do_not_widen_a_list(
+    api: httpx.AsyncClient, backends: Backends, client_for: Client
+) -> None:
+    mine = {(await create_run(api))["id"] for _ in range(2)}
+    await create_run(api, scopeId="u2")
+    await create_run(api, scope="account", scopeId="acme")
+    assert (await api.post("/v1/schedules", json={**RUN, "cron": "@daily"})).status_code == 201
+    key = {"name": "u1", "role": "user", "scopes": ["user:u1"]}
+    user = client_for((await api.post("/v1/api-keys", json=key)).json()["key"])
+    await backends.store.flush_events()
+
+    # A user key sees its own scope whatever the query string says; a bracketed operator is
+    # an unknown parameter (ignored), one in a value is a plain string.
+    for url in [
+        "/v1/runs?scopeId[$ne]=u1",
+        "/v1/runs?scope[$ne]=user&scopeId[$ne]=u1",
+        '/v1/runs?scopeId={"$ne":"u1"}',
+        '/v1/runs?scope=user&scopeId={"$ne":"u1"}',
+        "/v1/runs?$where=1&$or[0][scopeId]=u2",
+        "/v1/events?jobId[$ne]=x&scopeId[$ne]=u1",
+        '/v1/events?scope=user&scopeId={"$gt":""}',
+        "/v1/schedules?scopeId[$ne]=u1",
+    ]:
+        response = await user.get(url)
+        if response.status_code != 200:
+            error_of(response, 403, "Forbidden")
+            continue
+        items = response.json()["items"]
+        assert {(i["scope"], i["scopeId"]) for i in items} <= {("user", "u1")}, url
+    listed = (await user.get("/v1/runs?scopeId[$ne]=u1")).json()["items"]
+    assert {run["id"] for run in listed} == mine
+
+    # For an admin an operator in a value matches no run, rather than every run.
+    for url in [
+        '/v1/runs?scopeId={"$ne":"u1"}',
+        '/v1/runs?templateType={"$gt":""}',
+        '/v1/runs?scheduleId={"$ne":null}',
+        "/v1/runs?scopeId=%00",
+        '/v1/events?jobId={"$gt":""}',
+        '/v1/events?actor={"$regex":"."}',
+        '/v1/schedules?scopeId={"$ne":""}',
+    ]:
+        response = await api.get(url)
+        assert response.status_code == 200, response.text
+        assert response.json()["items"] == [], url
+    everything = (await api.get("/v1/runs")).json()["items"]
+    assert (await api.get("/v1/runs?status[$ne]=x")).json()["items"] == everything
+
+
+SCHEDULE = {**RUN, "cron": "* * * * *", "timezone": "UTC"}
+
+
+@pytest.mark.parametrize(
+    ("change", "pointer"),
+    [
+        case("cron-100kb", {"cron": "* " * 50_000}, "/cron"),
+        case("cron-nul-after", {"cron": "* * * * *\0"}, "/cron"),
+        case("cron-nul-inside", {"cron": "*\0 * * * *"}, "/cron"),
+        case("cron-never-fires", {"cron": "0 0 30 2 *"}, "/cron", bug=NEVER_FIRES),
+        case("tz-unknown", {"timezone": "Mars/Olympus"}, "/timezone"),
+        case("tz-relative-path", {"timezone": "../../etc/passwd"}, "/timezone"),
+        case("tz-absolute-path", {"timezone": "/etc/localtime"}, "/timezone"),
+        case("tz-nul", {"timezone": "UTC\0"}, "/timezone"),
+        case("tz-100kb", {"timezone": "x" * 100_000}, "/timezone"),
+        case("tz-folder", {"timezone": "America"}, "/timezone", bug=TZ_DIRECTORY),
+        case("scope-id-op", {"scopeId": {"$ne": ""}}, "/scopeId"),
+        case("scope-id-nul", {"scopeId": "u1\0"}, "/scopeId", bug=NUL_SCOPE),
+        case("update-operator", {"$set": {"enabled": False}}, "/$set"),
+        case("catch-up-huge", {"catchUpLimit": 10**30}, "/catchUpLimit"),
+        case("payload-key-nul", {"payloadTemplate": {"a\0": 1}}, "/payloadTemplate", bug=NUL_KEY),
+        case(
+            "payload-huge-int", {"payloadTemplate": {"n": 10**30}}, "/payloadTemplate", bug=BIG_INT
+        ),
+    ],
+)
+async def test_hostile_schedules_are_refused(
+    api: httpx.AsyncClient, backends: Backends, change: dict[str, Any], pointer: str
+) -> None:
+    """At create, and as a change to a schedule that exists (which stays as it was)."""
+    schedule = (await api.post("/v1/schedules", json=SCHEDULE)).json()
+    before = await written(backends)
+    headers = {"content-type": JSON}
+    body = as_json({**SCHEDULE, **change})
+    refused(await api.post("/v1/schedules", content=body, headers=headers), pointer)
+    url = f"/v1/schedules/{schedule['id']}"
+    refused(await api.patch(url, content=as_json(change), headers=headers), pointer)
+    assert await written(backends) == before
+    assert (await api.get(url)).json() == schedule
+
+
+HUGE = str(10**30)
+PREVIEW = "/v1/schedules/{schedule}/preview"
+
+
+@pytest.mark.parametrize(
+    ("url", "pointer"),
+    [
+        case("runs-limit-negative", "/v1/runs?limit=-1", "/limit"),
+        case("runs-limit-0", "/v1/runs?limit=0", "/limit"),
+        case("runs-limit-huge", "/v1/runs?limit=" + HUGE, "/limit"),
+        case("runs-limit-float", "/v1/runs?limit=1e3", "/limit"),
+        case("events-limit-negative", "/v1/events?limit=-1", "/limit"),
+        case("events-limit-huge", "/v1/events?limit=" + HUGE, "/limit"),
+        case("schedules-limit-huge", "/v1/schedules?limit=" + HUGE, "/limit"),
+        case("status-op", '/v1/runs?status={"$ne":"x"}', "/status"),
+        case("scope-op", '/v1/runs?scope={"$ne":""}', "/scope"),
+        case("runs-cursor-op", '/v1/runs?cursor={"$gt":""}', "/cursor"),
+        case("events-cursor-op", '/v1/events?cursor={"$gt":""}', "/cursor"),
+        case("cursor-long", "/v1/runs?cursor=" + "A" * 300, "/cursor"),
+        case("preview-count-negative", PREVIEW + "?count=-1", "/count"),
+        case("preview-count-huge", PREVIEW + "?count=" + HUGE, "/count"),
+        case("version-huge", "/v1/templates/t_noop/versions/" + HUGE, "/version", bug=BIG_INT),
+        # `+` is a space in a query string: %2B.
+        case("from-year-0", "/v1/events?from=0001-01-01T00:00:00%2B01:00", "/from", bug=DATE_RANGE),
+        case("to-year-10000", "/v1/events?to=9999-12-31T23:59:59-01:00", "/to", bug=DATE_RANGE),
+        case(
+            "preview-year-0",
+            PREVIEW + "?after=0001-01-01T00:00:00%2B01:00",
+            "/after",
+            bug=DATE_RANGE,
+        ),
+    ],
+)
+async def test_hostile_query_values_are_refused(
+    api: httpx.AsyncClient, url: str, pointer: str
+) -> None:
+    schedule = (await api.post("/v1/schedules", json=SCHEDULE)).json()
+    refused(await api.get(url.replace("{schedule}", schedule["id"])), pointer)
