@@ -40,6 +40,13 @@ def error_response(status: int, code: str, message: str, details: dict[str, Any]
 
 
 def http_error(exc: HTTPException) -> JSONResponse:
+    if exc.status_code == 400:
+        # FastAPI's answer to a body it could not decode (too deeply nested, not UTF-8): to
+        # the caller that is malformed input like any other.
+        problem = [{"pointer": "", "message": str(exc.detail)}]
+        return error_response(
+            422, "ValidationFailed", "malformed request body", {"errors": problem}
+        )
     code = _HTTP_CODES.get(exc.status_code, "Error")
     return error_response(exc.status_code, code, str(exc.detail), {})
 

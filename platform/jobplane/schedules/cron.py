@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
 
-from croniter import croniter
+from croniter import CroniterBadDateError, croniter
 
 # Aliases croniter understands; anything else must be 5 fields, or 6 with seconds last.
 ALIASES = frozenset(
@@ -53,11 +53,16 @@ class Cron:
             )
         try:
             zone = ZoneInfo(timezone)
-        except (ZoneInfoNotFoundError, ValueError) as exc:
+        except (ZoneInfoNotFoundError, ValueError, OSError) as exc:  # OSError: a tzdata folder
             raise CronError(
                 "timezone", f"{timezone!r} is not an IANA time zone (e.g. Asia/Taipei)"
             ) from exc
-        return cls(text, zone)
+        cron = cls(text, zone)
+        try:
+            cron.next_after(datetime.now(UTC))
+        except CroniterBadDateError as exc:
+            raise CronError("cron", f"{expression!r} never fires (no date matches it)") from exc
+        return cron
 
     def next_after(self, instant: datetime) -> datetime:
         """The first fire time strictly after `instant` (aware), in UTC."""

@@ -29,7 +29,7 @@ def parse_template(text: str | bytes, yaml_syntax: bool) -> TemplateSpec:
         raise ValidationFailed("template too large", [{"pointer": "", "message": "over 1 MiB"}])
     try:
         data: Any = yaml.safe_load(text) if yaml_syntax else json.loads(text)
-    except (yaml.YAMLError, ValueError) as exc:
+    except (yaml.YAMLError, ValueError, RecursionError) as exc:
         kind = "YAML" if yaml_syntax else "JSON"
         raise ValidationFailed(f"malformed {kind}", [{"pointer": "", "message": str(exc)}]) from exc
     if _values_over(data, MAX_TEMPLATE_VALUES):
