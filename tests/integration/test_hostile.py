@@ -56,21 +56,6 @@ NAN_PAYLOAD = (
     "NaN/Infinity (Python's json.loads takes them) are stored, and read back as null: the "
     "payload is not what was sent"
 )
-INF_TEMPLATE = (
-    "Infinity passes Field(gt=0)/Field(ge=0) in model/documents.py; the template is stored, "
-    "then JSONResponse (allow_nan=False) in api/routes/templates.py register raises: a 500 "
-    "with the template written"
-)
-HUGE_TIMEOUT = (
-    "TemplateSpec.timeout_seconds has no upper bound: 1e30 is stored, and every claim of its "
-    "runs fails with 'date overflow in $add' (deadline in store/mongo.py claim), which also "
-    "strands the other runs of that claim batch in running"
-)
-HUGE_GRACE = (
-    "CancelPolicy.grace_seconds has no upper bound: 1e300 is stored, and cancelling a running "
-    "run raises OverflowError (timedelta in store/mongo.py request_cancel): a 500, the run "
-    "goes on"
-)
 DATE_RANGE = (
     "AwareDatetime takes a time whose UTC reading falls outside years 1..9999; astimezone(UTC) "
     "raises OverflowError (clock.as_stored for notBefore, pymongo for /v1/events, "
@@ -233,19 +218,16 @@ async def test_a_10_mb_body_is_refused_with_413(
         case("type-nul", {"type": "t\0x"}, "/type"),
         case("schema-key-nul", {"payloadSchema": {"a\0": {}}}, "/payloadSchema", bug=NUL_KEY),
         case("timeout-negative", {"timeoutSeconds": -1}, "/timeoutSeconds"),
-        case("timeout-huge", {"timeoutSeconds": 1e30}, "/timeoutSeconds", bug=HUGE_TIMEOUT),
-        case("timeout-inf", {"timeoutSeconds": float("inf")}, "/timeoutSeconds", bug=INF_TEMPLATE),
+        case("timeout-huge", {"timeoutSeconds": 1e30}, "/timeoutSeconds"),
+        case("timeout-inf", {"timeoutSeconds": float("inf")}, "/timeoutSeconds"),
         case("priority-huge", {"priority": 10**30}, "/priority"),
         case("attempts-huge", {"retryPolicy": {"maxAttempts": 10**30}}, "/retryPolicy"),
         case(
             "backoff-inf",
             {"retryPolicy": {"maxSeconds": float("inf")}},
             "/retryPolicy",
-            bug=INF_TEMPLATE,
         ),
-        case(
-            "grace-huge", {"cancelPolicy": {"graceSeconds": 1e300}}, "/cancelPolicy", bug=HUGE_GRACE
-        ),
+        case("grace-huge", {"cancelPolicy": {"graceSeconds": 1e300}}, "/cancelPolicy"),
     ],
 )
 async def test_hostile_template_fields_are_refused(
@@ -257,7 +239,6 @@ async def test_hostile_template_fields_are_refused(
     assert await written(backends) == before
 
 
-@pytest.mark.xfail(strict=True, reason=INF_TEMPLATE)
 async def test_an_infinite_number_in_a_yaml_template_is_refused(
     api: httpx.AsyncClient, backends: Backends
 ) -> None:

@@ -30,7 +30,14 @@ class Document(BaseModel):
 
 
 class Spec(Document):
-    model_config = ConfigDict(extra="forbid")
+    # NaN and Infinity parse from JSON and YAML (`.inf`) but cannot be answered in JSON.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+
+
+# A year: any longer and deadlines computed from it stop being dates MongoDB can add.
+MAX_SECONDS = 366 * 86400
+Seconds = Annotated[float, Field(ge=0, le=MAX_SECONDS)]
+PositiveSeconds = Annotated[float, Field(gt=0, le=MAX_SECONDS)]
 
 
 class StepSpec(Spec):
@@ -38,24 +45,24 @@ class StepSpec(Spec):
     name: str = ""
     handler: Annotated[str, Field(min_length=1, max_length=200)]
     worker_type: Literal["inline", "external"] = "inline"
-    timeout_seconds: Annotated[float, Field(gt=0)] | None = None
+    timeout_seconds: PositiveSeconds | None = None
     cancelable: bool = True
 
 
 class CancelPolicy(Spec):
     supported: bool = True
     mode: Literal["cooperative"] = "cooperative"
-    grace_seconds: Annotated[float, Field(ge=0)] = 30
+    grace_seconds: Seconds = 30
 
 
 class RetryPolicy(Spec):
     """Either an explicit `backoffSeconds` list or exponential backoff with jitter."""
 
     max_attempts: Annotated[int, Field(ge=1, le=100)] = 1
-    backoff_seconds: list[Annotated[float, Field(ge=0)]] | None = None
-    initial_seconds: Annotated[float, Field(ge=0)] = 1
-    multiplier: Annotated[float, Field(ge=1)] = 2
-    max_seconds: Annotated[float, Field(ge=0)] = 3600
+    backoff_seconds: list[Seconds] | None = None
+    initial_seconds: Seconds = 1
+    multiplier: Annotated[float, Field(ge=1, le=100)] = 2
+    max_seconds: Seconds = 3600
     jitter: Literal["full", "equal", "none"] = "full"
 
 
@@ -70,7 +77,7 @@ class TemplateSpec(Spec):
     repeatable: bool = True
     concurrency_policy: Literal["allow", "reject_same_scope", "queue_same_scope"] = "allow"
     dedupe_keys: list[DedupePart] = Field(default_factory=list)
-    timeout_seconds: Annotated[float, Field(gt=0)] | None = None
+    timeout_seconds: PositiveSeconds | None = None
     cancel_policy: CancelPolicy = Field(default_factory=CancelPolicy)
     retry_policy: RetryPolicy = Field(default_factory=RetryPolicy)
     steps: Annotated[list[StepSpec], Field(min_length=1)]
