@@ -39,7 +39,6 @@ import json
 import math
 import os
 import secrets
-import signal
 import statistics
 import time
 from collections.abc import AsyncIterator, Sequence
@@ -55,7 +54,7 @@ from jobplane.settings import Settings
 
 # bench/ is not a package: Python puts a script's own folder first on sys.path, so the sibling
 # benchmark's process registry, throwaway servers and counters are importable from here.
-from throughput import Counters, Processes, machine, run_main, software
+from throughput import Counters, Processes, begin, run_main
 
 TEMPLATE = {
     "type": "bench_noop",
@@ -269,26 +268,20 @@ async def verify(stack: Stack, created: int) -> None:
 # -- report ----------------------------------------------------------------------------------------
 
 
-async def describe(bench: Bench) -> None:
-    print(machine())
-    settings = bench.settings()
-    print(await software(settings))
+def configuration(bench: Bench) -> list[str]:
     # uvicorn picks httptools and uvloop when they are importable, else h11 and asyncio; the
     # API process runs on this same interpreter, so what is importable here is what it uses.
     http = "httptools" if importlib.util.find_spec("httptools") else "h11"
     loop = "uvloop" if importlib.util.find_spec("uvloop") else "asyncio"
-    print(
+    a = bench.args
+    return [
         f"api: uvicorn {version('uvicorn')} ({http}, {loop} loop), fastapi "
         f"{version('fastapi')}, starlette {version('starlette')}, pydantic {version('pydantic')}; "
-        f"client: httpx {version('httpx')}, HTTP/1.1 keep-alive, a client per caller"
-    )
-    a = bench.args
-    print(
+        f"client: httpx {version('httpx')}, HTTP/1.1 keep-alive, a client per caller",
         f"runs {a.runs} (sequential {a.sequential_runs}, warm-up {a.warmup}), callers "
         f"{a.callers}, keys {', '.join(a.roles)}, write concern {a.write_concern}, "
-        f"repeat {a.repeat}"
-    )
-    print(f"mongodb {bench.mongo_url}, redis {bench.redis_url}\n", flush=True)
+        f"repeat {a.repeat}",
+    ]
 
 
 def summary(figures: dict[str, dict[str, list[float]]]) -> None:
@@ -313,11 +306,7 @@ def summary(figures: dict[str, dict[str, list[float]]]) -> None:
 
 
 async def main_async(bench: Bench) -> None:
-    # Inside the loop SIGTERM cancels the work, so that every `finally` runs as on Ctrl-C.
-    task = asyncio.current_task()
-    assert task is not None
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
-    await describe(bench)
+    await begin(bench, *configuration(bench))
     for i in range(bench.args.repeat):
         print(f"round {i + 1} of {bench.args.repeat}", flush=True)
         for role in bench.args.roles:

@@ -34,7 +34,6 @@ import argparse
 import asyncio
 import contextlib
 import math
-import signal
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -50,7 +49,7 @@ from jobplane.backends import Backends
 from jobplane.model import TERMINAL, RunStatus, TemplateSpec
 from jobplane.runs import RunService
 from jobplane.runs.service import RunRequest
-from throughput import Counters, machine, run_main, software
+from throughput import Counters, run_main
 
 TEMPLATE = TemplateSpec.model_validate(
     {"type": "bench_sleep", "steps": [{"id": "nap", "handler": "builtin.sleep"}]}
@@ -207,26 +206,18 @@ class Bench(throughput.Bench):
             return samples
 
 
-async def describe(bench: Bench) -> None:
-    print(machine())
-    settings = bench.settings()
-    print(await software(settings))
-    a = bench.args
-    print(
+def configuration(bench: Bench) -> str:
+    a, settings = bench.args, bench.settings()
+    return (
         f"runs {a.runs} (warm-up {a.warmup}), in flight {a.in_flight}, workers {a.workers} x "
         f"concurrency {a.concurrency}, sleepSeconds {a.sleep_seconds:g}, poll {a.poll:g}s, "
         f"write concern {a.write_concern}, lease {settings.lease_seconds:g}s, heartbeat "
         f"{settings.heartbeat_seconds:g}s, repeat {a.repeat}"
     )
-    print(f"mongodb {bench.mongo_url}, redis {bench.redis_url}\n", flush=True)
 
 
 async def main_async(bench: Bench) -> None:
-    # Inside the loop SIGTERM cancels the work, so that every `finally` runs as on Ctrl-C.
-    task = asyncio.current_task()
-    assert task is not None
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
-    await describe(bench)
+    await throughput.begin(bench, configuration(bench))
     rounds: list[Samples] = []
     for i in range(bench.args.repeat):
         print(f"round {i + 1} of {bench.args.repeat}", flush=True)

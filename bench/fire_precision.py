@@ -35,7 +35,6 @@ import argparse
 import asyncio
 import itertools
 import math
-import signal
 import time
 from collections import defaultdict
 from collections.abc import Sequence
@@ -48,7 +47,7 @@ from typing import Any, ClassVar
 import throughput
 from jobplane.model import ScheduleSpec, TemplateSpec
 from jobplane.schedules import ScheduleService
-from throughput import Counters, machine, run_main, software
+from throughput import Counters, run_main
 
 TEMPLATE = TemplateSpec.model_validate(
     {
@@ -179,27 +178,19 @@ class Bench(throughput.Bench):
             return fires
 
 
-async def describe(bench: Bench) -> None:
-    print(machine())
-    settings = bench.settings()
-    print(await software(settings))
-    a = bench.args
-    print(
+def configuration(bench: Bench) -> str:
+    a, settings = bench.args, bench.settings()
+    return (
         f"schedules {','.join(map(str, a.schedules))} (cron '{EVERY_SECOND}'), {a.seconds} s "
         f"measured after {a.warmup} s warm-up, 1 scheduler, workers {a.workers} x concurrency "
         f"{a.concurrency}, write concern {a.write_concern}, reconcile "
         f"{settings.reconcile_seconds:g}s, scheduler lock {settings.scheduler_lock_seconds:g}s, "
         f"misfire grace {settings.misfire_grace_seconds:g}s, repeat {a.repeat}"
     )
-    print(f"mongodb {bench.mongo_url}, redis {bench.redis_url}\n", flush=True)
 
 
 async def main_async(bench: Bench) -> None:
-    # Inside the loop SIGTERM cancels the work, so that every `finally` runs as on Ctrl-C.
-    task = asyncio.current_task()
-    assert task is not None
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
-    await describe(bench)
+    await throughput.begin(bench, configuration(bench))
     cases: dict[int, list[Fires]] = defaultdict(list)
     for i in range(bench.args.repeat):
         for schedules in bench.args.schedules:

@@ -48,7 +48,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequen
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import ClassVar
+from typing import ClassVar, Protocol
 
 import pymongo
 import redis
@@ -467,18 +467,34 @@ async def software(settings: Settings) -> str:
     )
 
 
-async def describe(bench: Bench) -> None:
+class Configured(Protocol):
+    mongo_url: str
+    redis_url: str
+
+    def settings(self) -> Settings: ...
+
+
+async def begin(bench: Configured, *config: str) -> None:
+    """What every benchmark does first: let SIGTERM cancel the work (so that every `finally`
+    runs as on Ctrl-C), and print the machine, the software, the configuration and the servers."""
+    task = asyncio.current_task()
+    assert task is not None
+    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
     print(machine())
-    settings = bench.settings()
-    print(await software(settings))
-    a = bench.args
-    print(
+    print(await software(bench.settings()))
+    for line in config:
+        print(line)
+    print(f"mongodb {bench.mongo_url}, redis {bench.redis_url}\n", flush=True)
+
+
+def configuration(bench: Bench) -> str:
+    a, settings = bench.args, bench.settings()
+    return (
         f"runs {a.runs} (sequential {a.sequential_runs}), callers {CALLERS}, workers {a.workers}, "
         f"worker concurrency {a.concurrency}, write concern {a.write_concern}, "
         f"lease {settings.lease_seconds}s, heartbeat {settings.heartbeat_seconds}s, "
         f"poll {settings.poll_seconds}s, repeat {a.repeat}"
     )
-    print(f"mongodb {bench.mongo_url}, redis {bench.redis_url}\n", flush=True)
 
 
 def summary(figures: dict[str, list[float]]) -> None:
@@ -492,11 +508,7 @@ def summary(figures: dict[str, list[float]]) -> None:
 
 
 async def main_async(bench: Bench) -> None:
-    # Inside the loop SIGTERM cancels the work, so that every `finally` runs as on Ctrl-C.
-    task = asyncio.current_task()
-    assert task is not None
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, task.cancel)
-    await describe(bench)
+    await begin(bench, configuration(bench))
     steps: dict[str, Callable[[], Awaitable[None]]] = {
         "create": bench.create,
         "drain": bench.drain,
