@@ -19,6 +19,7 @@ from jobplane.errors import (
     ValidationFailed,
 )
 from jobplane.model import CLAIMABLE, TERMINAL, Run, RunStatus, Template
+from jobplane.model.storable import unstorable
 from jobplane.queue.redis import QueueEntry, RedisQueue
 from jobplane.store import DuplicateRun, KeyHeld, Known, Lost, MongoStore, NewRun
 
@@ -218,6 +219,8 @@ class RunService:
 
 
 def validate_payload(template: Template, payload: dict[str, Any]) -> None:
+    if problems := unstorable(payload, "/payload"):
+        raise ValidationFailed("payload cannot be stored as sent", problems)
     validator = Draft202012Validator(template.payload_schema)
     errors = sorted(validator.iter_errors(payload), key=lambda e: list(e.absolute_path))
     if errors:

@@ -16,6 +16,7 @@ from pydantic import ValidationError
 
 from jobplane.errors import ValidationFailed
 from jobplane.model import TemplateSpec
+from jobplane.model.storable import unstorable
 
 MAX_TEMPLATE_BYTES = 1 << 20
 # Values in a template once its aliases are expanded; a 1 MiB template without aliases has fewer.
@@ -35,6 +36,8 @@ def parse_template(text: str | bytes, yaml_syntax: bool) -> TemplateSpec:
     if _values_over(data, MAX_TEMPLATE_VALUES):
         message = f"over {MAX_TEMPLATE_VALUES} values once its aliases are expanded"
         raise ValidationFailed("template too large", [{"pointer": "", "message": message}])
+    if problems := unstorable(data):
+        raise ValidationFailed("template cannot be stored as sent", problems)
     try:
         spec = TemplateSpec.model_validate(data)
     except ValidationError as exc:

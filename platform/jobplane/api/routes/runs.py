@@ -48,7 +48,9 @@ async def create(
 ) -> Run:
     """Create a run; a repeated `idempotencyKey` in the same scope returns the first with 200."""
     caller.may_act_in(body.scope, body.scope_id)
-    size = len(json.dumps(body.payload, ensure_ascii=False, separators=(",", ":")).encode())
+    # `surrogatepass`: a string UTF-8 cannot encode is measured here and refused by the service.
+    compact = json.dumps(body.payload, ensure_ascii=False, separators=(",", ":"))
+    size = len(compact.encode(errors="surrogatepass"))
     if size > settings.max_payload_bytes:
         raise PayloadTooLarge(
             f"payload is {size} bytes; the limit is {settings.max_payload_bytes}",
