@@ -11,6 +11,7 @@ from jobplane.runs import RunRequest, RunService
 from jobplane.settings import Settings
 from tests.integration.conftest import Register
 from tests.integration.processes import spawn, terminate
+from tests.integration.workers import create_many
 
 RUNS = 2000
 WORKERS = 4
@@ -23,13 +24,7 @@ async def test_four_worker_processes_claim_each_run_exactly_once(
     await register()
     service = RunService(backends.store, backends.queue)
     request = RunRequest("t_noop", "system", "race")
-    gate = asyncio.Semaphore(64)
-
-    async def create() -> str:
-        async with gate:
-            return (await service.create(request, "user:test"))[0].id
-
-    ids = await asyncio.gather(*(create() for _ in range(RUNS)))
+    ids = await create_many(service, request, RUNS, "user:test")
     workers = [
         # Frequent heartbeats overlap completions all the time: a heartbeat must never mistake
         # a run finishing under it for a lost lease.

@@ -17,7 +17,7 @@ from jobplane.settings import Settings
 from jobplane.worker import StepContext, handler
 from tests.integration.conftest import Register, template_spec
 from tests.integration.processes import spawn, terminate
-from tests.integration.workers import running, settled
+from tests.integration.workers import create_many, running, settled
 
 FLUSHED_RUNS = 1000
 
@@ -83,13 +83,7 @@ async def test_flushall_mid_drain_of_1000_runs_loses_none_and_runs_each_once(
             await backends.store.register_template(template_spec("t_counted", steps=steps))
             service = RunService(backends.store, backends.queue)
             request = RunRequest("t_counted", "user", "u")
-            gate = asyncio.Semaphore(64)
-
-            async def create() -> str:
-                async with gate:
-                    return (await service.create(request, "user:a"))[0].id
-
-            ids = await asyncio.gather(*(create() for _ in range(FLUSHED_RUNS)))
+            ids = await create_many(service, request, FLUSHED_RUNS, "user:a")
             async with running(backends, settings, workers=2, scheduler=True):
                 await counted_up_to(backends, {"status": RunStatus.SUCCEEDED}, len(ids) // 4)
                 # One transaction, so the count is of exactly what the flush wiped.
