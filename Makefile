@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: demo test lint typecheck pytest bench bench-api bench-fire clean
+.PHONY: demo test lint typecheck pytest chaos bench bench-api bench-fire clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -29,6 +29,10 @@ typecheck: $(STAMP)
 
 pytest: $(STAMP)
 	$(BIN)/pytest
+
+# The chaos scenarios at full length (make test runs them shortened); prints their table.
+chaos: $(STAMP)
+	$(BIN)/python -m tests.chaos
 
 bench: $(STAMP)
 	$(BIN)/python bench/throughput.py

@@ -211,10 +211,25 @@ class MongoServer(_ServerProcess):
         return f"mongodb://{_HOST}:{self.port}/?replicaSet={self.replset}"
 
     def start(self, timeout: float = 60) -> None:
-        """Spawn mongod and return once it is the writable primary of its replica set.
+        """Spawn mongod and return once it is the writable primary of its one-node replica set.
 
         A dbpath left by a killed mongod is fine: mongod replays its journal on start-up.
         """
+        deadline = time.monotonic() + timeout
+        self.launch(timeout)
+        try:
+            with _mongo_client(self.port) as client:
+                self._wait_until(lambda: self._is_primary(client), deadline, "become PRIMARY")
+        except OperationFailure as exc:
+            self.stop(timeout=5)
+            raise self._failure(f"refused the replica set config: {exc}") from exc
+        except BaseException:
+            # Also on Ctrl-C: a half-started server nobody recorded would only be in the way.
+            self.stop(timeout=5)
+            raise
+
+    def launch(self, timeout: float = 60) -> None:
+        """Spawn mongod and return once it accepts connections, whatever its replica set state."""
         self.dbpath.mkdir(parents=True, exist_ok=True)
         self._spawn(
             [
@@ -243,12 +258,7 @@ class MongoServer(_ServerProcess):
         try:
             with _mongo_client(self.port) as client:
                 self._wait_until(lambda: self._answers(client), deadline, "accept connections")
-                self._wait_until(lambda: self._is_primary(client), deadline, "become PRIMARY")
-        except OperationFailure as exc:
-            self.stop(timeout=5)
-            raise self._failure(f"refused the replica set config: {exc}") from exc
         except BaseException:
-            # Also on Ctrl-C: a half-started server nobody recorded would only be in the way.
             self.stop(timeout=5)
             raise
 
@@ -290,6 +300,82 @@ class MongoServer(_ServerProcess):
         config["members"][0]["host"] = f"{_HOST}:{self.port}"
         config["version"] += 1
         client.admin.command("replSetReconfig", config, force=True)
+
+
+class ReplicaSet:
+    """Several mongod on 127.0.0.1 as one replica set, so that a primary can fail over.
+
+    `election_timeout_ms` is MongoDB's `settings.electionTimeoutMillis` (10 s by default): how
+    long the secondaries wait for a silent primary before they elect another.
+    """
+
+    def __init__(
+        self,
+        root: Path,
+        ports: list[int],
+        replset: str = _REPLSET,
+        election_timeout_ms: int = 10_000,
+    ) -> None:
+        self.replset = replset
+        self.election_timeout_ms = election_timeout_ms
+        self.members = [
+            MongoServer(root / f"m{i}", port, root / f"m{i}.log", replset)
+            for i, port in enumerate(ports)
+        ]
+
+    @property
+    def url(self) -> str:
+        """A seed list of every member: a client finds the primary wherever it moves."""
+        hosts = ",".join(f"{_HOST}:{m.port}" for m in self.members)
+        return f"mongodb://{hosts}/?replicaSet={self.replset}"
+
+    def start(self, timeout: float = 120) -> None:
+        """Launch every member, initiate the set and return once it has a primary."""
+        deadline = time.monotonic() + timeout
+        try:
+            for member in self.members:
+                member.launch(timeout)
+            first = self.members[0]
+            with _mongo_client(first.port) as client:
+                self._initiate(client)
+            while self.primary() is None:
+                if time.monotonic() > deadline:
+                    raise first._failure(f"replica set {self.replset} elected no primary in time")
+                time.sleep(_POLL_INTERVAL)
+        except BaseException:
+            self.stop(timeout=5)
+            raise
+
+    def _initiate(self, client: MongoClient[dict[str, Any]]) -> None:
+        config = {
+            "_id": self.replset,
+            "members": [
+                {"_id": i, "host": f"{_HOST}:{m.port}"} for i, m in enumerate(self.members)
+            ],
+            "settings": {"electionTimeoutMillis": self.election_timeout_ms},
+        }
+        try:
+            client.admin.command("replSetInitiate", config)
+        except OperationFailure as exc:
+            if exc.code != _ALREADY_INITIALIZED:
+                raise
+
+    def primary(self) -> MongoServer | None:
+        """The member that answers as writable primary right now, if any."""
+        for member in self.members:
+            if member.pid is not None and _mongo_is_primary(member.port, self.replset):
+                return member
+        return None
+
+    def stop(self, timeout: float = 30) -> None:
+        for member in self.members:
+            member.stop(timeout)
+
+    def kill(self) -> None:
+        """SIGKILL every member: quick, for a set whose data nobody needs (a primary's clean
+        shutdown waits for its secondaries to catch up)."""
+        for member in self.members:
+            member.kill()
 
 
 class RedisServer(_ServerProcess):

@@ -1,0 +1,1 @@
+"""The chaos suite: real processes under faults, audited by the invariant checker."""

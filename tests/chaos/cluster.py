@@ -1,0 +1,325 @@
+"""A jobplane cluster of real processes for a chaos scenario, the load it is put under, and
+the faults injected into it.
+
+Every process is `python -m jobplane api|worker|scheduler`; MongoDB and Redis are real
+servers, Redis the scenario's own so that it can be killed or flushed.
+"""
+
+import asyncio
+import random
+import signal
+import subprocess
+from collections import Counter
+from collections.abc import AsyncIterator
+from contextlib import AsyncExitStack, asynccontextmanager
+from dataclasses import dataclass, field
+from datetime import UTC, datetime
+from itertools import pairwise
+from pathlib import Path
+from typing import Any
+
+import httpx
+from pymongo import AsyncMongoClient
+from pymongo.asynchronous.database import AsyncDatabase
+
+from jobplane.devstack import RedisServer, free_port
+from jobplane.model import ACTIVE
+from jobplane.settings import Settings
+from tests.integration.processes import spawn, terminate
+
+ROOT = Path(__file__).resolve().parents[2]
+ADMIN = "chaos-admin-key"
+Doc = dict[str, Any]
+
+RETRY = {"maxAttempts": 6, "backoffSeconds": [0]}
+TEMPLATES: list[Doc] = [
+    {"type": "chaos_quick", "steps": [{"id": "only", "handler": "builtin.noop"}]},
+    {
+        "type": "chaos_steps",
+        "steps": [
+            {"id": "first", "handler": "builtin.echo"},
+            {"id": "nap", "handler": "chaos.nap"},
+            {"id": "last", "handler": "builtin.echo"},
+        ],
+    },
+    {
+        "type": "chaos_flaky",
+        "steps": [
+            {"id": "flaky", "handler": "builtin.fail"},
+            {"id": "after", "handler": "builtin.echo"},
+        ],
+    },
+    {"type": "chaos_fatal", "steps": [{"id": "fatal", "handler": "builtin.fail"}]},
+    {
+        "type": "chaos_once",
+        "repeatable": False,
+        "dedupeKeys": ["scopeId", "payload.key"],
+        "concurrencyPolicy": "reject_same_scope",
+        "steps": [{"id": "nap", "handler": "chaos.nap"}],
+    },
+    {
+        "type": "chaos_tick",
+        "schedulable": True,
+        "steps": [{"id": "only", "handler": "builtin.noop"}],
+    },
+]
+# The share of each template in a load, out of 100.
+MIX = [
+    ("chaos_quick", 40),
+    ("chaos_steps", 30),
+    ("chaos_flaky", 15),
+    ("chaos_fatal", 5),
+    ("chaos_once", 10),
+]
+# A call the cluster could not take (503, or no answer) is retried with its idempotency key.
+RETRY_PAUSE = 0.2
+POLL = 0.1
+
+
+def quick(settings: Settings) -> Settings:
+    """Short leases and ticks, so that a lost process is noticed within seconds."""
+    return settings.model_copy(
+        update={
+            "lease_seconds": 2,
+            "heartbeat_seconds": 0.5,
+            "reconcile_seconds": 0.5,
+            "poll_seconds": 0.2,
+            "scheduler_lock_seconds": 2,
+            "admin_key": ADMIN,
+        }
+    )
+
+
+class Cluster:
+    """The API, worker and scheduler processes of one scenario."""
+
+    def __init__(self, settings: Settings, folder: Path) -> None:
+        self.settings = settings
+        self.folder = folder
+        self.trace = folder / "trace"
+        self.trace.mkdir(parents=True, exist_ok=True)
+        self.url = f"http://{settings.host}:{settings.port}"
+        self.api: subprocess.Popen[bytes] | None = None
+        self.workers: list[subprocess.Popen[bytes]] = []
+        self.schedulers: list[subprocess.Popen[bytes]] = []
+        # Processes a fault ended on purpose; reaped at close.
+        self.dead: list[subprocess.Popen[bytes]] = []
+        self._spawned = 0
+
+    def spawn(self, command: str) -> subprocess.Popen[bytes]:
+        self._spawned += 1
+        return spawn(
+            self.settings,
+            command,
+            self.folder / f"{command}-{self._spawned}.log",
+            PYTHONPATH=str(ROOT),
+            JOBPLANE_HANDLERS="tests.chaos.steps",
+            CHAOS_TRACE=str(self.trace),
+        )
+
+    async def start(self, workers: int, schedulers: int) -> None:
+        self.api = self.spawn("api")
+        self.workers = [self.spawn("worker") for _ in range(workers)]
+        self.schedulers = [self.spawn("scheduler") for _ in range(schedulers)]
+        async with httpx.AsyncClient() as http, asyncio.timeout(60):
+            while True:
+                self.check()
+                try:
+                    if (await http.get(f"{self.url}/healthz")).status_code == 200:
+                        return
+                except httpx.TransportError:
+                    pass
+                await asyncio.sleep(POLL)
+
+    def check(self) -> None:
+        """Fail if a process exited that no fault ended."""
+        for proc in [self.api, *self.workers, *self.schedulers]:
+            if proc is not None and proc.poll() is not None:
+                logs = "\n".join(
+                    f"--- {p.name}\n{p.read_text()[-3000:]}" for p in self.folder.glob("*.log")
+                )
+                raise AssertionError(f"process {proc.pid} exited with {proc.returncode}:\n{logs}")
+
+    def kill(self, proc: subprocess.Popen[bytes]) -> subprocess.Popen[bytes]:
+        """SIGKILL a worker or scheduler, and start another in its place."""
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+        self.dead.append(proc)
+        crew, command = (
+            (self.workers, "worker") if proc in self.workers else (self.schedulers, "scheduler")
+        )
+        fresh = self.spawn(command)
+        crew[crew.index(proc)] = fresh
+        return fresh
+
+    def close(self) -> None:
+        for proc in [*self.workers, *self.schedulers, self.api]:
+            if proc is not None:
+                proc.send_signal(signal.SIGCONT)  # a frozen process cannot hear SIGTERM
+                terminate(proc)
+        for proc in self.dead:
+            proc.wait()
+
+
+@dataclass
+class Load:
+    """Mixed runs created through the HTTP API by concurrent callers, as users would."""
+
+    http: httpx.AsyncClient
+    rng: random.Random
+    nap: tuple[float, float] = (0.02, 0.2)
+    mix: list[tuple[str, int]] = field(default_factory=lambda: MIX)
+    # idempotency key -> the run the API acknowledged for it
+    accepted: dict[str, str] = field(default_factory=dict)
+    # Refusals by design (a non-repeatable template's key in use), by error code.
+    refused: Counter[str] = field(default_factory=Counter)
+    # 503s and calls without an answer, each retried.
+    unavailable: int = 0
+    # Answers outside the contract (5xx other than 503, or an error not in SPEC's shape).
+    broken: list[str] = field(default_factory=list)
+
+    async def register(self) -> None:
+        for template in TEMPLATES:
+            # Lost leases count as attempts: a run may lose a few to the faults and still end.
+            body = {**template, "retryPolicy": RETRY}
+            response = await self.http.post("/v1/templates", json=body)
+            assert response.status_code in (200, 201), response.text
+
+    def request(self, i: int) -> Doc:
+        [kind] = self.rng.choices([k for k, _ in self.mix], [w for _, w in self.mix])
+        payload: Doc = {}
+        if kind in ("chaos_steps", "chaos_once"):
+            payload["napSeconds"] = round(self.rng.uniform(*self.nap), 3)
+        if kind == "chaos_flaky":
+            payload["failTimes"] = 1
+        if kind == "chaos_fatal":
+            payload["fatal"] = True
+        if kind == "chaos_once":
+            payload["key"] = f"k{self.rng.randrange(50)}"
+        return {
+            "templateType": kind,
+            "scope": "account",
+            "scopeId": f"acct{i % 7}",
+            "payload": payload,
+            "idempotencyKey": f"chaos-{i}",
+        }
+
+    async def create(self, n: int, rate: float, callers: int = 32) -> None:
+        """Create `n` runs, the i-th due `i / rate` seconds from now (or as soon as a caller
+        is free), so that the load spans the faults; each is retried until the API answers."""
+        numbers = iter(range(n))
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+
+        async def caller() -> None:
+            for i in numbers:
+                await asyncio.sleep(began + i / rate - loop.time())
+                await self.create_one(self.request(i))
+
+        await asyncio.gather(*(caller() for _ in range(callers)))
+
+    async def create_one(self, body: Doc) -> None:
+        async with asyncio.timeout(180):
+            while True:
+                try:
+                    response = await self.http.post("/v1/runs", json=body)
+                except httpx.TransportError:
+                    self.unavailable += 1
+                    await asyncio.sleep(RETRY_PAUSE)
+                    continue
+                if response.status_code == 503 and _error_shape(response):
+                    self.unavailable += 1
+                    await asyncio.sleep(RETRY_PAUSE)
+                    continue
+                break
+        if response.status_code in (200, 201):
+            self.accepted[body["idempotencyKey"]] = response.json()["id"]
+        elif response.status_code == 409 and _error_shape(response):
+            self.refused[response.json()["error"]["code"]] += 1
+        else:
+            self.broken.append(f"POST /v1/runs: {response.status_code} {response.text[:300]}")
+
+
+def _error_shape(response: httpx.Response) -> bool:
+    try:
+        body = response.json()
+    except ValueError:
+        return False
+    return isinstance(body, dict) and set(body.get("error", {})) == {"code", "message", "details"}
+
+
+@dataclass
+class Stage:
+    """A started cluster with its load and its database."""
+
+    cluster: Cluster
+    load: Load
+    db: AsyncDatabase[Doc]
+    redis: RedisServer
+    began: datetime = field(default_factory=lambda: datetime.now(UTC))
+
+    async def unfinished(self) -> int:
+        statuses = [s.value for s in ACTIVE]
+        return await self.db.job_runs.count_documents({"status": {"$in": statuses}})
+
+    async def settled(self, within: float) -> float:
+        """Wait until every run is terminal; return how long that took."""
+        began = asyncio.get_running_loop().time()
+        async with asyncio.timeout(within):
+            while await self.unfinished():
+                self.cluster.check()
+                await asyncio.sleep(POLL)
+        return asyncio.get_running_loop().time() - began
+
+    async def longest_stall(self) -> float:
+        """The longest time, since the scenario began, in which no run finished."""
+        ends = [self.began]
+        async for run in self.db.job_runs.find({}, {"completedAt": 1}).sort("completedAt", 1):
+            if at := run.get("completedAt"):
+                ends.append(at.replace(tzinfo=UTC))
+        return max((b - a).total_seconds() for a, b in pairwise(ends))
+
+
+@asynccontextmanager
+async def staged(
+    folder: Path,
+    mongodb_url: str,
+    db: str,
+    workers: int,
+    schedulers: int = 1,
+    slots: int = 16,
+    seed: int = 0,
+    **load: Any,
+) -> AsyncIterator[Stage]:
+    """Start a Redis of the scenario's own, then the cluster (each worker running up to
+    `slots` runs at once); register the templates."""
+    redis = RedisServer(folder / "redis", free_port(), folder / "redis.log")
+    redis.start()
+    settings = quick(
+        Settings(
+            mongodb_url=mongodb_url,
+            redis_url=redis.url,
+            db=db,
+            port=free_port(),
+            worker_concurrency=slots,
+        )
+    )
+    cluster = Cluster(settings, folder)
+    async with AsyncExitStack() as stack:
+        stack.callback(redis.stop)
+        stack.callback(cluster.close)
+        await cluster.start(workers, schedulers)
+        headers = {"authorization": f"Bearer {ADMIN}"}
+        # No retry of its own on a broken connection: the load retries, and counts.
+        http = httpx.AsyncClient(
+            base_url=cluster.url,
+            headers=headers,
+            timeout=60,
+            limits=httpx.Limits(max_connections=64),
+        )
+        stack.push_async_callback(http.aclose)
+        mongo: AsyncMongoClient[Doc] = AsyncMongoClient(mongodb_url)
+        stack.push_async_callback(mongo.close)
+        stage = Stage(cluster, Load(http, random.Random(seed), **load), mongo[db], redis)
+        await stage.load.register()
+        yield stage

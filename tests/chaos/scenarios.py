@@ -1,0 +1,367 @@
+"""The six chaos scenarios. Each puts a cluster under a load of mixed runs, injects its
+faults until the backlog is drained, and ends with the invariant checker's audit.
+
+A scenario runs at a `Scale`: `SHORT` inside `make test`, `FULL` from `make chaos`.
+"""
+
+import asyncio
+import contextlib
+import random
+import signal
+import subprocess
+import time
+from collections import Counter
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field, replace
+from datetime import UTC, datetime, timedelta
+from itertools import pairwise
+from pathlib import Path
+
+import redis.asyncio as aioredis
+from bson import ObjectId
+from pymongo import AsyncMongoClient
+from pymongo.errors import ConnectionFailure
+
+from jobplane.devstack import ReplicaSet, free_port
+from jobplane.queue.keys import Keys
+from tests.chaos.cluster import Stage, staged
+from tests.chaos.invariants import Audit, audit
+from tests.chaos.steps import traces
+
+
+@dataclass(frozen=True)
+class Scale:
+    runs: int
+    # Runs created a second: the load is spread over the time the faults are injected.
+    rate: float
+    # Seconds between two faults, injected while the load comes in.
+    every: float
+    # How long the backlog may take to drain after the last fault.
+    drain: float
+    # MongoDB's electionTimeoutMillis for the three-member replica set.
+    election_ms: int
+
+
+SHORT = Scale(runs=400, rate=30, every=1.5, drain=90, election_ms=2_000)
+FULL = Scale(runs=5_000, rate=100, every=3.0, drain=300, election_ms=10_000)
+
+
+@dataclass
+class Outcome:
+    scenario: str
+    runs: int
+    faults: int
+    violations: list[str]
+    # The longest time in which no run finished: what the worst fault cost.
+    stall: float
+    # From the end of the last fault until every run was terminal: the time to recover.
+    drain: float
+    seconds: float
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Where:
+    """Where a scenario runs: its folder, and the MongoDB (and database) it may use."""
+
+    folder: Path
+    mongodb_url: str
+    db: str
+
+
+Scenario = Callable[[Where, Scale], Awaitable[Outcome]]
+
+
+async def faulting(stage: Stage, scale: Scale, inject: Callable[[], Awaitable[None]]) -> int:
+    """Create the load, injecting a fault every `scale.every` seconds while it comes in;
+    returns how many faults were injected."""
+    creating = asyncio.create_task(stage.load.create(scale.runs, scale.rate))
+    faults = 0
+    try:
+        while not creating.done():
+            await asyncio.sleep(scale.every)
+            stage.cluster.check()
+            await inject()
+            faults += 1
+    finally:
+        await creating
+    return faults
+
+
+async def outcome(
+    stage: Stage, name: str, faults: int, scale: Scale, began: float, extra: list[str]
+) -> Outcome:
+    """Wait for the backlog to drain after the last fault, then audit."""
+    drained = await stage.settled(scale.drain)
+    found = await audit(stage.db, stage.load.accepted.values())
+    return Outcome(
+        scenario=name,
+        runs=found.runs,
+        faults=faults,
+        violations=[*stage.load.broken, *found.violations, *extra],
+        stall=await stage.longest_stall(),
+        drain=drained,
+        seconds=time.monotonic() - began,
+        notes=_notes(stage, found),
+    )
+
+
+def _notes(stage: Stage, found: Audit) -> list[str]:
+    load = stage.load
+    statuses = ", ".join(f"{n} {s}" for s, n in sorted(found.by_status.items()))
+    notes = [statuses, f"{found.stale_writes} stale writes rejected"]
+    if load.unavailable:
+        notes.append(f"{load.unavailable} calls answered 503 or not at all (retried)")
+    if load.refused:
+        notes.append(f"refused by design: {dict(load.refused)}")
+    return notes
+
+
+async def workers_die(where: Where, scale: Scale) -> Outcome:
+    """SIGKILL a random worker every few seconds, and start another in its place."""
+    began, rng = time.monotonic(), random.Random(1)
+    async with staged(where.folder, where.mongodb_url, where.db, workers=3) as stage:
+
+        async def kill() -> None:
+            stage.cluster.kill(rng.choice(stage.cluster.workers))
+
+        faults = await faulting(stage, scale, kill)
+        return await outcome(stage, "workers die", faults, scale, began, [])
+
+
+async def zombies(where: Where, scale: Scale) -> Outcome:
+    """SIGSTOP a random worker past its lease, then SIGCONT it: it wakes up holding leases
+    that other workers may have taken since, and must not write over them."""
+    began, rng = time.monotonic(), random.Random(2)
+    async with staged(
+        where.folder, where.mongodb_url, where.db, workers=3, nap=(0.2, 1.0)
+    ) as stage:
+        frozen_for = stage.cluster.settings.lease_seconds * 2
+        loop = asyncio.get_running_loop()
+
+        async def freeze() -> None:
+            worker = rng.choice(stage.cluster.workers)
+            worker.send_signal(signal.SIGSTOP)
+            # Woken later, while the faults go on.
+            loop.call_later(frozen_for, worker.send_signal, signal.SIGCONT)
+
+        faults = await faulting(stage, scale, freeze)
+        return await outcome(stage, "zombies", faults, scale, began, [])
+
+
+async def redis_dies(where: Where, scale: Scale) -> Outcome:
+    """Alternately restart redis-server (empty: it keeps nothing on disk) after a second
+    down, and FLUSHALL it, under load."""
+    began = time.monotonic()
+    async with staged(where.folder, where.mongodb_url, where.db, workers=3) as stage:
+        turn = 0
+
+        async def fault() -> None:
+            nonlocal turn
+            turn += 1
+            if turn % 2:
+                stage.redis.kill()
+                await asyncio.sleep(1)
+                stage.redis.start()
+            else:
+                async with aioredis.Redis.from_url(stage.redis.url) as client:
+                    await client.flushall()
+
+        faults = await faulting(stage, scale, fault)
+        return await outcome(stage, "Redis dies", faults, scale, began, [])
+
+
+async def mongodb_fails_over(where: Where, scale: Scale) -> Outcome:
+    """A three-member replica set: alternately SIGKILL the primary (restarting it as a
+    member a few seconds later) and step it down, under load."""
+    began = time.monotonic()
+    members = ReplicaSet(
+        where.folder / "rs", [free_port() for _ in range(3)], election_timeout_ms=scale.election_ms
+    )
+    members.start()
+    try:
+        async with staged(where.folder, members.url, where.db, workers=3) as stage:
+            turn, elections = 0, []
+
+            async def fault() -> None:
+                nonlocal turn
+                turn += 1
+                primary = members.primary()
+                if primary is None:
+                    return
+                t0 = time.monotonic()
+                if turn % 2:
+                    primary.kill()
+                else:
+                    await _step_down(primary.port)
+                while members.primary() is None:  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+                elections.append(time.monotonic() - t0)
+                if primary.pid is None:
+                    primary.launch()  # rejoins as a secondary
+
+            # Each election takes seconds; faults closer than a few of them would only stack up.
+            spaced = replace(scale, every=scale.every * 3)
+            faults = await faulting(stage, spaced, fault)
+            result = await outcome(stage, "MongoDB fails over", faults, scale, began, [])
+            result.notes.append(
+                "new primary after " + ", ".join(f"{s:.1f}" for s in elections) + " s"
+            )
+            return result
+    finally:
+        members.kill()
+
+
+async def _step_down(port: int) -> None:
+    client: AsyncMongoClient[dict[str, object]] = AsyncMongoClient(
+        "127.0.0.1", port, directConnection=True
+    )
+    async with client:
+        # The member may drop our connection as it steps down; it steps down all the same.
+        with contextlib.suppress(ConnectionFailure):
+            await client.admin.command("replSetStepDown", 10)
+
+
+async def schedulers_fight(where: Where, scale: Scale) -> Outcome:
+    """Two schedulers and a schedule firing every second: alternately SIGKILL the lock's
+    holder (a new standby starts) and SIGSTOP it past the lock's TTL, then SIGCONT it."""
+    began = time.monotonic()
+    async with staged(where.folder, where.mongodb_url, where.db, workers=2, schedulers=2) as stage:
+        tick = await stage.load.http.post(
+            "/v1/schedules",
+            json={
+                "templateType": "chaos_tick",
+                "scope": "account",
+                "scopeId": "acct0",
+                "cron": "* * * * * *",
+            },
+        )
+        assert tick.status_code == 201, tick.text
+        schedule_id = tick.json()["id"]
+        turn = 0
+        lock = Keys(stage.cluster.settings.redis_prefix).scheduler_lock
+        frozen_for = stage.cluster.settings.scheduler_lock_seconds * 2
+
+        async def fault() -> None:
+            nonlocal turn
+            turn += 1
+            holder = await _holder(stage, lock)
+            if holder is None:
+                return
+            if turn % 2:
+                stage.cluster.kill(holder)
+            else:
+                holder.send_signal(signal.SIGSTOP)
+                await asyncio.sleep(frozen_for)
+                holder.send_signal(signal.SIGCONT)
+
+        faults = await faulting(stage, scale, fault)
+        paused = await stage.load.http.post(f"/v1/schedules/{schedule_id}/pause")
+        assert paused.status_code == 200, paused.text
+        missed = await _missed_fires(stage, schedule_id)
+        return await outcome(stage, "schedulers fight", faults, scale, began, missed)
+
+
+async def _holder(stage: Stage, lock: str) -> subprocess.Popen[bytes] | None:
+    """The scheduler process holding the lock; its owner string is `scheduler-<pid>-<hex>`."""
+    async with aioredis.Redis.from_url(stage.redis.url) as client:
+        owner = await client.get(lock)
+    if owner is None:
+        return None
+    text = owner.decode() if isinstance(owner, bytes) else owner
+    pid = int(text.split("-")[1])
+    return next((p for p in stage.cluster.schedulers if p.pid == pid), None)
+
+
+async def _missed_fires(stage: Stage, schedule_id: str) -> list[str]:
+    """Fire times between the first and the last with no run and no `fire_skipped` event."""
+    cursor = stage.db.job_runs.find({"scheduleId": schedule_id}, {"scheduledFor": 1})
+    times = sorted([r["scheduledFor"] async for r in cursor])
+    skipped = await stage.db.job_events.count_documents(
+        {"type": "fire_skipped", "metadata.reason": "misfire"}
+    )
+    gaps = sum(int((b - a).total_seconds()) - 1 for a, b in pairwise(times))
+    if len(times) < 5:
+        return [f"the schedule fired only {len(times)} times"]
+    if gaps > skipped:
+        return [f"{gaps} fire times between {times[0]} and {times[-1]} have no run"]
+    return []
+
+
+async def cancel_storm(where: Where, scale: Scale) -> Outcome:
+    """Cancel 30% of the runs, each at a random moment of its first few seconds. Every cancel
+    the API accepted ends `cancelled`, and no step was still running when the worker
+    acknowledged it (the handler's own trace says when it really stopped)."""
+    began, rng = time.monotonic(), random.Random(6)
+    mix = [("chaos_steps", 80), ("chaos_quick", 20)]
+    # Long naps and many slots: most cancels should find their run queued or running, even
+    # when a busy machine answers API calls late.
+    async with staged(
+        where.folder, where.mongodb_url, where.db, workers=3, slots=48, nap=(2.0, 6.0), mix=mix
+    ) as stage:
+        load = stage.load
+        accepted: list[str] = []
+        answers: Counter[int] = Counter()
+
+        async def cancel_later(run_id: str) -> None:
+            await asyncio.sleep(rng.uniform(0, 3))
+            answer = await load.http.post(f"/v1/runs/{run_id}/cancel", json={"reason": "storm"})
+            answers[answer.status_code] += 1
+            if answer.status_code == 200:
+                accepted.append(run_id)
+            elif answer.status_code != 409:  # 409: it had finished already
+                load.broken.append(f"cancel {run_id}: {answer.status_code} {answer.text[:200]}")
+
+        creating = asyncio.create_task(load.create(scale.runs, scale.rate))
+        cancels: list[asyncio.Task[None]] = []
+        seen: set[str] = set()
+        while not creating.done() or len(seen) < len(load.accepted):
+            for run_id in list(load.accepted.values()):
+                if run_id not in seen:
+                    seen.add(run_id)
+                    if rng.random() < 0.3:
+                        cancels.append(asyncio.create_task(cancel_later(run_id)))
+            await asyncio.sleep(0.05)
+        await creating
+        await asyncio.gather(*cancels)
+        await stage.settled(scale.drain)
+        extra = await _cancels_held(stage, accepted)
+        result = await outcome(stage, "cancel storm", len(cancels), scale, began, extra)
+        result.notes.append(f"cancel answers: {dict(answers)}")
+        return result
+
+
+async def _cancels_held(stage: Stage, accepted: list[str]) -> list[str]:
+    if not accepted:
+        return ["no cancel found its run unfinished: the storm tested nothing"]
+    bad: list[str] = []
+    ids = [ObjectId(run_id) for run_id in accepted]
+    ended = {
+        str(r["_id"]): r
+        async for r in stage.db.job_runs.find({"_id": {"$in": ids}}, {"status": 1, "trail": 1})
+    }
+    napped: dict[str, list[float]] = {}
+    for nap in traces(stage.cluster.trace):
+        napped.setdefault(nap["run"], []).append(nap["ended"])
+    for run_id in accepted:
+        run = ended[run_id]
+        if run["status"] != "cancelled":
+            bad.append(f"run {run_id}: its cancel was accepted, it ended {run['status']}")
+            continue
+        [done] = [e for e in run["trail"] if e.get("to") == "cancelled"]
+        # MongoDB keeps milliseconds: the acknowledgement may read up to 1 ms early.
+        acknowledged = done["createAt"].replace(tzinfo=UTC) + timedelta(milliseconds=1)
+        late = [t for t in napped.get(run_id, []) if datetime.fromtimestamp(t, UTC) > acknowledged]
+        if late:
+            bad.append(f"run {run_id}: a step ran until {late} after the cancel at {acknowledged}")
+    return bad
+
+
+SCENARIOS: dict[str, Scenario] = {
+    "workers_die": workers_die,
+    "zombies": zombies,
+    "redis_dies": redis_dies,
+    "mongodb_fails_over": mongodb_fails_over,
+    "schedulers_fight": schedulers_fight,
+    "cancel_storm": cancel_storm,
+}
