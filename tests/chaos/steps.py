@@ -54,4 +54,5 @@ def _trace(ctx: StepContext, began: float, how: str) -> None:
 
 def traces(folder: Path) -> list[dict[str, Any]]:
     """Every nap of every worker process that wrote to `folder`."""
-    return [json.loads(line) for path in folder.glob("*.jsonl") for line in path.open()]
+    lines = [path.read_text().splitlines() for path in folder.glob("*.jsonl")]
+    return [json.loads(line) for each in lines for line in each]
