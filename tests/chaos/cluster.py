@@ -219,10 +219,21 @@ class Load:
         await asyncio.gather(*(caller() for _ in range(callers)))
 
     async def create_one(self, body: Doc) -> None:
+        response = await self.post("/v1/runs", body)
+        if response.status_code in (200, 201):
+            self.accepted[body["idempotencyKey"]] = response.json()["id"]
+        elif response.status_code == 409 and _error_shape(response):
+            self.refused[response.json()["error"]["code"]] += 1
+        else:
+            self.broken.append(f"POST /v1/runs: {response.status_code} {response.text[:300]}")
+
+    async def post(self, path: str, body: Doc) -> httpx.Response:
+        """POST until the cluster answers: a 503 or a broken connection is retried (creates
+        carry an idempotency key, and a cancel repeated is a cancel)."""
         async with asyncio.timeout(180):
             while True:
                 try:
-                    response = await self.http.post("/v1/runs", json=body)
+                    response = await self.http.post(path, json=body)
                 except httpx.TransportError:
                     self.unavailable += 1
                     await asyncio.sleep(RETRY_PAUSE)
@@ -231,13 +242,7 @@ class Load:
                     self.unavailable += 1
                     await asyncio.sleep(RETRY_PAUSE)
                     continue
-                break
-        if response.status_code in (200, 201):
-            self.accepted[body["idempotencyKey"]] = response.json()["id"]
-        elif response.status_code == 409 and _error_shape(response):
-            self.refused[response.json()["error"]["code"]] += 1
-        else:
-            self.broken.append(f"POST /v1/runs: {response.status_code} {response.text[:300]}")
+                return response
 
 
 def _error_shape(response: httpx.Response) -> bool:

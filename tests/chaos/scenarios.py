@@ -305,7 +305,7 @@ async def cancel_storm(where: Where, scale: Scale) -> Outcome:
 
         async def cancel_later(run_id: str) -> None:
             await asyncio.sleep(rng.uniform(0, 3))
-            answer = await load.http.post(f"/v1/runs/{run_id}/cancel", json={"reason": "storm"})
+            answer = await load.post(f"/v1/runs/{run_id}/cancel", {"reason": "storm"})
             answers[answer.status_code] += 1
             if answer.status_code == 200:
                 accepted.append(run_id)
