@@ -1,7 +1,7 @@
 """Settings from `JOBPLANE_*` environment variables; every one is listed in the README."""
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Literal
 
 from pydantic import BeforeValidator, Field
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -34,6 +34,11 @@ class Settings(BaseSettings):
     data_dir: Path = Path(".jobplane")
     host: str = "127.0.0.1"
     port: int = 8000
+    # Where a worker or scheduler process serves its own metrics (on `host`); 0: it does not.
+    # The API serves them at /metrics on its own port.
+    metrics_port: Annotated[int, Field(ge=0, le=65535)] = 0
+    # Unset: JSON lines for the process commands, text for `jobplane dev`.
+    log_format: Literal["json", "text"] | None = None
 
     worker_id: str | None = None
     worker_concurrency: Annotated[int, Field(ge=1)] = 16

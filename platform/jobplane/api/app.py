@@ -9,7 +9,16 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from jobplane.api import errors
-from jobplane.api.routes import events, external, health, keys, runs, schedules, templates
+from jobplane.api.routes import (
+    events,
+    external,
+    health,
+    keys,
+    metrics,
+    runs,
+    schedules,
+    templates,
+)
 from jobplane.backends import Backends, open_backends
 from jobplane.settings import Settings
 from jobplane.templates.loader import MAX_TEMPLATE_BYTES
@@ -29,7 +38,7 @@ def create_app(settings: Settings, backends: Backends | None = None) -> FastAPI:
     if backends is not None:
         app.state.store, app.state.queue = backends.store, backends.queue
     errors.install(app)
-    for module in (health, keys, templates, runs, schedules, events, external):
+    for module in (health, metrics, keys, templates, runs, schedules, events, external):
         app.include_router(module.router)
     # Room for the largest payload and its envelope, and for the largest template.
     limit = max(settings.max_payload_bytes + 64 * 1024, MAX_TEMPLATE_BYTES)

@@ -70,35 +70,47 @@ def _client(args: argparse.Namespace) -> APIClient:
 def _api(args: argparse.Namespace) -> None:
     from jobplane import api
 
-    asyncio.run(api.serve(_settings(args)))
+    settings = _start_process(args)
+    asyncio.run(api.serve(settings))
 
 
 def _worker(args: argparse.Namespace) -> None:
     from jobplane import worker
-    from jobplane.process import configure_logging
+    from jobplane.metrics import serve_metrics
 
-    configure_logging()
-    asyncio.run(worker.serve(_settings(args), args.drain_seconds))
+    settings = _start_process(args)
+    serve_metrics(settings)
+    asyncio.run(worker.serve(settings, args.drain_seconds))
 
 
 def _scheduler(args: argparse.Namespace) -> None:
     from jobplane import scheduler
-    from jobplane.process import configure_logging
+    from jobplane.metrics import serve_metrics
 
-    configure_logging()
-    asyncio.run(scheduler.serve(_settings(args)))
+    settings = _start_process(args)
+    serve_metrics(settings)
+    asyncio.run(scheduler.serve(settings))
 
 
 def _external_worker(args: argparse.Namespace) -> None:
-    from jobplane.process import configure_logging
     from jobplane.worker.external import serve_external
     from jobplane.worker.worker import default_worker_id
 
-    configure_logging()
+    _start_process(args)
     url, key = _endpoint(args)
     worker_id = args.worker_id or default_worker_id()
     modules = [m for m in args.handlers.split(",") if m]
     asyncio.run(serve_external(url, key, args.type, worker_id, modules, args.concurrency))
+
+
+def _start_process(args: argparse.Namespace) -> Settings:
+    """Settings for a long-running process, and its logging set up: JSON lines unless told
+    otherwise."""
+    from jobplane.process import configure_logging
+
+    settings = _settings(args)
+    configure_logging(settings.log_format or "json")
+    return settings
 
 
 def _dev(args: argparse.Namespace) -> None:

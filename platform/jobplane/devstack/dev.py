@@ -1,7 +1,6 @@
 """`jobplane dev`: local servers unless URLs are set; then API, worker and scheduler together."""
 
 import asyncio
-import logging
 import secrets
 import sys
 from pathlib import Path
@@ -13,7 +12,7 @@ from jobplane.backends import Backends, open_backends
 from jobplane.cli.render import LiveView
 from jobplane.devstack.servers import LocalStack
 from jobplane.model import TERMINAL
-from jobplane.process import HTTPServer, serve_http, stop_on_signals
+from jobplane.process import HTTPServer, configure_logging, serve_http, stop_on_signals
 from jobplane.runs import RunRequest, RunService
 from jobplane.scheduler import Scheduler
 from jobplane.settings import Settings
@@ -26,7 +25,8 @@ DEMO_PAYLOAD = {"target": "demo", "sleepSeconds": 3}
 
 async def run_dev(settings: Settings, templates: Path, demo: bool, exit_after_demo: bool) -> int:
     """Returns the exit code: 0, or 1 when the demo run did not succeed."""
-    logging.basicConfig(level=logging.WARNING, format="%(levelname)s %(name)s %(message)s")
+    # Warnings and errors only, and for a person unless told otherwise: the demo draws below.
+    configure_logging(settings.log_format or "text", "WARNING")
     load_modules(settings.handlers)
     stop = asyncio.Event()
     stop_on_signals(stop)

@@ -10,6 +10,7 @@ from typing import Any, Literal
 from jsonschema import Draft202012Validator
 from redis.exceptions import RedisError
 
+from jobplane import metrics
 from jobplane.clock import as_stored
 from jobplane.errors import (
     ConcurrencyConflict,
@@ -88,7 +89,7 @@ class RunService:
         )
         queueing = request.queue_behind is not None
         try:
-            return await self._insert(new, template, actor, queueing), True
+            run = await self._insert(new, template, actor, queueing)
         except DuplicateRun as duplicate:
             first = duplicate.run
             if (first.template_type, first.payload) != (template.type, request.payload):
@@ -99,6 +100,8 @@ class RunService:
                     {"runId": first.id},
                 ) from None
             return first, False
+        metrics.RUNS_CREATED.labels(template.type).inc()
+        return run, True
 
     async def _insert(self, new: NewRun, template: Template, actor: str, queueing: bool) -> Run:
         # A key whose holder ended between our insert and the read of the holder is free now.
@@ -152,7 +155,8 @@ class RunService:
                     return  # an active run has it; its end admits the next
                 assert held.holder is not None
                 reason = f"run {held.holder.id} already succeeded for this key"
-                await self.store.cancel(waiting.id, actor, reason)
+                cancelled = await self.store.cancel(waiting.id, actor, reason)
+                metrics.observe(waiting, cancelled, self.store.clock.now())
                 continue
             if isinstance(taken, Lost):
                 continue  # cancelled meanwhile; look at the next
@@ -187,7 +191,9 @@ class RunService:
             if run.status == RunStatus.CANCEL_REQUESTED:
                 return run
             if run.status in CLAIMABLE:
-                if not isinstance(await self.store.cancel(run.id, actor, reason), Lost):
+                cancelled = await self.store.cancel(run.id, actor, reason)
+                metrics.observe(run, cancelled, self.store.clock.now())
+                if not isinstance(cancelled, Lost):
                     with contextlib.suppress(RedisError, OSError):  # a popped id is skipped
                         await self.queue.remove(run.id, run.queue, run.priority)
                     # The run may have taken the key it waited for since it was read.

@@ -15,6 +15,7 @@ import logging
 import os
 from datetime import timedelta
 
+from jobplane import metrics
 from jobplane.clock import Clock, SystemClock
 from jobplane.model import RunStatus
 from jobplane.queue.redis import QueueEntry, RedisQueue
@@ -49,11 +50,17 @@ class Scheduler:
         interval = min(self.settings.reconcile_seconds, ttl / 3)
         loop = asyncio.get_running_loop()
         maintained = -interval
+        active = False
+        log.info("scheduler %s started", self.owner)
         try:
             while not stop.is_set():
                 wait = interval
                 try:
-                    if await self.queue.acquire_lock(lock, self.owner, ttl):
+                    holds = await self.queue.acquire_lock(lock, self.owner, ttl)
+                    if holds != active:  # say when this one takes over or is taken over from
+                        active = holds
+                        log.info("scheduler %s %s", self.owner, "active" if holds else "stands by")
+                    if holds:
                         if loop.time() - maintained >= interval:
                             maintained = loop.time()
                             await self.tick()
@@ -87,6 +94,7 @@ class Scheduler:
         archived = await self.store.archive_runs(
             self.clock.now() - retained, self.settings.reap_batch
         )
+        metrics.SCHEDULER_LAST_TICK.set_to_current_time()
         if fired or reaped or queued or swept or archived:
             log.info(
                 "tick: fired %d, reaped %d, queued %d, swept %d events, archived %d",
@@ -103,15 +111,22 @@ class Scheduler:
         batch = self.settings.reap_batch
         late, slow = await self.store.overdue(batch)
         outcomes = [
-            *[(run, await self.store.expire_deadline(run, "reaper")) for run in late],
-            *[(run, await self.store.time_out_cancel(run)) for run in slow],
-            *[(run, await self.store.reap(run)) for run in await self.store.expired_leases(batch)],
+            *[
+                (run, "deadline_expire", await self.store.expire_deadline(run, "reaper"))
+                for run in late
+            ],
+            *[(run, "cancel_timeout", await self.store.time_out_cancel(run)) for run in slow],
+            *[
+                (run, "reap", await self.store.reap(run))
+                for run in await self.store.expired_leases(batch)
+            ],
         ]
         moved = 0
-        for run, outcome in outcomes:
+        for run, transition, outcome in outcomes:
             if isinstance(outcome, Lost):
                 continue
             moved += 1
+            metrics.reaped(run, transition, outcome, self.clock.now())
             if outcome.to == RunStatus.QUEUED:
                 entry = QueueEntry(run.id, run.queue, run.priority, run.not_before)
                 await self.queue.push([entry], self.clock.now())

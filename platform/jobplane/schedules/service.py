@@ -15,6 +15,7 @@ from typing import Any
 from bson import ObjectId
 from pydantic import ValidationError
 
+from jobplane import metrics
 from jobplane.errors import NotFound, ResourceInvalidState, TemplateDisabled, ValidationFailed
 from jobplane.model import Run, Schedule, ScheduleSpec, Template
 from jobplane.queue.redis import RedisQueue
@@ -129,6 +130,8 @@ class ScheduleService:
         elif missed and schedule.misfire_policy == "catch_up":
             fire = (missed + fire)[-schedule.catch_up_limit :]
         skipped = [t for t in due if t not in fire]
+        if missed:
+            metrics.SCHEDULE_MISFIRES.labels(schedule.misfire_policy).inc(len(missed))
         if skipped:
             await self.store.schedule_event(
                 schedule,
@@ -150,13 +153,19 @@ class ScheduleService:
         if schedule.overlap_policy == "skip" and (
             active := await self.store.active_run_of(schedule.id)
         ):
+            metrics.SCHEDULE_FIRES.labels("overlap").inc()
             await self._skip(schedule, at, f"overlap: run {active.id} is {active.status}")
             return None
         try:
-            run, _ = await RunService(self.store, self.queue).create(_request(schedule, at), ACTOR)
+            run, new = await RunService(self.store, self.queue).create(
+                _request(schedule, at), ACTOR
+            )
         except (NotFound, TemplateDisabled):
+            metrics.SCHEDULE_FIRES.labels("template_disabled").inc()
             await self._skip(schedule, at, "template_disabled")
             return None
+        # Not new: another scheduler fired this time already (the unique index said so).
+        metrics.SCHEDULE_FIRES.labels("created" if new else "duplicate").inc()
         return run
 
     async def _skip_paused(self, paused: Schedule) -> None:

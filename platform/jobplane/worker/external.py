@@ -18,6 +18,7 @@ import httpx
 
 from jobplane.clock import SystemClock
 from jobplane.model import Run, Template
+from jobplane.process import log_context
 from jobplane.worker.context import CancelRequested, FatalError, StepContext, StepInterrupted
 from jobplane.worker.handlers import HandlerRegistry, registry
 
@@ -45,7 +46,8 @@ class ExternalWorker:
     async def run(self, stop: asyncio.Event, concurrency: int = 1) -> None:
         """Work `concurrency` steps at a time until `stop` is set (a claim in progress is
         waited for, and a step that was claimed is finished)."""
-        await asyncio.gather(*(self._loop(stop) for _ in range(concurrency)))
+        with log_context(worker_id=self.worker_id):
+            await asyncio.gather(*(self._loop(stop) for _ in range(concurrency)))
 
     async def _loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
@@ -56,7 +58,12 @@ class ExternalWorker:
                 await asyncio.sleep(RETRY_SECONDS)
                 continue
             if claimed is not None:
-                await self.work(claimed)
+                with log_context(
+                    run_id=claimed["runId"],
+                    step=claimed["stepId"],
+                    lease_token=claimed["leaseToken"],
+                ):
+                    await self.work(claimed)
 
     async def claim(self) -> dict[str, Any] | None:
         path = f"/v1/external/{self.worker_type}/claim"

@@ -19,12 +19,14 @@ from dataclasses import dataclass, field
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
+from jobplane import metrics
 from jobplane.clock import Clock, SystemClock
 from jobplane.model import Run, RunError, RunStatus, StepStatus, Template
+from jobplane.process import log_context
 from jobplane.queue.redis import QueueEntry, RedisQueue
 from jobplane.runs import RunService
 from jobplane.settings import Settings
-from jobplane.store import Lease, Lost, MongoStore
+from jobplane.store import Lease, Lost, MongoStore, Moved
 from jobplane.worker.backoff import backoff_seconds
 from jobplane.worker.context import (
     CancelRequested,
@@ -68,6 +70,11 @@ class _Held:
     # When MongoDB last confirmed the lease (monotonic seconds); past the lease length the
     # worker assumes the reaper may have given the run away and stops its handler itself.
     renewed: float = field(default_factory=time.monotonic)
+
+    @property
+    def log_fields(self) -> dict[str, str]:
+        """For lines about the run logged outside its own task (whose context has them)."""
+        return {"run_id": self.run.id, "lease_token": self.lease.token}
 
     def interrupt(self, reason: Literal["lost", "shutdown"]) -> None:
         self.stop = reason
@@ -116,11 +123,14 @@ class Worker:
         """Work until `stop` is set, then drain: running steps get `drain_seconds` to finish,
         and runs still unfinished are released back to `queued` without spending an attempt."""
         log.info("worker %s started, queues %s", self.id, self.settings.queues)
-        loops = [
-            asyncio.create_task(self._claim_loop(stop)),
-            asyncio.create_task(self._heartbeat_loop()),
-            asyncio.create_task(self._cancel_listener()),
-        ]
+        # Tasks copy the context as they are created: the loops', and so the runs', log lines
+        # name this worker.
+        with log_context(worker_id=self.id):
+            loops = [
+                asyncio.create_task(self._claim_loop(stop)),
+                asyncio.create_task(self._heartbeat_loop()),
+                asyncio.create_task(self._cancel_listener()),
+            ]
         try:
             await stop.wait()
             self._slot_free.set()  # a claim loop waiting for a free slot sees the stop
@@ -141,6 +151,9 @@ class Worker:
             if late:
                 await asyncio.wait(late, timeout=LOOPS_CLOSE_SECONDS)
             self._threads.shutdown(wait=False)
+            # Gone at once from the live workers, rather than when the key's TTL runs out.
+            with contextlib.suppress(Exception):
+                await self.queue.redis.delete(self.queue.keys.worker(self.id))
         log.info("worker %s stopped", self.id)
 
     def _tasks(self) -> list[asyncio.Task[None]]:
@@ -188,11 +201,14 @@ class Worker:
             # MongoDB granted the leases; the heartbeat restores the Redis mirror later.
             log.warning("could not mirror %d leases in Redis", len(owners))
         for run, lease in claimed:
+            metrics.run_claimed(run)
             held = _Held(run, lease)
             if run.status == RunStatus.CANCEL_REQUESTED:  # asked between the claim and its read
                 held.cancel.set()
             self.held[run.id] = held
-            held.task = asyncio.create_task(self._execute(held))
+            # The task copies the context as it is created: its log lines carry the run.
+            with log_context(run_id=run.id, lease_token=lease.token):
+                held.task = asyncio.create_task(self._execute(held))
         return [run for run, _ in claimed]
 
     # -- executing -----------------------------------------------------------------------------
@@ -203,10 +219,11 @@ class Worker:
                 await self._run_steps(held)
             except CancelRequested as cancel:
                 ack = await self.store.acknowledge_cancel(held.lease, cancel.interrupted)
-                self._check(ack)
+                self._check(held.run, ack)
             except _Overdue:
                 # Not fenced: if the reaper got there first, the run is expired already.
-                await self.store.expire_deadline(held.run, held.lease.actor)
+                moved = await self.store.expire_deadline(held.run, held.lease.actor)
+                metrics.observe(held.run, moved, self.clock.now())
         except _Stopped as stopped:
             if stopped.reason == "shutdown":
                 try:
@@ -236,8 +253,10 @@ class Worker:
     async def _release(self, held: _Held) -> None:
         """Shutdown: hand the run back to the queue, or finish a cancel that was asked for."""
         moved = await self.store.release(held.lease)
+        metrics.observe(held.run, moved, self.clock.now())
         if isinstance(moved, Lost) and moved.status == RunStatus.CANCEL_REQUESTED:
-            await self.store.acknowledge_cancel(held.lease, interrupted=True)
+            acked = await self.store.acknowledge_cancel(held.lease, interrupted=True)
+            metrics.observe(held.run, acked, self.clock.now())
         elif not isinstance(moved, Lost):
             await self._push(held.run)
 
@@ -248,7 +267,7 @@ class Worker:
         if template is None:
             missing = f"template {run.template_type} v{run.template_version} not found"
             error = RunError(code="fatal", message=missing, attempt=run.attempt)
-            self._check(await self.store.fail(lease, 0, error))
+            self._check(run, await self.store.fail(lease, 0, error))
             return
         steps = template.steps
         # Resume, don't restart: steps that succeeded in an earlier attempt keep their outputs.
@@ -262,7 +281,7 @@ class Worker:
             moved = await self.store.complete(
                 lease, first - 1, last, output, output, spend_key=spend
             )
-            self._check(moved)
+            self._check(run, moved)
             return
         for index in range(first, len(steps)):
             step = steps[index]
@@ -274,10 +293,12 @@ class Worker:
                 raise _Overdue
             if step.worker_type == "external":
                 # The run waits for an external worker's callback; this worker lets go of it.
-                self._check(await self.store.wait_worker(lease, index, step.id, step.worker_type))
+                wait = await self.store.wait_worker(lease, index, step.id, step.worker_type)
+                self._check(run, wait)
                 return
             try:
-                output = await self._call(held, template, index, outputs)
+                with log_context(step=step.id):
+                    output = await self._call(held, template, index, outputs)
             except (CancelRequested, _Stopped, _Overdue):
                 raise
             except Exception as exc:
@@ -288,7 +309,8 @@ class Worker:
             if index + 1 < len(steps):
                 percentage = 100 * (index + 1) / len(steps)
                 self._check(
-                    await self.store.finish_step(lease, index, step.id, output, percentage, began)
+                    run,
+                    await self.store.finish_step(lease, index, step.id, output, percentage, began),
                 )
                 continue
             moved = await self.store.complete(
@@ -297,9 +319,10 @@ class Worker:
             if isinstance(moved, Lost) and moved.status == RunStatus.CANCEL_REQUESTED:
                 # The step ran to its end (it may be non-cancelable): keep its output, then
                 # acknowledge the cancel, which the table requires over success.
-                self._check(await self.store.finish_step(lease, index, step.id, output, 100, began))
+                finished = await self.store.finish_step(lease, index, step.id, output, 100, began)
+                self._check(run, finished)
                 raise CancelRequested(run.id, interrupted=False)
-            self._check(moved)
+            self._check(run, moved)
 
     async def _call(
         self, held: _Held, template: Template, index: int, outputs: dict[str, Any]
@@ -312,13 +335,16 @@ class Worker:
         n = len(template.steps)
         start: asyncio.Future[Lost | None] | None = None
 
+        async def write_start() -> Lost | None:
+            written = await self.store.start_step(held.lease, index, step.id, began)
+            metrics.observe(held.run, written, self.clock.now())
+            return written
+
         def started() -> asyncio.Future[Lost | None]:
             # One start write per step, shared: every later write of the step waits for it.
             nonlocal start
             if start is None:
-                start = asyncio.ensure_future(
-                    self.store.start_step(held.lease, index, step.id, began)
-                )
+                start = asyncio.ensure_future(write_start())
             return start
 
         async def write_progress(percentage: float, message: str | None) -> None:
@@ -329,6 +355,7 @@ class Worker:
             outcome = await self.store.report_progress(
                 held.lease, index, percentage, overall, message
             )
+            metrics.observe(held.run, outcome, self.clock.now())
             if isinstance(outcome, Lost):  # progress writes are fenced too
                 held.interrupt("lost")
 
@@ -352,7 +379,7 @@ class Worker:
                 # A step over at once has its start written with its end: one write, not two.
                 await asyncio.wait([held.handler], timeout=START_WRITE_AFTER)
                 if not held.handler.done():
-                    self._check(await started())
+                    self._stop_if_lost(await started())
                 output = await held.handler
             succeeded = True
             return output
@@ -396,11 +423,13 @@ class Worker:
         )
         began = held.unwritten_start
         if isinstance(exc, FatalError) or run.attempt >= run.max_attempts:
-            self._check(await self.store.fail(lease, index, error, began))
+            self._check(run, await self.store.fail(lease, index, error, began))
             return
         delay = backoff_seconds(template.retry_policy, run.attempt)
         not_before = self.clock.now() + timedelta(seconds=delay)
-        self._check(await self.store.retry(lease, index, error, not_before, began))
+        retried = await self.store.retry(lease, index, error, not_before, began)
+        self._check(run, retried)
+        metrics.RUN_RETRIES.labels(run.template_type).inc()
         await self._push(run.model_copy(update={"not_before": not_before}))
 
     def _time_left(self, run: Run) -> float | None:
@@ -409,7 +438,12 @@ class Worker:
             return None
         return max(0.0, (run.deadline - self.clock.now()).total_seconds())
 
-    def _check(self, outcome: object) -> None:
+    def _check(self, run: Run, outcome: Moved | Lost | None) -> None:
+        """Count what a write did to `run`, and stop the run when the write was lost."""
+        metrics.observe(run, outcome, self.clock.now())
+        self._stop_if_lost(outcome)
+
+    def _stop_if_lost(self, outcome: Moved | Lost | None) -> None:
         """Stop the run when a write was lost.
 
         Lost to a cancel request, the worker still holds the lease and must acknowledge it;
@@ -446,7 +480,8 @@ class Worker:
         return self._closing.is_set()
 
     async def _heartbeat_loop(self) -> None:
-        while not await self._closed_within(self.settings.heartbeat_seconds):
+        # The first beat comes at once: the worker counts as alive from its start.
+        while True:
             try:
                 await self._renew(list(self.held.values()))
                 await self.queue.mark_alive(
@@ -459,8 +494,14 @@ class Worker:
             deadline = time.monotonic() - self.settings.lease_seconds
             for held in list(self.held.values()):
                 if held.renewed < deadline and held.handler is not None and held.stop is None:
-                    log.warning("run %s: lease not renewed in time; stopping", held.run.id)
+                    log.warning(
+                        "run %s: lease not renewed in time; stopping",
+                        held.run.id,
+                        extra=held.log_fields,
+                    )
                     held.interrupt("lost")
+            if await self._closed_within(self.settings.heartbeat_seconds):
+                return
 
     async def _renew(self, helds: list[_Held]) -> None:
         """Renew leases in MongoDB (the truth) and mirror them in Redis."""
@@ -480,9 +521,14 @@ class Worker:
                 # and the worker's next write, fenced by MongoDB, finds a real loss by itself.
                 # Once stopped, a sync handler's thread may run on: the loss is recorded once.
                 if held.handler is not None and held.stop is None:
-                    log.warning("run %s: lease lost; stopping its handler", held.run.id)
+                    log.warning(
+                        "run %s: lease lost; stopping its handler",
+                        held.run.id,
+                        extra=held.log_fields,
+                    )
                     held.interrupt("lost")
-                    await self.store.lease_lost(held.lease, "heartbeat")
+                    lost = await self.store.lease_lost(held.lease, "heartbeat")
+                    metrics.observe(held.run, lost, self.clock.now())
         owners = {h.run.id: h.lease.owner for h in helds if h.run.id in kept}
         refreshed = await self.queue.refresh_runs(owners, ttl)
         # A lock missing in Redis (flushed, failed over) is restored from MongoDB's word; a lock

@@ -1,0 +1,295 @@
+"""Prometheus metrics.
+
+Counters and histograms live in the process that does what they count (whoever creates a run
+counts it, a worker counts its claims, the scheduler its reaps and fires), in
+prometheus_client's default registry. The API serves its process's at `/metrics`; a worker or
+scheduler serves its own on `JOBPLANE_METRICS_PORT`; `jobplane dev`, one process, serves all.
+
+Figures about shared state (queue depth, the oldest ready run, live workers, the scheduler
+lock) are counted nowhere: the API reads them from Redis and MongoDB when it is scraped
+(`read_state`), so every API process reports the same truth and a restart loses nothing.
+"""
+
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import UTC, datetime
+from typing import cast
+
+from bson import ObjectId
+from prometheus_client import (
+    REGISTRY,
+    Counter,
+    Gauge,
+    Histogram,
+    disable_created_metrics,
+    generate_latest,
+    start_http_server,
+)
+from prometheus_client.core import GaugeMetricFamily, Metric
+from pymongo.errors import PyMongoError
+from redis.exceptions import RedisError
+
+from jobplane.model import TERMINAL, Run, RunStatus
+from jobplane.queue.keys import Keys
+from jobplane.queue.redis import RedisQueue, epoch_ms
+from jobplane.settings import Settings
+from jobplane.store import Lost, MongoStore, Moved
+
+# A `_created` timestamp beside every counter and histogram series doubles the series, and
+# nothing needs them: rates work from the counters alone.
+disable_created_metrics()  # type: ignore[no-untyped-call]  # unannotated upstream
+
+RUNS_CREATED = Counter(
+    "jobplane_runs_created",
+    "Runs created (a repeated idempotency key returns the first run and is not counted)",
+    ["template"],
+)
+RUNS_CLAIMED = Counter(
+    "jobplane_runs_claimed", "Claims of runs by inline workers, one per attempt", ["template"]
+)
+RUNS_FINISHED = Counter(
+    "jobplane_runs_finished", "Runs that reached a terminal status", ["template", "status"]
+)
+RUN_RETRIES = Counter(
+    "jobplane_run_retries",
+    "Failed attempts queued again with backoff (by a worker; the reaper's are reaper actions)",
+    ["template"],
+)
+LEASE_EXPIRIES = Counter(
+    "jobplane_lease_expiries",
+    "Runs whose lease expired (their worker died or stalled) and that the reaper recovered",
+    ["template"],
+)
+STALE_WRITES = Counter(
+    "jobplane_stale_writes_rejected",
+    "Worker writes refused because a newer lease holds the run (a zombie fenced off)",
+)
+REAPER_ACTIONS = Counter(
+    "jobplane_reaper_actions",
+    "Runs the reaper moved, by transition: deadline_expire, cancel_timeout, reap_requeue, "
+    "reap_expire, reap_cancel",
+    ["action"],
+)
+SCHEDULE_FIRES = Counter(
+    "jobplane_schedule_fires",
+    "Fire times the scheduler acted on: created, duplicate (another scheduler fired it), "
+    "overlap or template_disabled (skipped)",
+    ["outcome"],
+)
+SCHEDULE_MISFIRES = Counter(
+    "jobplane_schedule_misfires",
+    "Fire times reached later than the misfire grace (the scheduler was down), by the "
+    "schedule's misfirePolicy",
+    ["policy"],
+)
+START_DELAY = Histogram(
+    "jobplane_run_start_delay_seconds",
+    "Claim-to-start latency: from when a new run could start (created, or its notBefore) "
+    "to the claim that started it",
+    ["queue"],
+    buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 300, 900, 3600),
+)
+RUN_DURATION = Histogram(
+    "jobplane_run_duration_seconds",
+    "From a run's first start to its terminal status (runs that never started are left out)",
+    ["template", "status"],
+    buckets=(0.05, 0.1, 0.5, 1, 5, 15, 60, 300, 900, 3600, 4 * 3600, 24 * 3600),
+)
+SCHEDULER_LAST_TICK = Gauge(
+    "jobplane_scheduler_last_tick_timestamp_seconds",
+    "When this process's scheduler last completed a maintenance tick (0: never)",
+)
+
+# The reaper's transition for a run whose lease expired, by where it sent the run.
+_REAPED = {
+    RunStatus.QUEUED: "reap_requeue",
+    RunStatus.EXPIRED: "reap_expire",
+    RunStatus.CANCELLED: "reap_cancel",
+}
+
+
+def run_claimed(run: Run) -> None:
+    """Count a claim; a run's first claim also gives its start delay."""
+    RUNS_CLAIMED.labels(run.template_type).inc()
+    # A claim sets `heartbeatAt` to its time and `startedAt` only when unset: the two are equal
+    # on the first claim alone. A later attempt has no due time on record to measure from.
+    if run.started_at is not None and run.started_at == run.heartbeat_at:
+        due = max(run.create_at, run.not_before or run.create_at)
+        START_DELAY.labels(run.queue).observe(_seconds(run.started_at, due))
+
+
+def observe(run: Run, outcome: Moved | Lost | None, now: datetime) -> None:
+    """Count what a write did to `run`: a terminal status reached, or a stale lease refused."""
+    if isinstance(outcome, Lost):
+        if outcome.reason == "lease":
+            STALE_WRITES.inc()
+        return
+    if outcome is None or outcome.to not in TERMINAL:
+        return
+    RUNS_FINISHED.labels(run.template_type, outcome.to.value).inc()
+    if run.started_at is not None:
+        RUN_DURATION.labels(run.template_type, outcome.to.value).observe(
+            _seconds(now, run.started_at)
+        )
+
+
+def reaped(run: Run, transition: str, moved: Moved, now: datetime) -> None:
+    """Count a reaper move; `transition` "reap" is an expired lease, named by its outcome."""
+    if transition == "reap":
+        LEASE_EXPIRIES.labels(run.template_type).inc()
+        transition = _REAPED[moved.to]
+    REAPER_ACTIONS.labels(transition).inc()
+    observe(run, moved, now)
+
+
+def serve_metrics(settings: Settings) -> None:
+    """A worker's or scheduler's own metrics on `host:metrics_port` (none when the port is 0);
+    a thread of prometheus_client's serves them."""
+    if settings.metrics_port:
+        start_http_server(settings.metrics_port, settings.host)
+
+
+# -- state read at scrape time --------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class _Read:
+    """Metric families read already, in the shape `generate_latest` collects."""
+
+    families: list[Metric]
+
+    def collect(self) -> Iterable[Metric]:
+        return self.families
+
+
+async def read_state(store: MongoStore, queue: RedisQueue, queues: Sequence[str]) -> list[Metric]:
+    """The platform's state as gauges, read now. Redis is asked for counts and the head of
+    each priority, never whole sets, and MongoDB only for the queues templates name (a small
+    collection the scheduler reads every tick too). Live workers are the exception: Redis has
+    no index of them, so their keys are found by `SCAN`.
+
+    A backend that does not answer is reported by `jobplane_backend_up`, and the figures read
+    from it are left out rather than shown as zeros.
+    """
+    now = store.clock.now()
+    up = GaugeMetricFamily(
+        "jobplane_backend_up", "1 if this scrape could read MongoDB / Redis", labels=["backend"]
+    )
+    families: list[Metric] = [up]
+    try:
+        # Every queue a template names, and the ones this process was told of.
+        queues = sorted({*queues, *await store.queues()})
+        up.add_metric(["mongodb"], 1)
+    except PyMongoError:
+        up.add_metric(["mongodb"], 0)
+    try:
+        families += [
+            *await _queues_state(queue, queues, now),
+            *await _workers_state(queue),
+            *await _scheduler_state(queue),
+        ]
+        up.add_metric(["redis"], 1)
+    except (RedisError, OSError):
+        up.add_metric(["redis"], 0)
+    return families
+
+
+def render(state: list[Metric]) -> bytes:
+    """This process's counters, then the state figures, in Prometheus's text format."""
+    return generate_latest(REGISTRY) + generate_latest(_Read(state))
+
+
+async def _queues_state(queue: RedisQueue, queues: Sequence[str], now: datetime) -> list[Metric]:
+    depth = GaugeMetricFamily(
+        "jobplane_queue_depth",
+        "Runs in a queue's Redis sets: ready to claim (delayed runs now due included) or "
+        "delayed (notBefore still ahead)",
+        labels=["queue", "state"],
+    )
+    oldest = GaugeMetricFamily(
+        "jobplane_queue_oldest_ready_age_seconds",
+        "Age of the oldest ready run: since its creation (to the second), or since its "
+        "notBefore while it waits in the delayed set; 0 when none is ready",
+        labels=["queue"],
+    )
+    for name in queues:
+        ready, due, delayed, oldest_at = await _queue_state(queue, name, now)
+        depth.add_metric([name, "ready"], ready + due)
+        depth.add_metric([name, "delayed"], delayed - due)
+        oldest.add_metric([name], _seconds(now, oldest_at) if oldest_at else 0.0)
+    return [depth, oldest]
+
+
+async def _queue_state(
+    queue: RedisQueue, name: str, now: datetime
+) -> tuple[int, int, int, datetime | None]:
+    """Ready runs, delayed runs now due, all delayed runs, and when the oldest ready one was
+    created or fell due."""
+    ready_key, delayed_key = queue.keys.queue(name), queue.keys.delayed(name)
+    async with queue.redis.pipeline(transaction=False) as pipe:
+        pipe.zcard(ready_key)
+        pipe.zcount(delayed_key, "-inf", epoch_ms(now))
+        pipe.zcard(delayed_key)
+        pipe.zrange(delayed_key, 0, 0, withscores=True)
+        ready, due, delayed, first_delayed = await pipe.execute()
+    times: list[datetime] = []
+    if due:
+        times.append(datetime.fromtimestamp(first_delayed[0][1] / 1000, UTC))
+    # The ready set orders by -priority, then by id; ids are ObjectIds, which begin with their
+    # creation time, so the first member of each priority is its oldest. One read per
+    # priority present (at most 201), each O(log n).
+    after = "-inf"
+    while head := await queue.redis.zrangebyscore(
+        ready_key, after, "+inf", start=0, num=1, withscores=True
+    ):
+        member, score = cast(tuple[bytes, float], head[0])
+        run_id = member.decode()
+        if ObjectId.is_valid(run_id):
+            times.append(ObjectId(run_id).generation_time)
+        after = f"({score}"
+    return ready, due, delayed, min(times, default=None)
+
+
+async def _workers_state(queue: RedisQueue) -> list[Metric]:
+    """Workers whose liveness key is alive (each refreshes it every heartbeat, TTL three
+    heartbeats) and the runs they hold, the key's value."""
+    # SCAN walks the keyspace in pages; a glob character in the prefix must match itself.
+    pattern = Keys(re.sub(r"([*?\[\]\\])", r"\\\1", queue.keys.prefix)).worker("*")
+    keys = {key async for key in queue.redis.scan_iter(match=pattern, count=1000)}
+    values = [v for v in await queue.redis.mget(list(keys)) if v is not None] if keys else []
+    return [
+        GaugeMetricFamily(
+            "jobplane_workers_alive",
+            "Workers that heartbeated within three heartbeats",
+            len(values),
+        ),
+        GaugeMetricFamily(
+            "jobplane_worker_runs_held",
+            "Runs the live workers hold, as of their last heartbeat",
+            sum(int(v) for v in values),
+        ),
+    ]
+
+
+async def _scheduler_state(queue: RedisQueue) -> list[Metric]:
+    """Whether a scheduler holds the singleton lock, and how long until it expires: the
+    active one renews it at least every third of its TTL, so a falling TTL is a stalled one."""
+    ttl_ms = await queue.redis.pttl(queue.keys.scheduler_lock)
+    return [
+        GaugeMetricFamily(
+            "jobplane_scheduler_leader",
+            "1 while a scheduler holds the singleton lock",
+            int(ttl_ms > 0),
+        ),
+        GaugeMetricFamily(
+            "jobplane_scheduler_lock_ttl_seconds",
+            "Time left on the scheduler lock; 0 when no scheduler holds it",
+            max(ttl_ms, 0) / 1000,
+        ),
+    ]
+
+
+def _seconds(later: datetime, earlier: datetime) -> float:
+    # Clocks of different processes may disagree a little; a delay is never negative.
+    return max(0.0, (later - earlier).total_seconds())
