@@ -11,6 +11,7 @@ from typing import Any
 
 import httpx
 import pytest
+from prometheus_client import REGISTRY
 
 from jobplane.api import create_app
 from jobplane.backends import Backends
@@ -266,3 +267,17 @@ async def test_the_reference_external_worker_as_a_process(
     assert code == 0, "SIGTERM stops it cleanly"
     actors = {e.actor for e in await backends.store.events_of(run_id)}
     assert "worker:proc" in actors
+
+
+async def test_a_run_finished_by_an_external_worker_is_counted(
+    api: httpx.AsyncClient, backends: Backends, settings: Settings, register: Register
+) -> None:
+    await register("t_ext_last", steps=STEPS[:2])
+    labels = {"template": "t_ext_last", "status": "succeeded"}
+    before = REGISTRY.get_sample_value("jobplane_runs_finished_total", labels) or 0
+    service = RunService(backends.store, backends.queue)
+    run, _ = await service.create(RunRequest("t_ext_last", "user", "u", {"n": 1}), "user:a")
+    async with running(backends, settings), external(api):
+        [done] = await settled(backends.store, [run.id], within=30)
+    assert done.status == RunStatus.SUCCEEDED
+    assert REGISTRY.get_sample_value("jobplane_runs_finished_total", labels) == before + 1

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
 
+from jobplane import metrics
 from jobplane.errors import NotFound, ResourceInvalidState
 from jobplane.model import Run, RunError, RunStatus, Template
 from jobplane.queue.redis import QueueEntry, RedisQueue
@@ -107,6 +108,7 @@ class ExternalSteps:
         delay = backoff_seconds(template.retry_policy, run.attempt)
         not_before = self.store.clock.now() + timedelta(seconds=delay)
         await self._settle(run, lease, await self.store.retry(lease, index, error, not_before))
+        metrics.RUN_RETRIES.labels(run.template_type).inc()
         await self._push(run, not_before)
         return await self._get(run.id)
 
@@ -133,10 +135,12 @@ class ExternalSteps:
     async def _settle(self, run: Run, lease: Lease, moved: Moved | Lost | None) -> None:
         """A write refused because a cancel was asked ends the run cancelled, and the worker is
         told (409): its step's result is not kept."""
+        metrics.observe(run, moved, self.store.clock.now())
         if not isinstance(moved, Lost):
             return
         if moved.status == RunStatus.CANCEL_REQUESTED:
-            await self.store.acknowledge_cancel(lease, interrupted=True)
+            acked = await self.store.acknowledge_cancel(lease, interrupted=True)
+            metrics.observe(run, acked, self.store.clock.now())
             await self._ended(run, lease)
             raise ResourceInvalidState(f"run {run.id}: a cancel was requested; it is cancelled")
         raise ResourceInvalidState(f"run {run.id}: this lease no longer holds the run")
