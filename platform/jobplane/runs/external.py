@@ -66,6 +66,7 @@ class ExternalSteps:
         held, _ = await self.store.heartbeat(lease.worker_id, [lease], self.lease_seconds)
         if lease.run_id not in held:
             await self.store.lease_lost(lease, "heartbeat")
+            metrics.STALE_WRITES.inc()
             raise ResourceInvalidState(f"run {run.id}: this lease no longer holds the run")
         if percentage is not None:
             overall = 100 * (index + percentage / 100) / len(template.steps)
@@ -122,6 +123,7 @@ class ExternalSteps:
             lease.token,
         ):
             await self.store.lease_lost(lease, "external")
+            metrics.STALE_WRITES.inc()
             raise ResourceInvalidState(f"run {run.id}: step {step_id!r} is not held by this lease")
         return run, template, template.step_index(step_id)
 
