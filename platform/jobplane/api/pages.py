@@ -13,7 +13,8 @@ from jobplane.errors import ValidationFailed
 
 T = TypeVar("T")
 Limit = Annotated[int, Query(ge=1, le=500)]
-Cursor = Annotated[str | None, Query(max_length=200)]
+# Cursors are unpadded URL-safe base64 (`_encode`): any other character is no cursor of ours.
+Cursor = Annotated[str | None, Query(max_length=200, pattern=r"^[A-Za-z0-9_-]*$")]
 
 
 class Page(ResponseBody, Generic[T]):

@@ -4,6 +4,7 @@ from jobplane.model.documents import (
     ApiKey,
     CancelPolicy,
     Event,
+    Instant,
     Progress,
     RetryPolicy,
     Role,
@@ -12,11 +13,13 @@ from jobplane.model.documents import (
     Schedule,
     ScheduleSpec,
     Scope,
+    ScopeId,
     ScopeRef,
     StepProgress,
     StepSpec,
     Template,
     TemplateSpec,
+    Version,
 )
 from jobplane.model.status import (
     ACTIVE,
@@ -40,6 +43,7 @@ __all__ = [
     "ApiKey",
     "CancelPolicy",
     "Event",
+    "Instant",
     "Progress",
     "RetryPolicy",
     "Role",
@@ -49,6 +53,7 @@ __all__ = [
     "Schedule",
     "ScheduleSpec",
     "Scope",
+    "ScopeId",
     "ScopeRef",
     "StepProgress",
     "StepSpec",
@@ -56,4 +61,5 @@ __all__ = [
     "Template",
     "TemplateSpec",
     "Transition",
+    "Version",
 ]

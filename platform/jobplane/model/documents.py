@@ -4,13 +4,24 @@ Python code uses snake_case attributes; MongoDB and the HTTP API see the camelCa
 Only the store converts between these models and BSON.
 """
 
-from datetime import datetime
+import re
+from datetime import UTC, datetime
 from typing import Annotated, Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field
+from annotated_types import Ge, Le
+from pydantic import (
+    AfterValidator,
+    AwareDatetime,
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    Strict,
+)
 from pydantic.alias_generators import to_camel
 
 from jobplane.model.status import RunStatus, StepStatus
+from jobplane.model.storable import INT64
 
 Scope = Literal["user", "account", "system"]
 # Identifiers authors choose; kept to a safe alphabet so they are fine as key parts and in URLs.
@@ -20,8 +31,36 @@ StepId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,100}$")]
 # What a dedupe key is made of: the run's scope fields, or a path into its payload.
 DedupePart = Annotated[str, Field(pattern=r"^(scope|scopeId|payload(\.[^.\s]+)+)$")]
 Role = Literal["admin", "author", "user", "auditor"]
+# A scope id is printable: no whitespace (a key's scope list could not name it) and no control
+# characters such as NUL. The same alphabet in a run, a schedule and a key's scopes.
+_SCOPE_ID = r"[^\s\x00-\x1f\x7f-\x9f]{1,200}"
+ScopeId = Annotated[str, Field(pattern=f"^{_SCOPE_ID}$")]
 # A scope an API key may act in, as `<scope>:<scopeId>`: `user:user_123`, `account:acme`.
-ScopeRef = Annotated[str, Field(pattern=r"^(user|account|system):\S{1,200}$")]
+ScopeRef = Annotated[str, Field(pattern=f"^(user|account|system):{_SCOPE_ID}$")]
+# A template version a client names: MongoDB stores integers up to int64, so a larger one
+# cannot exist (and could not even be looked up).
+Version = Annotated[int, Ge(1), Le(INT64[1])]
+
+
+def _iso_8601(value: Any) -> Any:
+    # Pydantic would also read a number, or a string of digits, as seconds since 1970.
+    if isinstance(value, str) and re.match(r"\d{4}-\d\d-\d\d", value):
+        return value
+    raise ValueError("expected an ISO 8601 date and time, e.g. 2030-01-01T09:00:00+08:00")
+
+
+def _on_the_calendar(t: datetime) -> datetime:
+    try:
+        return t.astimezone(UTC)
+    except OverflowError:
+        raise ValueError("in UTC this time is before year 1 or after year 9999") from None
+
+
+# A time a client sends, in UTC once read: ISO 8601 text with an offset (a time without one
+# would be read in the server's zone) whose UTC reading is a date Python and BSON can hold.
+Instant = Annotated[
+    AwareDatetime, Strict(False), BeforeValidator(_iso_8601), AfterValidator(_on_the_calendar)
+]
 
 
 class Document(BaseModel):
@@ -196,7 +235,8 @@ class ApiKey(Document):
     id: str
     name: Name
     role: Role
-    scopes: list[ScopeRef] = Field(default_factory=list)
+    # As stored (`KeyCreate` checks them): a key made before scope ids were checked still works.
+    scopes: list[str] = Field(default_factory=list)
     secret_hash: str
     created_by: str
     create_at: datetime
@@ -207,7 +247,7 @@ class ScheduleSpec(Spec):
 
     template_type: Name
     scope: Scope
-    scope_id: Annotated[str, Field(min_length=1, max_length=200)]
+    scope_id: ScopeId
     cron: Annotated[str, Field(min_length=1, max_length=200)]
     timezone: Annotated[str, Field(min_length=1, max_length=100)] = "UTC"
     # The payload of each fired run; strings may use {{scheduledFor}}, {{scheduleId}} and
@@ -223,6 +263,9 @@ class ScheduleSpec(Spec):
 class Schedule(ScheduleSpec):
     model_config = ConfigDict(extra="ignore")
 
+    # As stored: one written before scope ids were checked must still load (and fire); a
+    # change to it is checked as a spec, and must fix it.
+    scope_id: str
     id: str
     next_run_at: datetime | None = None
     last_run_at: datetime | None = None

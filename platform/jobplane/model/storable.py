@@ -1,7 +1,11 @@
 """What JSON can say that MongoDB cannot store, or would not give back as it was sent."""
 
 import math
-from typing import Any
+from typing import Annotated, Any, TypeVar
+
+from pydantic import AfterValidator
+
+T = TypeVar("T")
 
 # Deeper than any real payload; MongoDB refuses documents past 100-odd levels, and the run or
 # template around a payload adds its own.
@@ -32,6 +36,18 @@ def unstorable(value: Any, pointer: str = "") -> list[dict[str, str]]:
         elif isinstance(item, list):
             stack.extend((child, f"{at}/{i}", depth + 1) for i, child in enumerate(item))
     return problems
+
+
+def storable(value: T) -> T:
+    """`value` as it is, if MongoDB can store it as sent; a pydantic validator, so it raises
+    ValueError naming each problem."""
+    if problems := unstorable(value):
+        raise ValueError("; ".join(f"{p['message']} at '{p['pointer']}'" for p in problems))
+    return value
+
+
+# Any JSON a request carries into a document as it is (and that no service checks).
+Storable = Annotated[Any, AfterValidator(storable)]
 
 
 def _problem(item: Any, depth: int) -> str:

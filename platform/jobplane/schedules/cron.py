@@ -9,13 +9,15 @@ wall time is then placed on the time line of the schedule's zone by these rules:
 - a wall time that occurs twice (fall back) fires once, at its first occurrence.
 
 Several wall times in one gap land on the same instant and fire once; a fire time is always
-strictly later than the one before.
+strictly later than the one before. Fire times end with year 9999, as Python's dates do.
 """
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
-from zoneinfo import ZoneInfo, ZoneInfoNotFoundError
+from itertools import islice
+from zoneinfo import ZoneInfo, available_timezones
 
 from croniter import CroniterBadDateError, croniter
 
@@ -23,6 +25,19 @@ from croniter import CroniterBadDateError, croniter
 ALIASES = frozenset(
     {"@yearly", "@annually", "@monthly", "@weekly", "@daily", "@midnight", "@hourly"}
 )
+# Names among the tz files that stand for no place: the machine's own zone (`localtime`), the
+# rules for POSIX TZ strings (`posixrules`, which `available_timezones` leaves out already) and
+# tzdata's zone for a machine not yet set up (`Factory`, "-00").
+_NOT_PLACES = frozenset({"localtime", "posixrules", "Factory"})
+# Walls are placed from here on: a zone's reading of an earlier instant may fall before year 1.
+_EARLIEST = datetime(1, 1, 2, tzinfo=UTC)
+
+
+@functools.cache
+def _zones() -> frozenset[str]:
+    """The IANA zone names this machine knows: the `tzdata` package's list and the system's tz
+    files (read once, since it opens each of them)."""
+    return frozenset(available_timezones()) - _NOT_PLACES
 
 
 class CronError(ValueError):
@@ -51,13 +66,10 @@ class Cron:
                 f"{expression!r} is not a cron expression: 5 fields (minute hour day month "
                 "weekday), 6 with seconds last, or an alias such as @daily",
             )
-        try:
-            zone = ZoneInfo(timezone)
-        except (ZoneInfoNotFoundError, ValueError, OSError) as exc:  # OSError: a tzdata folder
-            raise CronError(
-                "timezone", f"{timezone!r} is not an IANA time zone (e.g. Asia/Taipei)"
-            ) from exc
-        cron = cls(text, zone)
+        # Only names from the list: ZoneInfo would also open paths and folders of tz files.
+        if timezone not in _zones():
+            raise CronError("timezone", f"{timezone!r} is not an IANA time zone (e.g. Asia/Taipei)")
+        cron = cls(text, ZoneInfo(timezone))
         try:
             cron.next_after(datetime.now(UTC))
         except CroniterBadDateError as exc:
@@ -66,21 +78,31 @@ class Cron:
 
     def next_after(self, instant: datetime) -> datetime:
         """The first fire time strictly after `instant` (aware), in UTC."""
-        return next(self._fires(instant))
+        for fire in self._fires(instant):
+            return fire
+        raise CronError("cron", f"no fire time after {instant.isoformat()} before year 10000")
 
     def upcoming(self, after: datetime, count: int) -> list[datetime]:
-        """The next `count` fire times after `after`, in UTC."""
-        fires = self._fires(after)
-        return [next(fires) for _ in range(count)]
+        """The next `count` fire times after `after`, in UTC; fewer near the end of year 9999."""
+        return list(islice(self._fires(after), count))
 
     def _fires(self, after: datetime) -> Iterator[datetime]:
-        after = after.astimezone(UTC)
+        after = max(after.astimezone(UTC), _EARLIEST)
+        try:
+            start = after.astimezone(self.zone).replace(tzinfo=None)
+        except OverflowError:
+            return  # in this zone `after` reads past year 9999
         # No wall time before `after`'s own reading can fire after it: gap times fire at the
         # jump, which reads as the gap's end, and repeated times fire at their first pass.
-        walls = croniter(self.expression, after.astimezone(self.zone).replace(tzinfo=None))
+        walls = croniter(self.expression, start)
         last = after
         while True:
-            instant = self._place(walls.get_next(datetime))
+            try:
+                instant = self._place(walls.get_next(datetime))
+            except CroniterBadDateError:
+                raise  # no date matches the expression at all
+            except (OverflowError, ValueError):
+                return  # the next wall time, or its UTC reading, is past year 9999
             if instant > last:
                 last = instant
                 yield instant

@@ -3,13 +3,12 @@
 from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query
-from pydantic import AwareDatetime
 
 from jobplane.api import pages
 from jobplane.api.deps import EventReader, StoreDep
 from jobplane.api.errors import ERROR_RESPONSES
 from jobplane.api.pages import Cursor, Limit, Page
-from jobplane.model import Event
+from jobplane.model import Event, Instant
 from jobplane.store import EventQuery
 
 router = APIRouter(prefix="/v1/events", tags=["events"], responses=ERROR_RESPONSES)
@@ -24,8 +23,8 @@ async def search(
     scope: Literal["user", "account", "system"] | None = None,
     scope_id: Annotated[str | None, Query(alias="scopeId")] = None,
     actor: str | None = None,
-    since: Annotated[AwareDatetime | None, Query(alias="from")] = None,
-    until: Annotated[AwareDatetime | None, Query(alias="to")] = None,
+    since: Annotated[Instant | None, Query(alias="from")] = None,
+    until: Annotated[Instant | None, Query(alias="to")] = None,
     limit: Limit = 100,
     cursor: Cursor = None,
 ) -> Page[Event]:

@@ -1,7 +1,7 @@
 """External workers: claim a step waiting for them, heartbeat, complete or fail it."""
 
 from datetime import datetime
-from typing import Annotated, Any
+from typing import Annotated
 
 from fastapi import APIRouter, Request, Response
 from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
@@ -11,6 +11,7 @@ from jobplane.api.errors import ERROR_RESPONSES
 from jobplane.api.schema import RequestBody, ResponseBody
 from jobplane.model import Run, RunStatus, Template
 from jobplane.model.documents import Name
+from jobplane.model.storable import Storable
 from jobplane.runs.external import ExternalSteps
 from jobplane.store import Lease
 
@@ -49,7 +50,7 @@ class Beat(ResponseBody):
 
 
 class CompleteBody(LeaseBody):
-    output: Any = None
+    output: Storable = None
 
 
 class FailBody(LeaseBody):

@@ -4,7 +4,7 @@ import json
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query, Response
-from pydantic import AwareDatetime, Field, StrictInt, StrictStr
+from pydantic import AfterValidator, Field, StrictInt, StrictStr
 
 from jobplane.api import pages
 from jobplane.api.deps import RunReader, RunsDep, RunWriter, SettingsDep, StoreDep
@@ -12,7 +12,8 @@ from jobplane.api.errors import ERROR_RESPONSES
 from jobplane.api.pages import Cursor, Limit, Page
 from jobplane.api.schema import RequestBody
 from jobplane.errors import PayloadTooLarge
-from jobplane.model import Event, Run, RunStatus
+from jobplane.model import Event, Instant, Run, RunStatus, ScopeId, Version
+from jobplane.model.storable import storable
 from jobplane.runs import RunRequest
 from jobplane.store import RunQuery
 
@@ -20,15 +21,16 @@ router = APIRouter(prefix="/v1/runs", tags=["runs"], responses=ERROR_RESPONSES)
 
 
 class RunCreate(RequestBody):
-    template_type: StrictStr
-    template_version: Annotated[StrictInt, Field(ge=1)] | None = None
+    # Not a `Name`: a type no template has is looked up and not found (404). Only a string
+    # that cannot even be sent to MongoDB (a lone surrogate) is refused.
+    template_type: Annotated[StrictStr, AfterValidator(storable)]
+    template_version: Version | None = None
     scope: Literal["user", "account", "system"]
-    scope_id: Annotated[StrictStr, Field(min_length=1, max_length=200)]
+    scope_id: ScopeId
     payload: dict[str, Any] = Field(default_factory=dict)
     priority: Annotated[StrictInt, Field(ge=-100, le=100)] | None = None
     delay_seconds: Annotated[float, Field(ge=0, le=366 * 86400)] | None = None
-    # With an offset: a time without one would be read in the server's zone.
-    not_before: Annotated[AwareDatetime, Field(strict=False)] | None = None
+    not_before: Instant | None = None
     idempotency_key: Annotated[StrictStr, Field(min_length=1, max_length=200)] | None = None
 
 

@@ -4,14 +4,13 @@ from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, Query, Request, Response
-from pydantic import AwareDatetime
 
 from jobplane.api import pages
 from jobplane.api.deps import ScheduleReader, ScheduleWriter, StoreDep
 from jobplane.api.errors import ERROR_RESPONSES
 from jobplane.api.pages import Cursor, Limit, Page
 from jobplane.api.schema import ResponseBody
-from jobplane.model import Run, Schedule, ScheduleSpec
+from jobplane.model import Instant, Run, Schedule, ScheduleSpec
 from jobplane.schedules import ScheduleService
 from jobplane.schedules.cron import Cron
 from jobplane.store import ScheduleQuery
@@ -124,7 +123,7 @@ async def preview(
     request: Request,
     caller: ScheduleReader,
     count: Annotated[int, Query(ge=1, le=100)] = 10,
-    after: AwareDatetime | None = None,
+    after: Instant | None = None,
 ) -> Preview:
     """The next `count` fire times (after `after`, default now), in UTC and in the
     schedule's zone."""

@@ -1,23 +1,39 @@
 """Registering, reading, enabling and disabling templates."""
 
+from typing import Any
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from jobplane.api.deps import StoreDep, TemplateAuthor, TemplateReader
 from jobplane.api.errors import ERROR_RESPONSES
 from jobplane.errors import NotFound
-from jobplane.model import Template
+from jobplane.model import Template, TemplateSpec, Version
 from jobplane.templates import parse_template
 
 router = APIRouter(prefix="/v1/templates", tags=["templates"], responses=ERROR_RESPONSES)
 
-_YAML_BODY = {"application/yaml": {"schema": {"type": "string"}}}
+
+def _inlined(schema: Any, defs: dict[str, Any]) -> Any:
+    """`schema` with each `{"$ref": "#/$defs/<name>"}` replaced by that definition."""
+    if isinstance(schema, dict):
+        if "$ref" in schema:
+            return _inlined(defs[schema["$ref"].removeprefix("#/$defs/")], defs)
+        return {key: _inlined(value, defs) for key, value in schema.items()}
+    if isinstance(schema, list):
+        return [_inlined(value, defs) for value in schema]
+    return schema
+
+
+# The body is read by hand (JSON or YAML), so FastAPI does not put TemplateSpec in the
+# document's components: its schema goes inline, nested models and all.
+_SPEC_SCHEMA = TemplateSpec.model_json_schema(by_alias=True)
 _TEMPLATE_BODY = {
     "requestBody": {
         "required": True,
         "content": {
-            "application/json": {"schema": {"$ref": "#/components/schemas/TemplateSpec"}},
-            **_YAML_BODY,
+            "application/json": {"schema": _inlined(_SPEC_SCHEMA, _SPEC_SCHEMA.pop("$defs"))},
+            "application/yaml": {"schema": {"type": "string"}},
         },
     }
 }
@@ -56,7 +72,9 @@ async def latest(type_: str, store: StoreDep, caller: TemplateReader) -> Templat
 
 
 @router.get("/{type_}/versions/{version}", response_model=Template, response_model_by_alias=True)
-async def version(type_: str, version: int, store: StoreDep, caller: TemplateReader) -> Template:
+async def version(
+    type_: str, version: Version, store: StoreDep, caller: TemplateReader
+) -> Template:
     template = await store.get_template(type_, version)
     if template is None:
         raise NotFound(f"template {type_!r} version {version} not found")

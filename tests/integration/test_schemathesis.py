@@ -1,0 +1,288 @@
+"""Schemathesis against the OpenAPI document the API serves: every operation, with an admin key
+and with a user key, and afterwards a look at MongoDB and Redis for anything half-written.
+
+Every answer must hold to SPEC.md and to the document: no 5xx, every 4xx in SPEC.md's error
+shape, status, content type and body as the document states them, and a request the document
+calls invalid refused.
+
+The server runs on the test's event loop (with the backends opened there); Hypothesis drives
+blocking `requests` calls from a worker thread, which leaves the loop free to answer them.
+Generation is derandomized, so a run is repeatable.
+"""
+
+import asyncio
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import httpx
+import pytest
+import requests
+import schemathesis
+from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis import strategies as st
+from schemathesis import Case, CheckContext, GenerationMode, Response
+from schemathesis.checks import not_a_server_error
+from schemathesis.errors import FailureGroup
+from schemathesis.specs.openapi.checks import (
+    content_type_conformance,
+    negative_data_rejection,
+    response_schema_conformance,
+    status_code_conformance,
+)
+
+from jobplane.backends import Backends
+from jobplane.model import LEASED, ApiKey, Event, Run, RunStatus, Schedule, Template
+from jobplane.queue.redis import QueueEntry
+from jobplane.schedules.cron import Cron
+from jobplane.settings import Settings
+from tests.integration.conftest import Client
+
+pytestmark = pytest.mark.timeout(300)
+
+# Cases per operation and kind of run (valid with each key, invalid with the admin key's):
+# about 80 runs of 30 cases, some 25 s on a quiet machine (2 CPUs).
+EXAMPLES = 30
+# Values that reach the seeded objects, for path parameters and body fields of these names;
+# generated ids almost never name anything.
+Seeds = dict[str, list[Any]]
+
+
+def error_shape(ctx: CheckContext, response: Response, case: Case) -> bool | None:
+    """SPEC.md: every error is `{"error": {"code", "message", "details"}}`."""
+    if not 400 <= response.status_code < 500:
+        return None
+    body = response.json()
+    assert isinstance(body, dict) and set(body) == {"error"}, body
+    error = body["error"]
+    assert isinstance(error, dict) and set(error) == {"code", "message", "details"}, error
+    assert isinstance(error["code"], str) and isinstance(error["message"], str), error
+    assert isinstance(error["details"], dict), error
+    return True
+
+
+CHECKS = [
+    not_a_server_error,
+    status_code_conformance,
+    content_type_conformance,
+    response_schema_conformance,
+    negative_data_rejection,
+    error_shape,
+]
+
+
+async def test_every_operation_holds_to_the_document(
+    url: str, settings: Settings, backends: Backends
+) -> None:
+    assert settings.admin_key is not None
+    headers = {"authorization": f"Bearer {settings.admin_key}"}
+    async with httpx.AsyncClient(base_url=url, headers=headers) as admin:
+        user_key, seeds = await seed(admin)
+    keys = {"admin": settings.admin_key, "user": user_key}
+    failures = await asyncio.to_thread(fuzz, url, keys, seeds)
+    assert not failures, "\n\n".join(failures)
+    await backends.store.flush_events()
+    assert await half_written(backends) == []
+
+
+async def test_every_reference_in_the_document_resolves(client_for: Client) -> None:
+    """A `$ref` to nothing hides its part of the document from clients and from the run
+    above (Schemathesis drops a body it cannot resolve)."""
+    document = (await client_for("").get("/openapi.json")).json()
+    refs = set(references(document))
+    assert "#/components/schemas/Run" in refs
+    for ref in refs:
+        assert ref.startswith("#/"), ref
+        node = document
+        for token in ref.removeprefix("#/").split("/"):
+            token = token.replace("~1", "/").replace("~0", "~")
+            assert isinstance(node, dict) and token in node, f"{ref} names nothing"
+            node = node[token]
+
+
+def references(node: Any) -> Iterator[str]:
+    if isinstance(node, dict):
+        if isinstance(node.get("$ref"), str):
+            yield node["$ref"]
+        for value in node.values():
+            yield from references(value)
+    elif isinstance(node, list):
+        for value in node:
+            yield from references(value)
+
+
+async def seed(admin: httpx.AsyncClient) -> tuple[str, Seeds]:
+    """Templates, runs and schedules, in the scope of a user key and outside it; returns the
+    user key (scope `user:u1`) and the values that reach them."""
+    noop = {"steps": [{"id": "only", "handler": "builtin.noop"}], "schedulable": True}
+    far = {"steps": [{"id": "only", "handler": "x", "workerType": "external"}]}
+    for template in [
+        {"type": "t_seed", **noop},
+        {"type": "t_seed", **noop, "description": "version 2"},
+        {"type": "t_far", **far},
+    ]:
+        response = await admin.post("/v1/templates", json=template)
+        assert response.status_code == 201, response.text
+    runs = []
+    for scope, scope_id in [("user", "u1"), ("user", "u1"), ("account", "acme")]:
+        body = {"templateType": "t_seed", "scope": scope, "scopeId": scope_id}
+        response = await admin.post("/v1/runs", json=body)
+        assert response.status_code == 201, response.text
+        runs.append(response.json()["id"])
+    # A finished run, to rerun.
+    assert (await admin.post(f"/v1/runs/{runs[1]}/cancel", json={})).status_code == 200
+    schedules = []
+    for scope_id in ["u1", "u2"]:
+        body = {"templateType": "t_seed", "scope": "user", "scopeId": scope_id, "cron": "@daily"}
+        response = await admin.post("/v1/schedules", json=body)
+        assert response.status_code == 201, response.text
+        schedules.append(response.json()["id"])
+    key = {"name": "fuzz-user", "role": "user", "scopes": ["user:u1"]}
+    response = await admin.post("/v1/api-keys", json=key)
+    assert response.status_code == 201, response.text
+    seeds: Seeds = {
+        "type_": ["t_seed", "t_far"],
+        "version": [1, 2],
+        "run_id": runs,
+        "schedule_id": schedules,
+        "step_id": ["only"],
+        "worker_type": ["external", "inline"],
+        "templateType": ["t_seed", "t_far"],
+        "scope": ["user"],
+        "scopeId": ["u1"],
+        "cron": ["@daily", "0 9 * * 1-5"],
+        "timezone": ["UTC", "Asia/Taipei"],
+    }
+    return response.json()["key"], seeds
+
+
+def fuzz(url: str, keys: dict[str, str], seeds: Seeds) -> list[str]:
+    """Valid requests to every operation with each key, invalid ones with the admin key (a
+    user key's would mostly stop at its permissions); the failures, one per run."""
+    runs = [
+        ("admin", GenerationMode.POSITIVE),
+        ("admin", GenerationMode.NEGATIVE),
+        ("user", GenerationMode.POSITIVE),
+    ]
+    failures = []
+    with requests.Session() as session:
+        for operation in operations(url):
+            for who, mode in runs:
+                if mode == GenerationMode.NEGATIVE and not negatable(operation):
+                    continue
+                try:
+                    exercise(operation, mode, session, url, keys[who], seeds)
+                except (Exception, FailureGroup) as exc:
+                    failures.append(f"{operation.label} as {who} ({mode.value}): {exc}")
+    return failures
+
+
+def operations(url: str) -> list[Any]:
+    """Every operation of the served document; those that delete or disable a seeded object
+    last, so the others find the seeds as they were."""
+    schema = schemathesis.openapi.from_url(f"{url}/openapi.json")
+    found = [result.ok() for result in schema.get_all_operations()]
+    return sorted(found, key=lambda op: op.method == "delete" or op.path.endswith("/disable"))
+
+
+def negatable(operation: Any) -> bool:
+    """Whether the document rules out any request: it has a body, or a parameter that takes
+    less than any string (Hypothesis would spend seconds looking for an invalid one)."""
+    raw = operation.definition.raw
+    return "requestBody" in raw or any(
+        set(p["schema"]) - {"title"} != {"type"} or p["schema"]["type"] != "string"
+        for p in raw.get("parameters", [])
+    )
+
+
+def exercise(
+    operation: Any,
+    mode: GenerationMode,
+    session: requests.Session,
+    url: str,
+    key: str,
+    seeds: Seeds,
+) -> None:
+    """EXAMPLES cases of one operation sent with `key`; raises at the first failed check."""
+    headers = {"Authorization": f"Bearer {key}"}
+    # Schemathesis picks one media type for a body; a template is sent as JSON and as YAML.
+    media_types = list(operation.definition.raw.get("requestBody", {}).get("content", {}))
+    cases = [operation.as_strategy(generation_mode=mode, media_type=m) for m in media_types]
+
+    @settings(
+        max_examples=EXAMPLES,
+        derandomize=True,
+        database=None,
+        deadline=None,
+        # The report shows the failing case; shrinking it would take many more requests.
+        phases=[Phase.explicit, Phase.generate],
+        suppress_health_check=list(HealthCheck),
+    )
+    @given(case=st.one_of(cases or [operation.as_strategy(generation_mode=mode)]), data=st.data())
+    def run(case: Case, data: st.DataObject) -> None:
+        if mode == GenerationMode.POSITIVE:  # aimed, an invalid case could turn valid
+            aim(case, seeds, data.draw)
+        response = case.call(base_url=url, session=session, headers=headers)
+        case.validate_response(response, checks=CHECKS, headers=headers)
+
+    run()
+
+
+def aim(case: Case, seeds: Seeds, draw: Callable[[st.SearchStrategy[Any]], Any]) -> None:
+    """Point some of a case's path parameters and body fields at the seeded objects."""
+    for name in list(case.path_parameters or {}):
+        if name in seeds and draw(st.booleans()):
+            case.path_parameters[name] = draw(st.sampled_from(seeds[name]))
+    if not isinstance(case.body, dict):
+        return
+    if draw(st.booleans()):
+        for name in case.body.keys() & seeds.keys():
+            case.body[name] = draw(st.sampled_from(seeds[name]))
+    if case.operation.path.endswith("/claim"):
+        # A claim waits up to `waitSeconds` (20 by default) for a step to come.
+        case.body["waitSeconds"] = 0
+
+
+async def half_written(backends: Backends) -> list[str]:
+    """What a reader of MongoDB could not use: a document its model cannot read, a run without
+    its `created` event, its template version or its place in Redis, a schedule that cannot
+    fire."""
+    store = backends.store
+    problems = []
+    templates = {}
+    async for doc in store.templates.find():
+        template = Template.model_validate(doc)
+        templates[template.type, template.version] = template
+    for type_ in {t for t, _ in templates}:
+        versions = sorted(v for t, v in templates if t == type_)
+        if versions != list(range(1, len(versions) + 1)):
+            problems.append(f"template {type_}: versions {versions}")
+    queued = []
+    async for doc in store.runs.find():
+        run = Run.model_validate({**doc, "id": str(doc["_id"])})
+        trail = [Event.model_validate({**e, "id": str(e["_id"])}) for e in doc["trail"]]
+        created = await store.events.count_documents({"jobId": run.id, "type": "created"})
+        if not trail or trail[0].type != "created" or created != 1:
+            problems.append(f"run {run.id}: no `created` event (trail {trail}, copied {created})")
+        template = templates.get((run.template_type, run.template_version))
+        if template is None:
+            problems.append(f"run {run.id}: no template {run.template_type} {run.template_version}")
+        elif [s.id for s in run.progress.steps] != [s.id for s in template.steps]:
+            problems.append(f"run {run.id}: steps {run.progress.steps}")
+        if (run.status in LEASED) != (run.lease_token is not None):
+            problems.append(f"run {run.id}: {run.status} with lease {run.lease_token}")
+        if run.status == RunStatus.QUEUED:
+            queued.append(QueueEntry(run.id, run.queue, run.priority, run.not_before))
+    for entry in await backends.queue.missing(queued):
+        problems.append(f"run {entry.run_id}: queued in MongoDB, not in Redis")
+    async for doc in store.schedules.find():
+        schedule = Schedule.model_validate({**doc, "id": str(doc["_id"])})
+        if not any(t == schedule.template_type for t, _ in templates):
+            problems.append(f"schedule {schedule.id}: no template {schedule.template_type}")
+        Cron.parse(schedule.cron, schedule.timezone)  # raises if it could never fire
+        if schedule.enabled and schedule.next_run_at is None:
+            problems.append(f"schedule {schedule.id}: enabled, with no nextRunAt")
+    async for doc in store.api_keys.find():
+        ApiKey.model_validate({**doc, "id": str(doc["_id"])})
+    async for doc in store.events.find():
+        Event.model_validate({**doc, "id": str(doc["_id"])})
+    return problems
