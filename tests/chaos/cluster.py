@@ -6,6 +6,7 @@ servers, Redis the scenario's own so that it can be killed or flushed.
 """
 
 import asyncio
+import os
 import random
 import signal
 import subprocess
@@ -112,7 +113,8 @@ class Cluster:
             self.settings,
             command,
             self.folder / f"{command}-{self._spawned}.log",
-            PYTHONPATH=str(ROOT),
+            # The suite's handlers import from here, whatever else the path holds.
+            PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
             JOBPLANE_HANDLERS="tests.chaos.steps",
             CHAOS_TRACE=str(self.trace),
         )
