@@ -7,7 +7,7 @@ import pytest
 from bson import ObjectId
 
 from jobplane.model import TRANSITIONS, RunError, RunStatus
-from jobplane.store import Lease, Lost, MongoStore, Moved
+from jobplane.store import Lease, Lost, MongoStore, Moved, NewRun
 from tests.integration.conftest import Register
 from tests.integration.runs import TOKEN, WORKER, run_in
 
@@ -51,6 +51,51 @@ async def test_fenced_transitions_reject_a_superseded_lease(
     events = await store.events_of(run.id)
     assert [e.type for e in events][-1] == "stale_write_rejected"
     assert events[-1].metadata["write"] == name
+
+
+@pytest.mark.parametrize("name", sorted(n for n, t in TRANSITIONS.items() if not t.fenced))
+async def test_unfenced_transitions_that_lose_record_no_stale_write(
+    store: MongoStore, register: Register, name: str
+) -> None:
+    # An external worker offers the lease it would get to `resume`; losing that race is not
+    # the write of a superseded lease (the stateful test found such events in the trail).
+    template = await register()
+    run, _ = await run_in(store, template, RunStatus.SUCCEEDED)
+    stranger = Lease(run.id, "x1", "never-granted")
+    outcome = await store._transition(name, run.id, "test", lease=stranger)
+    assert outcome == Lost(run.id, "status", RunStatus.SUCCEEDED)
+    assert "stale_write_rejected" not in [e.type for e in await store.events_of(run.id)]
+
+
+async def test_enqueue_leaves_a_run_waiting_for_its_key_pending(
+    store: MongoStore, register: Register
+) -> None:
+    # Queued, a waiting run could never be claimed nor take its key (both want it pending).
+    template = await register()
+    waiting = await store.insert_run(NewRun(template, "user", "u1", dedupe_wait="k"), "user:a")
+    assert await store.enqueue(waiting.id, "user:a") == Lost(
+        waiting.id, "status", RunStatus.PENDING
+    )
+    assert await store.get_run(waiting.id) == waiting
+    assert isinstance(await store.take_key(waiting, "scheduler"), Moved)
+    assert await store.enqueue(waiting.id, "user:a") == Moved(
+        waiting.id, RunStatus.PENDING, RunStatus.QUEUED
+    )
+
+
+async def test_reap_does_not_overrule_a_cancel_asked_after_its_read(
+    store: MongoStore, register: Register
+) -> None:
+    # The reaper read a run whose lease expired with no attempt left (→ expired); a cancel
+    # asked before its write must win, as it does when asked before the read.
+    template = await register()
+    run, _ = await run_in(store, template, RunStatus.RUNNING, attempt=1, maxAttempts=1)
+    [seen] = [r for r in await store.expired_leases(100) if r.id == run.id]
+    asked = await store.request_cancel(run.id, "user:a", "stop")
+    assert asked == Moved(run.id, RunStatus.RUNNING, RunStatus.CANCEL_REQUESTED)
+    assert await store.reap(seen) == Lost(run.id, "status", RunStatus.CANCEL_REQUESTED)
+    [again] = [r for r in await store.expired_leases(100) if r.id == run.id]
+    assert await store.reap(again) == Moved(run.id, RunStatus.CANCEL_REQUESTED, RunStatus.CANCELLED)
 
 
 async def test_unknown_and_malformed_ids_are_missing(store: MongoStore) -> None:
@@ -183,3 +228,5 @@ async def test_external_claims_resume_only_waiting_runs_of_their_type(
     for status, other in runs.items():
         if status != RunStatus.WAITING_WORKER:
             assert await store.get_run(other.id) == other
+    # The claims that lost were never granted the run: none of them is a stale write.
+    assert all(e.type != "stale_write_rejected" for e in await store.events_of(run.id))

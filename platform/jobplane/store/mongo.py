@@ -858,8 +858,13 @@ class MongoStore:
     # -- transitions without a lease -----------------------------------------------------------
 
     async def enqueue(self, run_id: str, actor: str, expect: Known | None = None) -> Moved | Lost:
-        """pending → queued, once the run is in Redis; `expect` lets the creator skip a read."""
-        return await self._transition("enqueue", run_id, actor, expect=expect)
+        """pending → queued, once the run is in Redis; `expect` lets the creator skip a read.
+
+        A run waiting for a dedupe key stays `pending`: queued, it could never be claimed nor
+        take its key (both look for a pending run without `dedupeWait`).
+        """
+        waits = {"dedupeWait": {"$exists": False}}
+        return await self._transition("enqueue", run_id, actor, expect=expect, extra=waits)
 
     async def cancel(self, run_id: str, actor: str, reason: str | None) -> Moved | Lost:
         """A run no worker holds yet ends at once; its pending steps are skipped."""
@@ -1064,10 +1069,12 @@ class MongoStore:
 
         A cancel-requested run is cancelled; one with attempts left is queued again (the lost
         lease counted as an attempt, so a poison run cannot loop forever); the rest expire.
-        The filter repeats the expired lease, so a heartbeat that renewed it meanwhile wins.
+        The filter repeats what that choice was made on: the expired lease, so a heartbeat that
+        renewed it meanwhile wins, and the status, so a cancel requested meanwhile is not
+        overruled by an expiry (the next pass cancels the run).
         """
         now = self.clock.now()
-        lease = {"leaseToken": run.lease_token, "lockedUntil": {"$lt": now}}
+        seen = {"status": run.status, "leaseToken": run.lease_token, "lockedUntil": {"$lt": now}}
         stopped = {"progress.steps.$[r].status": StepStatus.FAILED, "completedAt": now}
         error = RunError(
             code="lease_expired",
@@ -1087,7 +1094,7 @@ class MongoStore:
                 "reap_cancel",
                 run.id,
                 "reaper",
-                extra=lease,
+                extra=seen,
                 set_=stopped,
                 unset=[*_LEASE_FIELDS, "dedupeKey"],
                 array_filters=running,
@@ -1098,7 +1105,7 @@ class MongoStore:
                 "reap_requeue",
                 run.id,
                 "reaper",
-                extra=lease,
+                extra=seen,
                 set_={"error": error, "progress.steps.$[r].status": StepStatus.PENDING},
                 unset=list(_LEASE_FIELDS),
                 array_filters=running,
@@ -1108,7 +1115,7 @@ class MongoStore:
             "reap_expire",
             run.id,
             "reaper",
-            extra=lease,
+            extra=seen,
             set_={**stopped, "error": error},
             unset=[*_LEASE_FIELDS, "dedupeKey"],
             array_filters=running,
@@ -1430,7 +1437,9 @@ class MongoStore:
             query, update, lease.known if lease else expect, t.sources, array_filters, events
         )
         if written is None:
-            return await self._lost(run_id, lease, name)
+            # Only a fenced write can come from a superseded lease: a lease offered to an
+            # unfenced move (an external worker's `resume` that lost the race) was never granted.
+            return await self._lost(run_id, lease if t.fenced else None, name)
         state, trail = written
         if lease is not None:
             lease.known = Known(t.target, state.version + 1, state.scope, state.scope_id)
