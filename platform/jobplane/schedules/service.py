@@ -133,13 +133,8 @@ class ScheduleService:
         if missed:
             metrics.SCHEDULE_MISFIRES.labels(schedule.misfire_policy).inc(len(missed))
         if skipped:
-            await self.store.schedule_event(
-                schedule,
-                "fire_skipped",
-                f"{len(skipped)} missed fire times skipped ({schedule.misfire_policy})",
-                {"reason": "misfire", "first": skipped[0].isoformat(), "count": len(skipped)},
-                ACTOR,
-            )
+            policy = f"missed fire times skipped ({schedule.misfire_policy})"
+            await self._skip_many(schedule, skipped, "misfire", policy)
         runs = [(at, await self._fire_once(schedule, at)) for at in fire]
         made = [(at, run.id) for at, run in runs if run is not None]
         await self.store.advance_schedule(
@@ -175,12 +170,16 @@ class ScheduleService:
         if paused.next_run_at is None or paused.next_run_at > now:
             return
         skipped = _due_times(Cron.parse(paused.cron, paused.timezone), paused.next_run_at, now)
+        why = "fire times skipped while the schedule was disabled"
+        await self._skip_many(paused, skipped, "schedule_disabled", why)
+
+    async def _skip_many(
+        self, schedule: Schedule, skipped: list[datetime], reason: str, what: str
+    ) -> None:
+        """One `fire_skipped` event for a stretch of fire times, however long."""
+        metadata = {"reason": reason, "first": skipped[0].isoformat(), "count": len(skipped)}
         await self.store.schedule_event(
-            paused,
-            "fire_skipped",
-            f"{len(skipped)} fire times skipped while the schedule was disabled",
-            {"reason": "schedule_disabled", "first": skipped[0].isoformat(), "count": len(skipped)},
-            ACTOR,
+            schedule, "fire_skipped", f"{len(skipped)} {what}", metadata, ACTOR
         )
 
     async def _skip(self, schedule: Schedule, at: datetime, reason: str) -> None:
