@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import json
 import os
 import platform
 import re
@@ -524,6 +525,19 @@ async def main_async(bench: Bench) -> None:
             "end-to-end runs stranded in `queued` when the workers went idle, and runs the "
             f"reconciler pushed: {', '.join(f'{a} / {b}' for a, b in bench.stranded)}"
         )
+    if bench.args.json:
+        # The last line, for bench/peers: medians under the peers' workload names.
+        names = {
+            "enqueue": "create, 32 callers",
+            "drain": "drain, first claim -> last done",
+            "e2e": "end-to-end, first create -> last done",
+        }
+        medians = {
+            short: statistics.median(bench.figures[long])
+            for short, long in names.items()
+            if long in bench.figures
+        }
+        print(json.dumps(medians))
 
 
 def parse(argv: list[str] | None = None) -> argparse.Namespace:
@@ -536,6 +550,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--redis-url")
     parser.add_argument("--write-concern", choices=["majority", "1"], default="majority")
     parser.add_argument("--repeat", type=int, default=1)
+    parser.add_argument("--json", action="store_true", help="end with the medians as JSON")
     parser.add_argument(
         "--workloads",
         type=lambda s: [w for w in s.split(",") if w],

@@ -5,16 +5,17 @@ import json
 import logging
 import os
 import signal
-from collections.abc import Generator, Mapping
+from collections.abc import Coroutine, Generator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from datetime import UTC, datetime
 from types import MappingProxyType
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 import uvicorn
 
 LogFormat = Literal["json", "text"]
+T = TypeVar("T")
 
 # What a log line says about the work it comes from, when the code that logs knows it.
 LOG_FIELDS = ("run_id", "step", "worker_id", "lease_token")
@@ -24,6 +25,16 @@ LEASE_PREFIX = 8
 _context: ContextVar[Mapping[str, str]] = ContextVar(
     "jobplane_log_context", default=MappingProxyType({})
 )
+
+
+def run(main: Coroutine[Any, Any, T]) -> T:
+    """Run a process's main coroutine, on uvloop where it is installed (a dependency wherever
+    uvloop builds): its event loop costs less CPU per network call than asyncio's own."""
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(main)
+    return uvloop.run(main)
 
 
 def stop_on_signals(stop: asyncio.Event) -> None:

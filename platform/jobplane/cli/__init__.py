@@ -1,12 +1,11 @@
 """`jobplane` command line: each subcommand parses its arguments and calls one service."""
 
 import argparse
-import asyncio
 import json
 import os
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Coroutine
 from datetime import datetime
 from functools import partial
 from pathlib import Path
@@ -71,7 +70,7 @@ def _api(args: argparse.Namespace) -> None:
     from jobplane import api
 
     settings = _start_process(args)
-    asyncio.run(api.serve(settings))
+    _run(api.serve(settings))
 
 
 def _worker(args: argparse.Namespace) -> None:
@@ -80,7 +79,7 @@ def _worker(args: argparse.Namespace) -> None:
 
     settings = _start_process(args)
     serve_metrics(settings)
-    asyncio.run(worker.serve(settings, args.drain_seconds))
+    _run(worker.serve(settings, args.drain_seconds))
 
 
 def _scheduler(args: argparse.Namespace) -> None:
@@ -89,7 +88,7 @@ def _scheduler(args: argparse.Namespace) -> None:
 
     settings = _start_process(args)
     serve_metrics(settings)
-    asyncio.run(scheduler.serve(settings))
+    _run(scheduler.serve(settings))
 
 
 def _external_worker(args: argparse.Namespace) -> None:
@@ -100,7 +99,16 @@ def _external_worker(args: argparse.Namespace) -> None:
     url, key = _endpoint(args)
     worker_id = args.worker_id or default_worker_id()
     modules = [m for m in args.handlers.split(",") if m]
-    asyncio.run(serve_external(url, key, args.type, worker_id, modules, args.concurrency))
+    _run(serve_external(url, key, args.type, worker_id, modules, args.concurrency))
+
+
+T = TypeVar("T")
+
+
+def _run(main: Coroutine[Any, Any, "T"]) -> "T":
+    from jobplane.process import run
+
+    return run(main)
 
 
 def _start_process(args: argparse.Namespace) -> Settings:
@@ -118,7 +126,7 @@ def _dev(args: argparse.Namespace) -> None:
 
     settings = _settings(args)
     try:
-        code = asyncio.run(run_dev(settings, args.templates, args.demo, args.exit_after_demo))
+        code = _run(run_dev(settings, args.templates, args.demo, args.exit_after_demo))
     except RuntimeError as exc:  # a local server that would not start says why
         raise CLIError("Unavailable", str(exc)) from exc
     sys.exit(code)

@@ -12,6 +12,7 @@ from importlib import resources
 from redis.asyncio import Redis
 from redis.commands.core import AsyncScript
 
+from jobplane.groupcommit import GroupCommit
 from jobplane.queue.keys import Keys, delayed_member
 
 
@@ -52,19 +53,36 @@ class RedisQueue:
         self._refresh = _script(redis, "refresh")
         self._release = _script(redis, "release")
         self._acquire = _script(redis, "acquire")
+        self._pushes = GroupCommit(self._push_many)
+        self._releases = GroupCommit(self._release_many)
 
     # -- queues --------------------------------------------------------------------------------
 
     async def push(self, entries: Iterable[QueueEntry], now: datetime) -> None:
-        """Make runs visible to workers: ready now, or delayed until `not_before`."""
+        """Make runs visible to workers: ready now, or delayed until `not_before`.
+
+        Concurrent pushes go out together, one ZADD per sorted set.
+        """
+        placed: list[tuple[str, str, float]] = []
+        for e in entries:
+            if e.not_before is not None and e.not_before > now:
+                member = delayed_member(e.run_id, e.priority)
+                placed.append((self.keys.delayed(e.queue), member, epoch_ms(e.not_before)))
+            else:
+                placed.append((self.keys.queue(e.queue), e.run_id, -e.priority))
+        if placed:
+            await self._pushes.submit(placed)
+
+    async def _push_many(self, pushes: list[list[tuple[str, str, float]]]) -> list[None]:
+        by_key: dict[str, dict[str, float]] = {}
+        for placed in pushes:
+            for key, member, score in placed:
+                by_key.setdefault(key, {})[member] = score
         async with self.redis.pipeline(transaction=False) as pipe:
-            for e in entries:
-                if e.not_before is not None and e.not_before > now:
-                    member = delayed_member(e.run_id, e.priority)
-                    pipe.zadd(self.keys.delayed(e.queue), {member: epoch_ms(e.not_before)})
-                else:
-                    pipe.zadd(self.keys.queue(e.queue), {e.run_id: -e.priority})
+            for key, members in by_key.items():
+                pipe.zadd(key, members)
             await pipe.execute()
+        return [None] * len(pushes)
 
     async def pop(self, queues: Sequence[str], n: int, now: datetime) -> Popped:
         """Pop up to `n` ready ids across `queues` in order, promoting due delayed runs first."""
@@ -127,7 +145,15 @@ class RedisQueue:
         return {run_id: bool(r) for run_id, r in zip(owners, replies, strict=True)}
 
     async def release_run(self, run_id: str, owner: str) -> bool:
-        return bool(await self._release(keys=[self.keys.lock(run_id)], args=[owner]))
+        """Delete a run's lock if `owner` holds it; concurrent releases share a round trip."""
+        return await self._releases.submit((run_id, owner))
+
+    async def _release_many(self, releases: list[tuple[str, str]]) -> list[bool]:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for run_id, owner in releases:
+                await self._release(keys=[self.keys.lock(run_id)], args=[owner], client=pipe)
+            replies = await pipe.execute()
+        return [bool(r) for r in replies]
 
     async def refresh_lock(self, key: str, owner: str, ttl_seconds: float) -> bool:
         ttl = int(ttl_seconds * 1000)

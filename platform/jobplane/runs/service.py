@@ -1,8 +1,10 @@
 """The run service: template lookup, payload validation, durable insert, then enqueue."""
 
+import asyncio
 import contextlib
 import json
 import logging
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any, Literal
@@ -14,6 +16,7 @@ from jobplane import metrics
 from jobplane.clock import as_stored
 from jobplane.errors import (
     ConcurrencyConflict,
+    JobplaneError,
     NotFound,
     ResourceInvalidState,
     TemplateDisabled,
@@ -57,14 +60,72 @@ class RunService:
         Returns the run and whether it is new: a repeated `idempotency_key` in the same scope
         returns the run it created first. If Redis is unreachable the run stays `pending` in
         MongoDB, durable, and the reconciler queues it once Redis is back: an accepted run is
-        never lost.
+        never lost. Concurrent creates share their MongoDB and Redis writes (group commit).
 
         The template's dedupe key is taken through MongoDB's unique index, so of many
         concurrent creates for one key exactly one becomes active. The others are refused
         (`reject_same_scope`) or wait (`queue_same_scope`): a waiting run stays `pending` and
         out of Redis until the active run ends and `admit_next` hands it the key.
         """
-        template = await self.store.get_template(request.template_type, request.template_version)
+        template, new = await self._prepare(request)
+        try:
+            run = await self._insert(new, template, actor, request.queue_behind is not None)
+        except DuplicateRun as duplicate:
+            return _repeated(duplicate, template, request), False
+        metrics.RUNS_CREATED.labels(template.type).inc()
+        return run, True
+
+    async def create_many(
+        self, requests: Sequence[RunRequest], actor: str
+    ) -> list[tuple[Run, bool] | JobplaneError]:
+        """Create many runs at once; each item gets what `create` would return, or the error
+        `create` would raise, and one bad item does not stop the others.
+
+        Runs without a dedupe key are written in one bulk insert, queued in one Redis round
+        trip and marked `queued` in one bulk write; runs with one go through `create`.
+        """
+        outcomes: list[tuple[Run, bool] | JobplaneError | None] = [None] * len(requests)
+        plain: list[tuple[int, Template, NewRun]] = []
+        keyed: list[tuple[int, RunRequest]] = []
+        for i, request in enumerate(requests):
+            try:
+                template, new = await self._prepare(request)
+            except JobplaneError as error:
+                outcomes[i] = error
+                continue
+            if new.dedupe_key is None:
+                plain.append((i, template, new))
+            else:
+                keyed.append((i, request))
+        inserted = await self.store.insert_runs([new for _, _, new in plain], actor)
+        fresh: list[Run] = []
+        for (i, template, _), result in zip(plain, inserted, strict=True):
+            if isinstance(result, DuplicateRun):
+                try:
+                    outcomes[i] = _repeated(result, template, requests[i]), False
+                except JobplaneError as error:
+                    outcomes[i] = error
+            elif isinstance(result, Exception):
+                # The run it collided with was removed before it could be read (archived, say).
+                outcomes[i] = ResourceInvalidState(f"{result}; try again")
+            else:
+                fresh.append(result)
+                outcomes[i] = result, True
+                metrics.RUNS_CREATED.labels(template.type).inc()
+        await self._enqueue_many(fresh, actor)
+
+        async def one(i: int, request: RunRequest) -> None:
+            try:
+                outcomes[i] = await self.create(request, actor)
+            except JobplaneError as error:
+                outcomes[i] = error
+
+        await asyncio.gather(*(one(i, r) for i, r in keyed))
+        return [o for o in outcomes if o is not None]
+
+    async def _prepare(self, request: RunRequest) -> tuple[Template, NewRun]:
+        """The template a request names and the run it asks for, or the error refusing it."""
+        template = await self.store.cached_template(request.template_type, request.template_version)
         if template is None:
             raise NotFound(f"template {request.template_type!r} not found")
         if not template.enabled:
@@ -73,7 +134,6 @@ class RunService:
         not_before = as_stored(request.not_before) if request.not_before else None
         if request.delay_seconds:
             not_before = self.store.clock.now() + timedelta(seconds=request.delay_seconds)
-        key = request.queue_behind or dedupe_key(template, request)
         new = NewRun(
             template=template,
             scope=request.scope,
@@ -81,27 +141,13 @@ class RunService:
             payload=request.payload,
             priority=request.priority,
             not_before=not_before,
-            dedupe_key=key,
+            dedupe_key=request.queue_behind or dedupe_key(template, request),
             idempotency_key=request.idempotency_key,
             rerun_of=request.rerun_of,
             schedule_id=request.schedule_id,
             scheduled_for=request.scheduled_for,
         )
-        queueing = request.queue_behind is not None
-        try:
-            run = await self._insert(new, template, actor, queueing)
-        except DuplicateRun as duplicate:
-            first = duplicate.run
-            if (first.template_type, first.payload) != (template.type, request.payload):
-                # A key reused for another request is a client bug; answering with the first
-                # run would hide that the second request was never carried out.
-                raise ResourceInvalidState(
-                    "this idempotencyKey was used for a different request",
-                    {"runId": first.id},
-                ) from None
-            return first, False
-        metrics.RUNS_CREATED.labels(template.type).inc()
-        return run, True
+        return template, new
 
     async def _insert(self, new: NewRun, template: Template, actor: str, queueing: bool) -> Run:
         # A key whose holder ended between our insert and the read of the holder is free now.
@@ -165,17 +211,24 @@ class RunService:
 
     async def enqueue(self, run: Run, actor: str) -> bool:
         """Push a pending run to Redis and mark it `queued`; False leaves it to the reconciler."""
+        return (await self._enqueue_many([run], actor))[0]
+
+    async def _enqueue_many(self, runs: Sequence[Run], actor: str) -> list[bool]:
+        if not runs:
+            return []
+        entries = [QueueEntry(r.id, r.queue, r.priority, r.not_before) for r in runs]
         try:
-            await self.queue.push(
-                [QueueEntry(run.id, run.queue, run.priority, run.not_before)],
-                self.store.clock.now(),
-            )
+            await self.queue.push(entries, self.store.clock.now())
         except (RedisError, OSError) as exc:
-            log.warning("run %s stays pending, Redis push failed: %s", run.id, exc)
-            return False
-        # A worker may already have claimed it (pending is claimable); then this move is lost.
-        known = Known(run.status, run.version, run.scope, run.scope_id)
-        return not isinstance(await self.store.enqueue(run.id, actor, known), Lost)
+            log.warning("%d runs stay pending, Redis push failed: %s", len(runs), exc)
+            return [False] * len(runs)
+
+        # A worker may already have claimed a run (pending is claimable); then its move is lost.
+        async def mark(run: Run) -> bool:
+            known = Known(run.status, run.version, run.scope, run.scope_id)
+            return not isinstance(await self.store.enqueue(run.id, actor, known), Lost)
+
+        return list(await asyncio.gather(*map(mark, runs)))
 
     async def cancel(self, run_id: str, actor: str, reason: str | None) -> Run:
         """SPEC rule 4: a run no worker holds ends `cancelled` at once and leaves the queue; a
@@ -266,6 +319,18 @@ def _lookup(part: str, fields: dict[str, Any], payload: dict[str, Any]) -> Any:
     for name in part.split(".")[1:]:
         value = value.get(name) if isinstance(value, dict) else None
     return value
+
+
+def _repeated(duplicate: DuplicateRun, template: Template, request: RunRequest) -> Run:
+    """The first run of a repeated idempotency key, if the repeat asked for the same thing."""
+    first = duplicate.run
+    if (first.template_type, first.payload) != (template.type, request.payload):
+        # A key reused for another request is a client bug; answering with the first run
+        # would hide that the second request was never carried out.
+        raise ResourceInvalidState(
+            "this idempotencyKey was used for a different request", {"runId": first.id}
+        )
+    return first
 
 
 def _spent(held: KeyHeld) -> bool:

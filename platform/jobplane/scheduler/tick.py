@@ -26,6 +26,11 @@ from jobplane.store import Lost, MongoStore
 
 log = logging.getLogger("jobplane.scheduler")
 
+# How often a tick sweeps the trails for events a dead process never copied. Each sweep looks
+# back over the writers' clock skew too (30 s), so at every tick (5 s) it read each run's events
+# seven times over: at 250 runs/s that was most of MongoDB's work.
+SWEEP_SECONDS = 60.0
+
 
 class Scheduler:
     def __init__(
@@ -41,6 +46,7 @@ class Scheduler:
         self.settings = settings
         self.clock = clock or SystemClock()
         self.owner = owner or f"scheduler-{os.getpid()}-{os.urandom(4).hex()}"
+        self._swept = -SWEEP_SECONDS
 
     async def run(self, stop: asyncio.Event) -> None:
         """Hold the singleton lock and tick: schedules fire the moment they are due (the loop
@@ -87,9 +93,13 @@ class Scheduler:
         fired = await self.fire()
         reaped = await self.reap()
         queued = await self.reconcile()
-        # Writers copy their own events within milliseconds; a tick later, nobody will.
-        settled = self.clock.now() - timedelta(seconds=self.settings.reconcile_seconds)
-        swept = await self.store.sweep_trails(settled)
+        swept = 0
+        loop = asyncio.get_running_loop()
+        if loop.time() - self._swept >= SWEEP_SECONDS:
+            self._swept = loop.time()
+            # Writers copy their own events within milliseconds; a tick later, nobody will.
+            settled = self.clock.now() - timedelta(seconds=self.settings.reconcile_seconds)
+            swept = await self.store.sweep_trails(settled)
         retained = timedelta(days=self.settings.run_retention_days)
         archived = await self.store.archive_runs(
             self.clock.now() - retained, self.settings.reap_batch

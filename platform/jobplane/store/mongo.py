@@ -10,6 +10,7 @@ race; it comes back as `Lost` and is never retried here.
 import asyncio
 import logging
 import secrets
+import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
@@ -23,12 +24,14 @@ from pymongo import (
     IndexModel,
     ReplaceOne,
     ReturnDocument,
+    UpdateOne,
 )
 from pymongo.asynchronous.collection import AsyncCollection
-from pymongo.errors import BulkWriteError, DuplicateKeyError
+from pymongo.errors import BulkWriteError, DuplicateKeyError, WriteError
 from pymongo.write_concern import WriteConcern
 
 from jobplane.clock import Clock, SystemClock
+from jobplane.groupcommit import GroupCommit
 from jobplane.model import (
     ACTIVE,
     CLAIMABLE,
@@ -55,6 +58,8 @@ log = logging.getLogger("jobplane.store")
 _DUPLICATE_KEY = 11000
 # How far before the last sweep's end the next one starts: writers' clocks may lag.
 _SWEEP_SKEW = timedelta(seconds=30)
+# How long a process creating runs trusts a template it read (see `cached_template`).
+TEMPLATE_CACHE_SECONDS = 1.0
 # A run's trail can be long; reads that do not need it leave it out.
 _NO_TRAIL = {"trail": 0}
 # The audit query's equality filters, each with an index ending in (createAt, _id).
@@ -95,6 +100,15 @@ class Known:
     version: int
     scope: str
     scope_id: str
+
+
+@dataclass(frozen=True)
+class _Update:
+    """One conditional run update that appends events to the trail (see `_update_many`)."""
+
+    query: Doc
+    update: Doc
+    array_filters: list[Mapping[str, Any]] | None
 
 
 @dataclass
@@ -297,6 +311,9 @@ class MongoStore:
         self.clock: Clock = clock or SystemClock()
         self.meta: AsyncCollection[Doc] = self.db["job_meta"]
         self._copier = _Copier(self.events)
+        self._inserts = GroupCommit(self._insert_many)
+        self._template_cache: dict[tuple[str, int | None], tuple[float, Template]] = {}
+        self._updates = GroupCommit(self._update_many)
 
     @classmethod
     def connect(
@@ -407,6 +424,7 @@ class MongoStore:
                 await self.templates.insert_one(doc)
             except DuplicateKeyError:
                 continue
+            self._template_cache.clear()
             return _template(doc), True
 
     async def get_template(self, type_: str, version: int | None = None) -> Template | None:
@@ -415,6 +433,23 @@ class MongoStore:
             query["version"] = version
         doc = await self.templates.find_one(query, sort=[("version", DESCENDING)])
         return _template(doc) if doc else None
+
+    async def cached_template(self, type_: str, version: int | None = None) -> Template | None:
+        """`get_template` for creating runs, read at most once per `TEMPLATE_CACHE_SECONDS`.
+
+        A version's definition never changes; only `enabled` and the latest version can, so
+        another process's disable or new version is seen here within that time (this process's
+        own at once).
+        """
+        key = (type_, version)
+        now = time.monotonic()
+        cached = self._template_cache.get(key)
+        if cached is not None and now - cached[0] < TEMPLATE_CACHE_SECONDS:
+            return cached[1]
+        template = await self.get_template(type_, version)
+        if template is not None:  # one registered meanwhile is found at once
+            self._template_cache[key] = (now, template)
+        return template
 
     async def latest_templates(self) -> list[Template]:
         """The latest version of every template type, by type."""
@@ -439,6 +474,7 @@ class MongoStore:
         result = await self.templates.update_many(
             {"type": type_}, {"$set": {"enabled": enabled, "updateAt": now}}
         )
+        self._template_cache.clear()
         return await self.get_template(type_) if result.matched_count else None
 
     # -- schedules -------------------------------------------------------------------------------
@@ -569,10 +605,44 @@ class MongoStore:
     async def insert_run(self, new: NewRun, actor: str) -> Run:
         """Write a new `pending` run and its `created` event.
 
-        The unique indexes decide dedupe and idempotency, so concurrent creates cannot both win.
+        Concurrent calls are written together (group commit). The unique indexes decide dedupe
+        and idempotency, so concurrent creates cannot both win.
         """
-        t = new.template
+        return await self._inserts.submit((new, actor))
+
+    async def insert_runs(self, news: Sequence[NewRun], actor: str) -> list[Run | Exception]:
+        """Write many new runs in one unordered bulk insert; each item gets its run or the
+        `DuplicateRun` / `KeyHeld` it collided with, and one bad item does not stop the rest."""
+        return await self._insert_many([(new, actor) for new in news])
+
+    async def _insert_many(self, items: list[tuple[NewRun, str]]) -> list[Run | Exception]:
         now = self.clock.now()
+        runs: list[Run] = []
+        docs: list[Doc] = []
+        for new, actor in items:
+            run, doc = self._new_run(new, actor, now)
+            runs.append(run)
+            docs.append(doc)
+        outcomes: list[Run | Exception] = list(runs)
+        try:
+            await self.runs.insert_many(docs, ordered=False)
+        except BulkWriteError as exc:
+            if exc.details.get("writeConcernErrors"):
+                raise
+            for error in exc.details["writeErrors"]:
+                i = error["index"]
+                if error["code"] != _DUPLICATE_KEY:
+                    raise
+                duplicate = DuplicateKeyError(error["errmsg"], error["code"], error)
+                outcomes[i] = await self._duplicate(duplicate, items[i][0])
+        await self._copier.hand(
+            [doc["trail"][0] for doc, o in zip(docs, outcomes, strict=True) if isinstance(o, Run)]
+        )
+        return outcomes
+
+    @staticmethod
+    def _new_run(new: NewRun, actor: str, now: datetime) -> tuple[Run, Doc]:
+        t = new.template
         run = Run(
             id=str(ObjectId()),
             template_type=t.type,
@@ -603,14 +673,9 @@ class MongoStore:
             run.id, "created", actor, run.scope, run.scope_id, 1, to=RunStatus.PENDING, now=now
         )
         doc["trail"] = [created]
-        try:
-            await self.runs.insert_one(doc)
-        except DuplicateKeyError as exc:
-            await self._raise_duplicate(exc, new)
-        await self._copier.hand([created])
-        return run
+        return run, doc
 
-    async def _raise_duplicate(self, exc: DuplicateKeyError, new: NewRun) -> None:
+    async def _duplicate(self, exc: DuplicateKeyError, new: NewRun) -> Exception:
         """Say which run the insert collided with. A run with the same idempotency key wins
         over a dedupe key collision: a repeated create is answered with its first run."""
         if new.idempotency_key is not None:
@@ -618,18 +683,18 @@ class MongoStore:
             idempotent = {**same, "idempotencyKey": new.idempotency_key}
             existing = await self.runs.find_one(idempotent, _NO_TRAIL)
             if existing is not None:
-                raise DuplicateRun(_run(existing)) from exc
+                return DuplicateRun(_run(existing))
         pattern = (exc.details or {}).get("keyPattern", {})
         if "dedupeKey" in pattern:
             assert new.dedupe_key is not None
-            raise await self._key_held(new.dedupe_key) from exc
+            return await self._key_held(new.dedupe_key)
         if "scheduleId" in pattern:
             fire = {"scheduleId": new.schedule_id, "scheduledFor": new.scheduled_for}
             existing = await self.runs.find_one(fire, _NO_TRAIL)
             if existing is not None:
-                raise DuplicateRun(_run(existing)) from exc
+                return DuplicateRun(_run(existing))
         # The run collided with was removed before this read; report the collision as it was.
-        raise exc
+        return exc
 
     async def _key_held(self, key: str) -> KeyHeld:
         holder = await self.runs.find_one({"dedupeKey": key}, _NO_TRAIL)
@@ -1516,12 +1581,50 @@ class MongoStore:
                     RunStatus(doc["status"]), doc["version"], doc["scope"], doc["scopeId"]
                 )
             trail = events(state)
-            write = {**update, "$push": {"trail": {"$each": trail}}} if trail else update
             exact = {**query, "status": state.status, "version": state.version}
-            result = await self.runs.update_one(exact, write, array_filters=array_filters)
-            if result.matched_count:
+            if trail:
+                write = {**update, "$push": {"trail": {"$each": trail}}}
+                filters: list[Mapping[str, Any]] | None = (
+                    list(array_filters) if array_filters else None
+                )
+                matched = await self._updates.submit(_Update(exact, write, filters))
+            else:
+                result = await self.runs.update_one(exact, update, array_filters=array_filters)
+                matched = bool(result.matched_count)
+            if matched:
                 return state, trail
             state = None
+
+    async def _update_many(self, updates: list["_Update"]) -> list[bool | Exception]:
+        """Apply many writers' conditional updates in one unordered bulk write; each learns
+        whether its own filter matched."""
+        ops = [UpdateOne(u.query, u.update, array_filters=u.array_filters) for u in updates]
+        outcomes: list[bool | Exception] = [True] * len(updates)
+        try:
+            result = await self.runs.bulk_write(ops, ordered=False)
+            matched = result.matched_count
+        except BulkWriteError as exc:
+            if exc.details.get("writeConcernErrors"):
+                raise
+            for error in exc.details["writeErrors"]:
+                # What `update_one` would have raised for this update alone.
+                kind = DuplicateKeyError if error["code"] == _DUPLICATE_KEY else WriteError
+                outcomes[error["index"]] = kind(error["errmsg"], error["code"], error)
+            matched = exc.details["nMatched"]
+        if matched == sum(o is True for o in outcomes):
+            return outcomes
+        # Some filters matched nothing (lost races). The bulk result only counts them, so
+        # look for each update's first event in its run's trail: present means it was applied.
+        firsts = [u.update["$push"]["trail"]["$each"][0]["_id"] for u in updates]
+        cursor = await self.runs.aggregate(
+            [
+                {"$match": {"_id": {"$in": [u.query["_id"] for u in updates]}}},
+                {"$project": {"hit": {"$setIntersection": ["$trail._id", {"$literal": firsts}]}}},
+            ]
+        )
+        hits = {event for doc in await cursor.to_list() for event in doc["hit"]}
+        pairs = zip(outcomes, firsts, strict=True)
+        return [first in hits if o is True else o for o, first in pairs]
 
     async def lease_lost(self, lease: Lease, what: str) -> Lost:
         """Record why `lease` no longer holds its run (for a loss the worker found itself)."""

@@ -44,6 +44,9 @@ LOOPS_CLOSE_SECONDS = 5.0
 # A step still running after this long gets its start written on its own; a quicker one has
 # its start written together with its end, saving a MongoDB write per step.
 START_WRITE_AFTER = 0.05
+# With runs waiting and few slots free, how long the claim loop may wait for more slots to
+# free up, so that it claims them together.
+CLAIM_GATHER = 0.005
 # A failed step's error keeps this much of its traceback: the innermost frames.
 TRACEBACK_FRAMES = 5
 TRACEBACK_CHARS = 4000
@@ -163,14 +166,25 @@ class Worker:
 
     async def _claim_loop(self, stop: asyncio.Event) -> None:
         queues = self.settings.queues
+        concurrency = self.settings.worker_concurrency
+        # The last pop filled every free slot: runs are waiting. Then slots are let to free up
+        # a little before the next claim, so one claim takes many runs rather than each run
+        # that ends paying for a claim of its own.
+        backlog = False
+        gathered = 0.0
         while not stop.is_set():
-            free = self.settings.worker_concurrency - len(self.held)
-            if free <= 0:
+            free = concurrency - len(self.held)
+            if free <= 0 or (backlog and free < concurrency // 4 and gathered < CLAIM_GATHER):
                 self._slot_free.clear()
-                await self._slot_free.wait()
+                waited = time.monotonic()
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._slot_free.wait(), CLAIM_GATHER if free else None)
+                gathered += time.monotonic() - waited
                 continue
+            gathered = 0.0
             try:
                 ids = await self._next_ids(queues, free)
+                backlog = len(ids) == free
                 if ids:
                     await self.claim(ids)
             except Exception:

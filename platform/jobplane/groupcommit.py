@@ -1,0 +1,61 @@
+"""Group commit: concurrent calls that each write one thing become one bulk write.
+
+A caller hands its item over and waits for its own result. When nothing is being written the
+batch goes out at once (on the event loop's next turn, which lets callers woken together join
+it); while a write is in flight, new items gather and leave together as soon as it returns. So
+an idle system pays no wait, and a busy one pays at most one bulk round trip of waiting, in
+exchange for one round trip (and one journal sync) per batch instead of per item. A caller
+hears back only after the write that holds its item has returned: nothing is acknowledged
+before it is durable.
+"""
+
+import asyncio
+from collections.abc import Awaitable, Callable, Sequence
+from typing import Generic, TypeVar
+
+T = TypeVar("T")
+R = TypeVar("R")
+
+# The flush returns one outcome per item: its result, or the exception that item alone failed
+# with. An exception the flush raises fails every item of the batch.
+Flush = Callable[[list[T]], Awaitable[Sequence[R | BaseException]]]
+
+
+class GroupCommit(Generic[T, R]):
+    def __init__(self, flush: Flush[T, R], max_batch: int = 1000) -> None:
+        self._flush = flush
+        self._max_batch = max_batch
+        self._pending: list[tuple[T, asyncio.Future[R]]] = []
+        self._writer: asyncio.Task[None] | None = None
+
+    async def submit(self, item: T) -> R:
+        future: asyncio.Future[R] = asyncio.get_running_loop().create_future()
+        self._pending.append((item, future))
+        if self._writer is None:
+            self._writer = asyncio.create_task(self._write())
+        # A caller that gives up cancels its own future only; the batch goes on for the others.
+        return await future
+
+    async def _write(self) -> None:
+        batch: list[tuple[T, asyncio.Future[R]]] = []
+        try:
+            while self._pending:
+                batch = self._pending[: self._max_batch]
+                del self._pending[: self._max_batch]
+                try:
+                    outcomes = await self._flush([item for item, _ in batch])
+                except Exception as exc:
+                    outcomes = [exc] * len(batch)
+                for (_, future), outcome in zip(batch, outcomes, strict=True):
+                    if future.done():
+                        continue
+                    if isinstance(outcome, BaseException):
+                        future.set_exception(outcome)
+                    else:
+                        future.set_result(outcome)
+        finally:
+            self._writer = None
+            # Cancelled mid-batch (the loop is closing): nobody may wait forever.
+            for _, future in [*batch, *self._pending]:
+                future.cancel()
+            self._pending.clear()

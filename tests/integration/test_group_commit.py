@@ -1,0 +1,81 @@
+"""Writes of many callers share one bulk write; each caller still learns its own outcome.
+
+The bulk result only counts matched filters, so when some lost their race the store reads
+which ones were applied (their events are in the trail). These tests race writers inside
+one batch on purpose.
+"""
+
+import asyncio
+
+from jobplane.model import Run, RunStatus
+from jobplane.store import DuplicateRun, KeyHeld, Known, Lost, MongoStore, Moved, NewRun
+from tests.integration.conftest import Register
+
+
+def known(status: RunStatus, version: int = 1) -> Known:
+    return Known(status, version, "user", "u1")
+
+
+async def test_two_writers_from_one_state_in_one_batch_one_wins(
+    store: MongoStore, register: Register
+) -> None:
+    template = await register()
+    runs = [await store.insert_run(NewRun(template, "user", "u1"), "user:a") for _ in range(10)]
+    # Twice the same move from the same known state, all submitted at once.
+    outcomes = await asyncio.gather(
+        *(store.enqueue(r.id, f"user:{i}", known(RunStatus.PENDING)) for r in runs for i in (0, 1))
+    )
+    for run, pair in zip(runs, zip(outcomes[::2], outcomes[1::2], strict=True), strict=True):
+        assert sorted(type(o).__name__ for o in pair) == ["Lost", "Moved"], run.id
+        stored = await store.get_run(run.id)
+        assert stored is not None and stored.status == RunStatus.QUEUED and stored.version == 2
+    await store.flush_events()
+    # Exactly one `status_changed` per run: the loser's events were never written.
+    assert await store.events.count_documents({"type": "status_changed"}) == len(runs)
+
+
+async def test_lost_and_won_writes_in_one_batch_are_told_apart(
+    store: MongoStore, register: Register
+) -> None:
+    template = await register()
+    runs = [await store.insert_run(NewRun(template, "user", "u1"), "user:a") for _ in range(10)]
+    for run in runs[::2]:  # cancelled meanwhile: the enqueuer's known state is stale
+        assert isinstance(await store.cancel(run.id, "user:b", None), Moved)
+    outcomes = await asyncio.gather(
+        *(store.enqueue(r.id, "user:a", known(RunStatus.PENDING)) for r in runs)
+    )
+    assert [isinstance(o, Moved) for o in outcomes] == [False, True] * 5
+    assert all(o.status == RunStatus.CANCELLED for o in outcomes[::2] if isinstance(o, Lost))
+
+
+async def test_a_duplicate_key_in_a_batch_fails_only_its_writer(
+    store: MongoStore, register: Register
+) -> None:
+    template = await register()
+    waiting = [
+        await store.insert_run(NewRun(template, "user", "u1", dedupe_wait="k"), "user:a")
+        for _ in range(6)
+    ]
+    outcomes = await asyncio.gather(
+        *(store.take_key(run, "user:a") for run in waiting), return_exceptions=True
+    )
+    assert sum(isinstance(o, Moved) for o in outcomes) == 1
+    assert all(isinstance(o, KeyHeld) for o in outcomes if not isinstance(o, Moved))
+    assert await store.runs.count_documents({"dedupeKey": "k"}) == 1
+
+
+async def test_a_bulk_insert_reports_each_collision_on_its_own_item(
+    store: MongoStore, register: Register
+) -> None:
+    template = await register()
+    news = [NewRun(template, "user", "u1", idempotency_key=f"k{i % 3}") for i in range(9)]
+    outcomes = await store.insert_runs(news, "user:a")
+    first = {o.idempotency_key: o.id for o in outcomes if isinstance(o, Run)}
+    assert sorted(first) == ["k0", "k1", "k2"]
+    # Every other item is answered with the run that took its key, whichever item that was.
+    for new, outcome in zip(news, outcomes, strict=True):
+        if isinstance(outcome, DuplicateRun):
+            assert outcome.run.id == first[new.idempotency_key]
+        else:
+            assert isinstance(outcome, Run)
+    assert await store.runs.count_documents({}) == 3

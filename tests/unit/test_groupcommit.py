@@ -1,0 +1,88 @@
+"""Group commit: concurrent items leave together, and each caller hears only its own outcome."""
+
+import asyncio
+
+import pytest
+
+from jobplane.groupcommit import GroupCommit
+
+
+class Recorder:
+    """A flush that records its batches and fails the items it is told to."""
+
+    def __init__(self, fail: set[int] | None = None) -> None:
+        self.batches: list[list[int]] = []
+        self.fail = fail or set()
+
+    async def __call__(self, items: list[int]) -> list[int | BaseException]:
+        self.batches.append(items)
+        await asyncio.sleep(0.01)  # a round trip, during which new items gather
+        return [ValueError(i) if i in self.fail else i * 10 for i in items]
+
+
+async def test_items_submitted_together_leave_in_one_batch() -> None:
+    flush = Recorder()
+    commit = GroupCommit(flush)
+    assert await asyncio.gather(*(commit.submit(i) for i in range(20))) == [
+        i * 10 for i in range(20)
+    ]
+    assert flush.batches == [list(range(20))]
+
+
+async def test_items_arriving_during_a_write_leave_together_next() -> None:
+    flush = Recorder()
+    commit = GroupCommit(flush)
+    first = asyncio.ensure_future(commit.submit(0))
+    await asyncio.sleep(0.001)  # the first batch is in flight
+    later = [asyncio.ensure_future(commit.submit(i)) for i in range(1, 6)]
+    assert await first == 0
+    assert await asyncio.gather(*later) == [10, 20, 30, 40, 50]
+    assert flush.batches == [[0], [1, 2, 3, 4, 5]]
+
+
+async def test_batches_are_capped() -> None:
+    flush = Recorder()
+    commit = GroupCommit(flush, max_batch=4)
+    await asyncio.gather(*(commit.submit(i) for i in range(10)))
+    assert [len(b) for b in flush.batches] == [4, 4, 2]
+
+
+async def test_an_item_that_fails_fails_alone() -> None:
+    commit = GroupCommit(Recorder(fail={3}))
+    outcomes = await asyncio.gather(*(commit.submit(i) for i in range(5)), return_exceptions=True)
+    assert [o if not isinstance(o, ValueError) else "failed" for o in outcomes] == [
+        0,
+        10,
+        20,
+        "failed",
+        40,
+    ]
+
+
+async def test_a_failed_write_fails_every_item_of_its_batch_only() -> None:
+    calls = 0
+
+    async def flaky(items: list[int]) -> list[int | BaseException]:
+        nonlocal calls
+        calls += 1
+        if calls == 1:
+            raise ConnectionError("down")
+        return items
+
+    commit = GroupCommit(flaky)
+    first = await asyncio.gather(*(commit.submit(i) for i in range(3)), return_exceptions=True)
+    assert all(isinstance(o, ConnectionError) for o in first)
+    assert await commit.submit(7) == 7  # the next batch is written as usual
+
+
+async def test_a_caller_that_gives_up_does_not_stop_the_others() -> None:
+    flush = Recorder()
+    commit = GroupCommit(flush)
+    quitter = asyncio.ensure_future(commit.submit(1))
+    stayer = asyncio.ensure_future(commit.submit(2))
+    await asyncio.sleep(0)
+    quitter.cancel()
+    assert await stayer == 20
+    with pytest.raises(asyncio.CancelledError):
+        await quitter
+    assert flush.batches == [[1, 2]]  # written all the same: a write once sent cannot be undone
