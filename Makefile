@@ -27,15 +27,42 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-pytest: $(STAMP)
+pytest: $(STAMP) chromium
 	$(BIN)/pytest
+
+# The dashboard's browser tests (tests/ui) drive Debian's Chromium. Installed when missing and
+# apt-get can (as root); otherwise say so: those tests then skip, saying why.
+.PHONY: chromium
+chromium:
+	@if [ -x /usr/bin/chromium ]; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "Installing Chromium for the dashboard's browser tests (apt-get install chromium)"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get install -y --no-install-recommends chromium >/dev/null 2>&1 \
+		|| { apt-get update -qq && apt-get install -y --no-install-recommends chromium >/dev/null; } \
+		|| echo "make: could not install Chromium; the dashboard's browser tests (tests/ui) will be SKIPPED"; \
+	else \
+		echo "make: /usr/bin/chromium is missing and apt-get cannot install it here (needs root);" \
+			"the dashboard's browser tests (tests/ui) will be SKIPPED"; \
+	fi
 
 # The chaos scenarios at full length (make test runs them shortened); prints their table.
 chaos: $(STAMP)
 	$(BIN)/python -m tests.chaos
 
+# Every benchmark, one after another (about an hour); each prints its own figures, and
+# docs/benchmarks.md says what they mean. The peers' comparison installs Celery and SAQ in
+# virtual environments of their own (.bench-venvs/).
 bench: $(STAMP)
-	$(BIN)/python bench/throughput.py
+	$(BIN)/python bench/throughput.py --repeat 3
+	$(BIN)/python bench/producer.py
+	$(BIN)/python bench/api.py
+	$(BIN)/python bench/latency.py
+	$(BIN)/python bench/cancel_latency.py
+	$(BIN)/python bench/fire_precision.py
+	$(BIN)/python bench/memory.py
+	$(BIN)/python bench/scale.py
+	$(BIN)/python bench/peers/run.py
 
 bench-api: $(STAMP)
 	$(BIN)/python bench/api.py

@@ -15,6 +15,7 @@ from jobplane.api.routes import (
     health,
     keys,
     metrics,
+    overview,
     runs,
     schedules,
     templates,
@@ -22,6 +23,7 @@ from jobplane.api.routes import (
 from jobplane.backends import Backends, open_backends
 from jobplane.settings import Settings
 from jobplane.templates.loader import MAX_TEMPLATE_BYTES
+from jobplane.ui import Dashboard
 
 
 def create_app(settings: Settings, backends: Backends | None = None) -> FastAPI:
@@ -38,32 +40,37 @@ def create_app(settings: Settings, backends: Backends | None = None) -> FastAPI:
     if backends is not None:
         app.state.store, app.state.queue = backends.store, backends.queue
     errors.install(app)
-    for module in (health, metrics, keys, templates, runs, schedules, events, external):
+    for module in (health, metrics, keys, templates, runs, schedules, events, external, overview):
         app.include_router(module.router)
+    # The web dashboard: static files that call the API above like any other client.
+    app.mount("/ui", Dashboard(), name="ui")
     # Room for the largest payload and its envelope, and for the largest template.
     limit = max(settings.max_payload_bytes + 64 * 1024, MAX_TEMPLATE_BYTES)
-    app.add_middleware(BodyLimit, limit=limit)
+    app.add_middleware(BodyLimit, limit=limit, paths={runs.BATCH_PATH: settings.max_batch_bytes})
     return app
 
 
 class BodyLimit:
-    """Refuses a request body over `limit` bytes (413) before it is read into memory.
+    """Refuses a request body over `limit` bytes (413) before it is read into memory; `paths`
+    give some paths a cap of their own (the batch endpoint takes a thousand runs in one body).
 
     Starlette's own limiter answers in plain text, not in SPEC.md's error shape. This one
     raises an `HTTPException` from `receive`, which FastAPI passes on to the error handlers.
     """
 
-    def __init__(self, app: ASGIApp, limit: int) -> None:
+    def __init__(self, app: ASGIApp, limit: int, paths: dict[str, int] | None = None) -> None:
         self.app = app
         self.limit = limit
+        self.paths = dict(paths or {})
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        too_large = HTTPException(413, f"request body over {self.limit} bytes")
+        limit = self.paths.get(scope["path"], self.limit)
+        too_large = HTTPException(413, f"request body over {limit} bytes")
         declared = Headers(scope=scope).get("content-length", "")
-        if declared.isdigit() and int(declared) > self.limit:
+        if declared.isdigit() and int(declared) > limit:
             await errors.http_error(too_large)(scope, receive, send)
             return
         seen = 0
@@ -72,7 +79,7 @@ class BodyLimit:
             nonlocal seen
             message = await receive()
             seen += len(message.get("body", b""))
-            if seen > self.limit:
+            if seen > limit:
                 raise too_large
             return message
 

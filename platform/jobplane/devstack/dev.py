@@ -80,7 +80,7 @@ async def _serve(
         await asyncio.gather(*parts, return_exceptions=True)
         return 1
     url = f"http://{settings.host}:{settings.port}"
-    print(f"jobplane is up at {url}  (docs: {url}/docs)")
+    print(f"jobplane is up at {url}  (dashboard: {url}/ui/, docs: {url}/docs)")
     print(f"  admin API key: {settings.admin_key}")
     print(f"  MongoDB: {settings.mongodb_url}")
     print(f"  Redis:   {settings.redis_url}")

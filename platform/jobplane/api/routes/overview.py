@@ -1,0 +1,296 @@
+"""The overview: what the dashboard's first page shows, in one read.
+
+Runs by status, the last hour by the minute and the failing templates come from MongoDB
+(`store/overview.py`), limited to the caller's scopes like `GET /v1/runs`. Queue depth, the
+oldest ready run, live workers and the scheduler lock are the figures `/metrics` reads from
+Redis at scrape time (`metrics.read_state`), which name queues and workers, never runs or
+scopes; a backend that does not answer is reported in `backends` and its figures left out.
+"""
+
+from datetime import datetime, timedelta
+from typing import Annotated
+
+from fastapi import APIRouter, Depends, Request
+from prometheus_client.core import Metric
+from redis.exceptions import RedisError
+
+from jobplane.api.auth import PERMISSIONS, Caller, Permission, authenticate
+from jobplane.api.deps import SettingsDep, StoreDep
+from jobplane.api.errors import ERROR_RESPONSES
+from jobplane.api.schema import ResponseBody
+from jobplane.metrics import read_state
+from jobplane.model import RunStatus
+from jobplane.model.documents import Role
+from jobplane.queue.redis import RedisQueue
+from jobplane.settings import Settings
+from jobplane.store import overview
+from jobplane.store.overview import HeldRun
+
+router = APIRouter(prefix="/v1/overview", tags=["overview"], responses=ERROR_RESPONSES)
+
+AnyCaller = Annotated[Caller, Depends(authenticate)]
+
+
+class Identity(ResponseBody):
+    """The key's name, role, scopes and what its role may do (`templates:read`, ...)."""
+
+    name: str
+    role: Role
+    scopes: list[str]
+    permissions: list[str]
+
+
+class StatusCount(ResponseBody):
+    status: RunStatus
+    count: int
+
+
+class Minute(ResponseBody):
+    """Runs created, and runs that ended by how, in the minute starting `at`."""
+
+    at: datetime
+    created: int
+    succeeded: int
+    failed: int
+    cancelled: int
+    expired: int
+
+
+class ErrorCount(ResponseBody):
+    code: str
+    count: int
+    message: str | None
+    last_at: datetime
+
+
+class FailingTemplate(ResponseBody):
+    template_type: str
+    failed: int
+    expired: int
+    last_at: datetime
+    errors: list[ErrorCount]
+
+
+class RunFigures(ResponseBody):
+    """`active`: every run in an active status. `finishedLastHour` and `perMinute`: runs
+    that ended (or were created) in the last 60 minutes, this minute included.
+    `failingTemplates`: templates with runs that ended `failed` or `expired` in the last 24
+    hours, the most first (at most 10)."""
+
+    active: list[StatusCount]
+    finished_last_hour: list[StatusCount]
+    per_minute: list[Minute]
+    failing_templates: list[FailingTemplate]
+
+
+class QueueFigures(ResponseBody):
+    name: str
+    ready: int
+    delayed: int
+    oldest_ready_age_seconds: float
+
+
+class HeldRunPublic(ResponseBody):
+    id: str
+    template_type: str
+    status: RunStatus
+    phase: str | None
+    percentage: float
+    locked_until: datetime | None
+
+
+class WorkerFigures(ResponseBody):
+    """A worker holding leases, and whether its liveness key is there (None: Redis did not
+    answer). A held run whose worker is not alive is recovered when its lease runs out."""
+
+    worker_id: str
+    alive: bool | None
+    runs: list[HeldRunPublic]
+
+
+class Workers(ResponseBody):
+    """`alive` and `runsHeld` count every live worker (idle ones too); `holding` lists the
+    workers that hold runs this key may see. None: Redis did not answer."""
+
+    alive: int | None
+    runs_held: int | None
+    holding: list[WorkerFigures]
+
+
+class SchedulerFigures(ResponseBody):
+    """The scheduler holding the singleton lock (None: no one), its lock's time left, and when
+    it last ticked: the active scheduler renews the lock as each tick begins (at least every
+    third of its TTL), so that is the lock's TTL (`JOBPLANE_SCHEDULER_LOCK_SECONDS`, which all
+    processes share) less the time left. None while no scheduler holds the lock."""
+
+    leader: str | None
+    lock_ttl_seconds: float | None
+    last_tick_at: datetime | None
+
+
+class Backends(ResponseBody):
+    mongodb: bool
+    redis: bool
+
+
+class Overview(ResponseBody):
+    generated_at: datetime
+    caller: Identity
+    # None when the key's role may not read runs (an author's).
+    runs: RunFigures | None
+    queues: list[QueueFigures]
+    workers: Workers
+    scheduler: SchedulerFigures
+    backends: Backends
+
+
+@router.get("", response_model=Overview, response_model_by_alias=True)
+async def read_overview(
+    request: Request, store: StoreDep, settings: SettingsDep, caller: AnyCaller
+) -> Overview:
+    """The dashboard's overview, for any key. Run figures are limited to the key's scopes,
+    and left out (`runs: null`) for a role that may not read runs."""
+    now = store.clock.now()
+    queue: RedisQueue = request.app.state.queue
+    reads_runs = Permission.RUNS_READ in PERMISSIONS[caller.role]
+    figures = await overview.run_figures(store, caller.within, now) if reads_runs else None
+    gauges = _gauges(await read_state(store, queue, settings.queues))
+    redis_up = gauges.get(("jobplane_backend_up", ("redis",))) == 1
+    held = figures.held if figures else []
+    leader: str | None = None
+    alive: dict[str, bool] = {}
+    if redis_up:
+        try:
+            leader, alive = await _leader(queue), await _alive(queue, held)
+        except (RedisError, OSError):
+            redis_up = False
+    return Overview(
+        generated_at=now,
+        caller=Identity(
+            name=caller.name,
+            role=caller.role,
+            scopes=[f"{s}:{i}" for s, i in sorted(caller.scopes)],
+            permissions=sorted(p.value for p in PERMISSIONS[caller.role]),
+        ),
+        runs=_runs(figures) if figures else None,
+        queues=_queues(gauges) if redis_up else [],
+        workers=Workers(
+            alive=_int(gauges.get(("jobplane_workers_alive", ()))) if redis_up else None,
+            runs_held=_int(gauges.get(("jobplane_worker_runs_held", ()))) if redis_up else None,
+            holding=_holding(held, alive if redis_up else None),
+        ),
+        scheduler=_scheduler(leader, gauges, settings, now) if redis_up else _NO_SCHEDULER,
+        backends=Backends(
+            mongodb=gauges.get(("jobplane_backend_up", ("mongodb",))) == 1, redis=redis_up
+        ),
+    )
+
+
+Gauges = dict[tuple[str, tuple[str, ...]], float]
+
+
+def _gauges(families: list[Metric]) -> Gauges:
+    """Each sample of the gauge families by (name, label values)."""
+    return {
+        (sample.name, tuple(sample.labels.values())): sample.value
+        for family in families
+        for sample in family.samples
+    }
+
+
+_NO_SCHEDULER = SchedulerFigures(leader=None, lock_ttl_seconds=None, last_tick_at=None)
+
+
+def _scheduler(
+    leader: str | None, gauges: Gauges, settings: Settings, now: datetime
+) -> SchedulerFigures:
+    left = gauges.get(("jobplane_scheduler_lock_ttl_seconds", ()), 0.0)
+    if leader is None or left <= 0:
+        return SchedulerFigures(leader=None, lock_ttl_seconds=0.0, last_tick_at=None)
+    renewed = now - timedelta(seconds=max(0.0, settings.scheduler_lock_seconds - left))
+    return SchedulerFigures(leader=leader, lock_ttl_seconds=left, last_tick_at=renewed)
+
+
+def _int(value: float | None) -> int | None:
+    return None if value is None else int(value)
+
+
+async def _leader(queue: RedisQueue) -> str | None:
+    """The scheduler lock's value: the owner id of the active scheduler."""
+    owner = await queue.redis.get(queue.keys.scheduler_lock)
+    if owner is None:
+        return None
+    return owner.decode() if isinstance(owner, bytes) else str(owner)
+
+
+async def _alive(queue: RedisQueue, held: list[HeldRun]) -> dict[str, bool]:
+    """Whether each worker holding a run still has its liveness key."""
+    workers = sorted({h.locked_by for h in held if h.locked_by})
+    if not workers:
+        return {}
+    values = await queue.redis.mget([queue.keys.worker(w) for w in workers])
+    return {w: v is not None for w, v in zip(workers, values, strict=True)}
+
+
+def _runs(figures: overview.RunFigures) -> RunFigures:
+    return RunFigures(
+        active=[StatusCount(status=s, count=n) for s, n in figures.active.items()],
+        finished_last_hour=[StatusCount(status=s, count=n) for s, n in figures.finished.items()],
+        per_minute=[
+            Minute(
+                at=m.at,
+                created=m.created,
+                succeeded=m.finished.get(RunStatus.SUCCEEDED, 0),
+                failed=m.finished.get(RunStatus.FAILED, 0),
+                cancelled=m.finished.get(RunStatus.CANCELLED, 0),
+                expired=m.finished.get(RunStatus.EXPIRED, 0),
+            )
+            for m in figures.minutes
+        ],
+        failing_templates=[
+            FailingTemplate(
+                template_type=f.template_type,
+                failed=f.by_status.get(RunStatus.FAILED, 0),
+                expired=f.by_status.get(RunStatus.EXPIRED, 0),
+                last_at=f.last_at,
+                errors=[
+                    ErrorCount(code=e.code, count=e.count, message=e.message, last_at=e.last_at)
+                    for e in f.errors
+                ],
+            )
+            for f in figures.failing
+        ],
+    )
+
+
+def _queues(gauges: Gauges) -> list[QueueFigures]:
+    names = sorted({labels[0] for name, labels in gauges if name == "jobplane_queue_depth"})
+    oldest = "jobplane_queue_oldest_ready_age_seconds"
+    return [
+        QueueFigures(
+            name=q,
+            ready=int(gauges.get(("jobplane_queue_depth", (q, "ready")), 0)),
+            delayed=int(gauges.get(("jobplane_queue_depth", (q, "delayed")), 0)),
+            oldest_ready_age_seconds=gauges.get((oldest, (q,)), 0),
+        )
+        for q in names
+    ]
+
+
+def _holding(held: list[HeldRun], alive: dict[str, bool] | None) -> list[WorkerFigures]:
+    workers: dict[str, list[HeldRunPublic]] = {}
+    for h in held:
+        workers.setdefault(h.locked_by, []).append(
+            HeldRunPublic(
+                id=h.id,
+                template_type=h.template_type,
+                status=h.status,
+                phase=h.phase,
+                percentage=h.percentage,
+                locked_until=h.locked_until,
+            )
+        )
+    return [
+        WorkerFigures(worker_id=w, alive=None if alive is None else alive.get(w, False), runs=runs)
+        for w, runs in workers.items()
+    ]

@@ -1,0 +1,159 @@
+// Overview: runs by status, the last hour per minute, queues, failing templates, workers and
+// the scheduler, from GET /v1/overview, refreshed every 5 seconds.
+
+import { get } from "../api.js";
+import { runsChart } from "../chart.js";
+import { ago, badge, card, duration, facts, fill, h, localTime, pageHead, progressBar, runLink, table, time } from "../dom.js";
+
+const REFRESH_MS = 5000;
+
+export async function render(ctx) {
+  const data = await get("/v1/overview", {}, { signal: ctx.signal });
+  draw(ctx, data);
+  ctx.every(REFRESH_MS, async () => {
+    const focused = document.activeElement?.id;
+    draw(ctx, await get("/v1/overview", {}, { signal: ctx.signal }));
+    if (focused) document.getElementById(focused)?.focus();
+  });
+}
+
+function draw(ctx, data) {
+  const refresh = h("button", { type: "button", class: "btn", id: "overview-refresh" }, "Refresh");
+  refresh.addEventListener("click", async () => draw(ctx, await get("/v1/overview", {}, { signal: ctx.signal })));
+  const sections = [
+    pageHead("Overview", {
+      sub: `Updated ${localTime(data.generatedAt).slice(11)} · refreshes every ${REFRESH_MS / 1000} s`,
+      actions: [refresh],
+    }),
+  ];
+  if (!data.backends.redis) {
+    sections.push(h("div", { class: "alert", role: "alert" },
+      "Redis did not answer: queue, worker and scheduler figures are missing."));
+  }
+  if (data.runs) {
+    sections.push(statusTiles(data.runs), card(
+      ["Runs per minute", "last 60 minutes"],
+      runsChart(data.runs.perMinute),
+    ));
+  } else {
+    sections.push(h("div", { class: "note" }, `A ${data.caller.role} key does not read runs, so run figures are not shown.`));
+  }
+  sections.push(
+    h("div", { class: "grid cols-2" }, queuesCard(data), schedulerCard(data)),
+    h("div", { class: "grid cols-2" }, data.runs ? failingCard(data.runs) : null, workersCard(data)),
+  );
+  // A refresh keeps what the reader opened.
+  const open = [...ctx.main.querySelectorAll("details[open][id]")].map((d) => d.id);
+  fill(ctx.main, h("div", { class: "stack" }, sections));
+  for (const id of open) document.getElementById(id)?.setAttribute("open", "");
+}
+
+function tile(status, count) {
+  return h(
+    "a",
+    { class: "tile", href: `#/runs?status=${status}`, id: `tile-${status}`, "aria-label": `${count} ${status.replace("_", " ")}` },
+    h("div", { class: "label" }, h("span", { class: ["dot", `c-${status}`] }), status.replace("_", " ")),
+    h("div", { class: "n" }, String(count)),
+  );
+}
+
+function statusTiles(runs) {
+  return h(
+    "section",
+    { "aria-label": "Runs by status", class: "status-row" },
+    h("div", {}, h("div", { class: "tiles-head" }, h("h2", {}, "Active now")),
+      h("div", { class: "tiles five" }, runs.active.map((s) => tile(s.status, s.count)))),
+    h("div", {}, h("div", { class: "tiles-head" }, h("h2", {}, "Finished"), h("span", { class: "muted small" }, "in the last hour")),
+      h("div", { class: "tiles" }, runs.finishedLastHour.map((s) => tile(s.status, s.count)))),
+  );
+}
+
+function queuesCard(data) {
+  return card(
+    "Queues",
+    table(
+      [
+        { label: "Queue", cell: (q) => h("span", { class: "mono" }, q.name) },
+        { label: "Ready", class: "num", cell: (q) => q.ready },
+        { label: "Delayed", class: "num", cell: (q) => q.delayed },
+        { label: "Oldest ready", class: "num", cell: (q) => (q.ready ? duration(q.oldestReadyAgeSeconds) : "—") },
+      ],
+      data.queues,
+      { empty: data.backends.redis ? "No queue is named by a template yet." : "Unknown: Redis did not answer." },
+    ),
+  );
+}
+
+function schedulerCard(data) {
+  const s = data.scheduler;
+  const leader = s.leader
+    ? h("span", {}, badge("alive", "leader"), " ", h("span", { class: "mono" }, s.leader))
+    : data.backends.redis ? badge("gone", "no scheduler holds the lock") : "unknown";
+  return card(
+    "Scheduler",
+    facts([
+      ["Leader", leader],
+      ["Lock expires in", s.lockTtlSeconds === null ? null : duration(s.lockTtlSeconds)],
+      ["Last tick", s.lastTickAt ? h("span", {}, time(s.lastTickAt), h("span", { class: "muted" }, ` (${ago(s.lastTickAt)})`)) : "never"],
+      ["Backends", h("span", {}, badge(data.backends.mongodb ? "alive" : "gone", "MongoDB"), " ",
+        badge(data.backends.redis ? "alive" : "gone", "Redis"))],
+    ]),
+  );
+}
+
+function failingCard(runs) {
+  return card(
+    ["Failing templates", "failed or expired, last 24 h"],
+    table(
+      [
+        {
+          label: "Template",
+          cell: (f) => h("div", {},
+            h("a", { href: `#/failed?templateType=${encodeURIComponent(f.templateType)}` }, f.templateType),
+            h("div", { class: "muted small", title: localTime(f.lastAt) }, `last ${ago(f.lastAt)}`)),
+        },
+        { label: "Failed", class: "num", cell: (f) => f.failed },
+        { label: "Expired", class: "num", cell: (f) => f.expired },
+        {
+          label: "Top errors",
+          cell: (f) => f.errors.slice(0, 3).map((e) => h("div", { class: "small nowrap", title: e.message || "" },
+            h("code", {}, e.code), h("span", { class: "muted" }, ` × ${e.count}`))),
+        },
+      ],
+      runs.failingTemplates,
+      { empty: "No run failed or expired in the last 24 hours." },
+    ),
+  );
+}
+
+function workersCard(data) {
+  const w = data.workers;
+  let summary = "Unknown: Redis did not answer.";
+  if (w.alive !== null) {
+    const rest = w.alive - w.holding.filter((x) => x.alive).length;
+    const others = data.caller.role === "user" ? "idle or working outside your scopes" : "idle";
+    summary = `${w.alive} alive, holding ${w.runsHeld} run${w.runsHeld === 1 ? "" : "s"}` + (rest > 0 ? `; ${rest} ${others}` : "");
+  }
+  const gone = "No liveness key in Redis: the worker stopped (its lease will run out and the run be recovered), or it is an external worker, which reports through the API.";
+  return card(
+    ["Workers", summary],
+    table(
+      [
+        {
+          label: "Worker",
+          cell: (x) => h("div", {}, h("div", { class: "mono small nowrap" }, x.workerId),
+            x.alive === null ? null : h("div", { title: x.alive ? "" : gone }, badge(x.alive ? "alive" : "gone", x.alive ? "alive" : "not seen"))),
+        },
+        {
+          label: "Current runs",
+          cell: (x) => x.runs.map((r) => h("div", { class: "held" },
+            runLink(r.id), h("span", { class: "muted small ellipsis", title: r.templateType }, r.templateType),
+            progressBar(r.percentage, { thin: true, label: `Run ${r.id} progress` }),
+            h("span", { class: "pct" }, `${Math.round(r.percentage)}%`))),
+        },
+      ],
+      w.holding,
+      { empty: "No worker holds a run right now." },
+    ),
+  );
+}

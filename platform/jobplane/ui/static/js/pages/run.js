@@ -1,0 +1,247 @@
+// One run: its steps as live progress bars, payload, result and error, attempts and lease,
+// its event trail, and cancel / rerun. GET /v1/runs/{id} is polled every second while the run
+// is active (the trail is read again whenever the run's version moves).
+
+import { ApiError, get, post, session } from "../api.js";
+import { announce, badge, card, confirmDialog, duration, errorBox, facts, fill, h, json, pageHead, progressBar, runLink, TERMINAL, time, toast } from "../dom.js";
+
+const POLL_MS = 1000;
+
+export async function render(ctx) {
+  const id = ctx.params[0];
+  let run = await get(`/v1/runs/${encodeURIComponent(id)}`, {}, { signal: ctx.signal });
+  const [template, events] = await Promise.all([
+    get(`/v1/templates/${encodeURIComponent(run.templateType)}/versions/${run.templateVersion}`, {}, { signal: ctx.signal }).catch(() => null),
+    get(`/v1/runs/${encodeURIComponent(id)}/events`, {}, { signal: ctx.signal }),
+  ]);
+  const view = new RunView(ctx, template);
+  view.update(run, events);
+
+  ctx.every(POLL_MS, async () => {
+    const fresh = await get(`/v1/runs/${encodeURIComponent(id)}`, {}, { signal: ctx.signal });
+    if (fresh.version !== run.version) {
+      const trail = await get(`/v1/runs/${encodeURIComponent(id)}/events`, {}, { signal: ctx.signal });
+      view.update(fresh, trail);
+    }
+    run = fresh;
+    // A finished run does not change again; its page stops asking.
+    return !TERMINAL.has(run.status);
+  });
+  view.onChange = (changed) => {
+    run = changed;
+  };
+}
+
+class RunView {
+  constructor(ctx, template) {
+    this.ctx = ctx;
+    this.template = template;
+    this.run = null;
+    this.onChange = () => {};
+    this.head = h("div");
+    this.summary = h("section", { class: "card", "aria-label": "Progress" });
+    this.details = h("div", { class: "grid cols-2" });
+    this.data = h("div", { class: "stack" });
+    this.timeline = h("section", { class: "card", "aria-label": "Event timeline" });
+    fill(ctx.main, h("div", { class: "stack" }, this.head, this.summary, this.details, this.data, this.timeline));
+  }
+
+  update(run, events) {
+    const before = this.run;
+    this.run = run;
+    if (before && before.status !== run.status) announce(`The run is now ${run.status.replace("_", " ")}.`);
+    const focused = document.activeElement?.id;
+    this.drawHead(run);
+    this.drawProgress(run);
+    this.drawDetails(run);
+    this.drawData(run);
+    if (events) this.drawTimeline(events);
+    if (focused) document.getElementById(focused)?.focus();
+  }
+
+  drawHead(run) {
+    const actions = [];
+    if (session.can("runs:write") && !TERMINAL.has(run.status) && run.status !== "cancel_requested") {
+      const cancel = h("button", { type: "button", class: "btn danger", id: "run-cancel" }, "Cancel run");
+      cancel.addEventListener("click", () => this.cancel());
+      actions.push(cancel);
+    }
+    if (session.can("runs:write") && TERMINAL.has(run.status)) {
+      const rerun = h("button", { type: "button", class: "btn primary", id: "run-rerun" }, "Rerun");
+      rerun.addEventListener("click", () => this.rerun());
+      actions.push(rerun);
+    }
+    const name = this.template?.name || run.templateType;
+    fill(this.head,
+      pageHead(h("span", {}, "Run ", h("span", { class: "mono" }, run.id)), { actions }),
+      h("p", { class: "muted", id: "run-status-line" },
+        h("span", { id: "run-status" }, badge(run.status)), " ",
+        h("a", { href: `#/templates/${encodeURIComponent(run.templateType)}?v=${run.templateVersion}` }, name),
+        ` v${run.templateVersion} · ${run.scope}:${run.scopeId}`,
+        run.phase && !TERMINAL.has(run.status) ? ` · step ${run.phase}` : ""),
+    );
+    document.title = `Run ${run.id} · jobplane`;
+  }
+
+  drawProgress(run) {
+    const names = new Map((this.template?.steps || []).map((s) => [s.id, s]));
+    const steps = run.progress.steps.length
+      ? run.progress.steps
+      : (this.template?.steps || []).map((s) => ({ id: s.id, status: "pending", percentage: 0 }));
+    const list = h("ol", { class: "steps", "aria-label": "Steps" });
+    for (const step of steps) {
+      const spec = names.get(step.id);
+      const label = spec?.name || step.id;
+      const took = step.startedAt
+        ? duration(((step.completedAt ? new Date(step.completedAt) : new Date()) - new Date(step.startedAt)) / 1000)
+        : null;
+      list.append(h(
+        "li",
+        { "data-step": step.id },
+        h("div", {},
+          h("div", { class: "step-name" }, label, " ", spec?.name ? h("span", { class: "mono" }, step.id) : null),
+          h("div", { class: "step-meta" }, spec ? `${spec.handler}${spec.workerType === "external" ? " (external)" : ""}` : "")),
+        h("div", {},
+          h("div", { class: "bar-row" },
+            progressBar(step.percentage, { label: `Step ${label}`, status: step.status }),
+            h("span", { class: "pct" }, `${Math.round(step.percentage)}%`)),
+          step.message ? h("div", { class: "step-meta" }, step.message) : null),
+        h("div", { class: "right" }, badge(step.status), took ? h("div", { class: "step-meta" }, took) : null),
+        step.error ? h("div", { class: "step-error" }, step.error) : null,
+      ));
+    }
+    fill(this.summary,
+      h("h2", {}, "Progress"),
+      h("div", { class: "bar-row" },
+        progressBar(run.progress.percentage, { label: "Run progress", status: run.status }),
+        h("span", { class: "pct", id: "run-percentage" }, `${Math.round(run.progress.percentage)}%`)),
+      run.progress.summary ? h("p", { class: "muted small" }, run.progress.summary) : null,
+      list,
+    );
+  }
+
+  drawDetails(run) {
+    const link = (hash, text) => h("a", { href: hash, class: "mono" }, text);
+    fill(this.details,
+      card("Run", facts([
+        ["Status", badge(run.status)],
+        ["Attempt", `${run.attempt} of ${run.maxAttempts}`],
+        ["Queue", h("span", { class: "mono" }, run.queue)],
+        ["Priority", String(run.priority)],
+        ["Created", time(run.createAt)],
+        ["Not before", run.notBefore ? time(run.notBefore) : undefined],
+        ["Started", time(run.startedAt)],
+        ["Completed", run.completedAt ? time(run.completedAt) : undefined],
+        ["Deadline", run.deadline ? time(run.deadline) : undefined],
+        ["Schedule", run.scheduleId ? link(`#/schedules/${encodeURIComponent(run.scheduleId)}`, run.scheduleId) : undefined],
+        ["Scheduled for", run.scheduledFor ? time(run.scheduledFor) : undefined],
+        ["Rerun of", run.rerunOf ? runLink(run.rerunOf, { full: true }) : undefined],
+        ["Idempotency key", run.idempotencyKey ? h("span", { class: "mono" }, run.idempotencyKey) : undefined],
+        ["Dedupe key", run.dedupeKey ? h("span", { class: "mono" }, run.dedupeKey) : undefined],
+      ])),
+      card("Lease", facts([
+        [TERMINAL.has(run.status) ? "Last held by" : "Held by", run.lockedBy ? h("span", { class: "mono" }, run.lockedBy) : "no worker"],
+        ["Lease until", run.lockedUntil ? time(run.lockedUntil) : undefined],
+        ["Last heartbeat", run.heartbeatAt ? time(run.heartbeatAt) : undefined],
+        ["External worker", run.externalType ? h("span", { class: "mono" }, run.externalType) : undefined],
+        ["Cancel requested", run.cancelRequestedAt ? time(run.cancelRequestedAt) : undefined],
+        ["Cancel by", run.cancelRequestedBy || undefined],
+        ["Cancel reason", run.cancelReason || undefined],
+      ])),
+    );
+  }
+
+  drawData(run) {
+    const parts = [card("Payload", json(run.payload))];
+    if (run.result !== null && run.result !== undefined) parts.push(card("Result", json(run.result)));
+    if (run.error) parts.push(errorCard(run.error));
+    fill(this.data, h("div", { class: run.error || run.result != null ? "grid cols-2" : "" }, parts));
+  }
+
+  drawTimeline(events) {
+    const list = h("ol", { class: "timeline", "aria-label": "Events, oldest first" });
+    for (const e of events) {
+      const move = e.from && e.to ? ` ${e.from} → ${e.to}` : e.to ? ` → ${e.to}` : e.from ? ` from ${e.from}` : "";
+      const meta = Object.keys(e.metadata || {}).length ? JSON.stringify(e.metadata) : "";
+      list.append(h(
+        "li",
+        {},
+        h("div", { class: "when" }, time(e.createAt)),
+        h("div", {},
+          h("span", { class: "what" }, e.type), h("span", { class: "muted" }, move),
+          h("div", { class: "meta" }, e.actor, e.message ? ` · ${e.message}` : ""),
+          meta ? h("div", { class: "meta mono" }, meta) : null),
+      ));
+    }
+    fill(this.timeline,
+      h("h2", {}, "Event timeline", h("span", { class: "aside" }, `${events.length} event${events.length === 1 ? "" : "s"}`)),
+      events.length ? list : h("p", { class: "muted" }, "No events yet."),
+    );
+  }
+
+  async cancel() {
+    const running = !["pending", "queued"].includes(this.run.status);
+    const choice = await confirmDialog({
+      title: "Cancel this run?",
+      message: running
+        ? "Its worker stops at the next checkpoint; until then the run shows cancel requested."
+        : "It has not started, so it is cancelled at once.",
+      confirmLabel: "Cancel run",
+      danger: true,
+      reason: { label: "Reason (optional)", placeholder: "why it is cancelled" },
+    });
+    if (!choice.ok) return;
+    try {
+      const body = choice.reason ? { reason: choice.reason } : {};
+      const changed = await post(`/v1/runs/${encodeURIComponent(this.run.id)}/cancel`, body);
+      toast(changed.status === "cancelled" ? "Run cancelled." : "Cancel requested; waiting for the worker.");
+      this.onChange(changed);
+      this.update(changed, await get(`/v1/runs/${encodeURIComponent(this.run.id)}/events`));
+    } catch (error) {
+      this.refused("The run was not cancelled", error);
+    }
+  }
+
+  async rerun() {
+    const choice = await confirmDialog({
+      title: "Rerun this run?",
+      message: "A new run starts with the same template version, scope, payload and priority.",
+      confirmLabel: "Rerun",
+    });
+    if (!choice.ok) return;
+    try {
+      const created = await post(`/v1/runs/${encodeURIComponent(this.run.id)}/rerun`, {});
+      toast(`Rerun created: ${created.id}`);
+      this.ctx.navigate(`#/runs/${encodeURIComponent(created.id)}`);
+    } catch (error) {
+      this.refused("The rerun was not created", error);
+    }
+  }
+
+  refused(what, error) {
+    if (!(error instanceof ApiError)) throw error;
+    toast(`${what}: ${error.message}`, "error");
+    this.head.append(errorBox(error, { title: `${what}.` }));
+  }
+}
+
+function errorCard(error) {
+  const lines = (error.traceback || "").trimEnd().split("\n").filter(Boolean);
+  return h(
+    "section",
+    { class: "card", "aria-label": "Error" },
+    h("h2", {}, "Error"),
+    facts([
+      ["Code", h("code", {}, error.code)],
+      ["Message", error.message],
+      ["Step", error.step || undefined],
+      ["Attempt", String(error.attempt)],
+    ]),
+    lines.length
+      ? h("div", {},
+        h("h3", {}, "Traceback summary"),
+        h("pre", { class: "block", "aria-label": "Last line of the traceback" }, lines.at(-1)),
+        h("details", {}, h("summary", {}, `Full traceback (${lines.length} lines)`), h("pre", { class: "block" }, error.traceback)))
+      : null,
+  );
+}

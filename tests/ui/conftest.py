@@ -1,0 +1,154 @@
+"""The dashboard's browser tests: one jobplane (API, worker and scheduler processes) and one
+headless Chromium for the whole directory; each test gets a fresh browser context (its own
+sessionStorage) and its own scope ids, so tests never see each other's runs.
+
+Without Chromium the tests are skipped, and the reason is printed at the start and in the
+summary; `make test` installs Chromium first wherever apt-get can.
+"""
+
+from collections.abc import Iterator
+from uuid import uuid4
+
+import pytest
+from playwright.sync_api import Browser, BrowserContext, Page, Playwright, sync_playwright
+
+# API-level tests of GET /v1/overview run against an in-process app, with the integration
+# fixtures (their own database and Redis prefix per test).
+from tests.integration.conftest import (  # noqa: F401
+    backends,
+    client_for,
+    register,
+    settings,
+    store,
+)
+from tests.ui.stack import CHROMIUM, CHROMIUM_MISSING, Stack, launch_chromium, running_stack
+
+TEMPLATES = [
+    {
+        "type": "ui_steps",
+        "name": "Three steps",
+        "description": "Two sleeps and an echo.",
+        "payloadSchema": {
+            "type": "object",
+            "properties": {
+                "sleepSeconds": {
+                    "type": "number",
+                    "minimum": 0,
+                    "maximum": 30,
+                    "description": "per sleeping step",
+                },
+                "target": {"type": "string", "maxLength": 40},
+                "mode": {"enum": ["fast", "thorough"]},
+                "notify": {"type": "boolean"},
+            },
+            "required": ["sleepSeconds"],
+            "additionalProperties": False,
+        },
+        "steps": [
+            {"id": "prepare", "name": "Prepare", "handler": "builtin.sleep"},
+            {"id": "work", "name": "Work", "handler": "builtin.sleep"},
+            {"id": "report", "name": "Report", "handler": "builtin.echo"},
+        ],
+    },
+    {
+        # The first step cannot be cancelled, so a cancel stays `cancel_requested` until it
+        # ends: long enough for the page to show it before `cancelled`.
+        "type": "ui_hold",
+        "name": "Hold, then wait",
+        "payloadSchema": {"type": "object"},
+        "cancelPolicy": {"graceSeconds": 60},
+        "steps": [
+            {"id": "hold", "handler": "builtin.sleep", "cancelable": False},
+            {"id": "wait", "handler": "builtin.noop"},
+        ],
+    },
+    {
+        "type": "ui_fail",
+        "name": "Always fails",
+        "steps": [{"id": "boom", "name": "Boom", "handler": "builtin.fail"}],
+    },
+    {
+        "type": "ui_report",
+        "name": "Report",
+        "schedulable": True,
+        "payloadSchema": {"type": "object", "properties": {"period": {"type": "string"}}},
+        "steps": [{"id": "collect", "handler": "builtin.noop"}],
+    },
+]
+
+
+def pytest_report_header() -> str | None:
+    """Said first when tests/ui is among the paths given (`pytest tests/ui`)."""
+    if not CHROMIUM.exists():
+        return f"tests/ui will be SKIPPED: {CHROMIUM_MISSING}"
+    return None
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    """Said last in every run that collected these tests, so a skip is never silent."""
+    if not CHROMIUM.exists():
+        terminalreporter.write_sep("=", "dashboard browser tests SKIPPED", yellow=True, bold=True)
+        terminalreporter.write_line(CHROMIUM_MISSING)
+
+
+# Package scope: the processes go away when the last test here has run.
+@pytest.fixture(scope="package")
+def stack(
+    mongo_url: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[Stack]:
+    with running_stack(mongo_url, redis_url, tmp_path_factory.mktemp("ui_logs")) as running:
+        with running.admin() as admin:
+            for template in TEMPLATES:
+                response = admin.post("/v1/templates", json=template)
+                assert response.status_code == 201, response.text
+        yield running
+
+
+# Module scope: while Playwright's sync driver is open, its event loop counts as running in
+# this thread, so async tests (pytest-asyncio's) can only run once it is closed again.
+@pytest.fixture(scope="module")
+def playwright() -> Iterator[Playwright]:
+    if not CHROMIUM.exists():
+        pytest.skip(CHROMIUM_MISSING)
+    with sync_playwright() as driver:
+        yield driver
+
+
+@pytest.fixture(scope="module")
+def browser(playwright: Playwright) -> Iterator[Browser]:
+    chromium = launch_chromium(playwright)
+    yield chromium
+    chromium.close()
+
+
+@pytest.fixture
+def context(browser: Browser, stack: Stack) -> Iterator[BrowserContext]:
+    """A fresh browser context on a laptop-sized screen."""
+    made = browser.new_context(viewport={"width": 1366, "height": 800}, accept_downloads=True)
+    made.set_default_timeout(15_000)
+    yield made
+    made.close()
+
+
+@pytest.fixture
+def page(context: BrowserContext) -> Iterator[Page]:
+    """A page that fails the test on an uncaught script error."""
+    opened = context.new_page()
+    errors: list[str] = []
+    opened.on("pageerror", lambda error: errors.append(str(error)))
+    yield opened
+    assert not errors, f"script errors on the page: {errors}"
+
+
+@pytest.fixture
+def scope_id() -> str:
+    """A scope id of this test's own."""
+    return f"u_{uuid4().hex[:8]}"
+
+
+def sign_in(page: Page, stack: Stack, key: str | None = None) -> None:
+    """Open the dashboard with `key` (the admin's by default) already in sessionStorage."""
+    page.add_init_script(
+        f"sessionStorage.setItem('jobplane.apiKey', {(key or stack.admin_key)!r});"
+    )
+    page.goto(stack.dashboard)

@@ -1,0 +1,257 @@
+"""The dashboard in a real browser: headless Chromium against real API, worker and scheduler
+processes. Every page reads and writes through the public API, as these tests check by
+watching the API's answers rather than the database."""
+
+import csv
+import io
+import re
+import time
+from typing import Any
+
+import httpx
+import pytest
+from playwright.sync_api import Locator, Page, expect
+
+from tests.ui.conftest import sign_in
+from tests.ui.stack import Stack
+
+pytestmark = pytest.mark.timeout(120)
+
+
+def create_run(admin: httpx.Client, template: str, scope_id: str, **payload: Any) -> str:
+    body = {"templateType": template, "scope": "user", "scopeId": scope_id, "payload": payload}
+    response = admin.post("/v1/runs", json=body)
+    assert response.status_code == 201, response.text
+    return str(response.json()["id"])
+
+
+def run_status(page: Page) -> Locator:
+    return page.locator("#run-status [data-status]")
+
+
+def test_sign_in_keeps_the_key_in_this_tab_only(page: Page, stack: Stack) -> None:
+    page.goto(stack.dashboard)
+    key = page.get_by_label("API key")
+    expect(key).to_be_focused()
+    key.fill("jp_nothing_like_a_key")
+    key.press("Enter")
+    expect(page.get_by_role("alert")).to_contain_text("This key was refused")
+    expect(key).to_have_attribute("aria-invalid", "true")
+
+    key.fill(stack.admin_key)
+    page.keyboard.press("Enter")
+    expect(page.get_by_role("heading", name="Overview", level=1)).to_be_visible()
+    expect(page.get_by_role("navigation", name="Main")).to_contain_text("Audit")
+    storage = page.evaluate("[sessionStorage.getItem('jobplane.apiKey'), localStorage.length]")
+    assert storage == [stack.admin_key, 0]
+    assert page.context.cookies() == []
+
+    page.reload()  # the tab remembers the key
+    expect(page.get_by_role("heading", name="Overview", level=1)).to_be_visible()
+    other = page.context.new_page()  # another tab does not
+    other.goto(stack.dashboard)
+    expect(other.get_by_label("API key")).to_be_visible()
+    other.close()
+    page.get_by_role("button", name="Sign out").click()
+    expect(page.get_by_label("API key")).to_be_visible()
+    assert page.evaluate("sessionStorage.length") == 0
+
+
+def test_a_run_from_the_generated_form_with_an_invalid_field_shown_inline(
+    page: Page, stack: Stack, scope_id: str
+) -> None:
+    sign_in(page, stack)
+    page.get_by_role("link", name="Templates", exact=True).click()
+    page.get_by_role("link", name="Create a run of ui_steps").click()
+    expect(page.get_by_role("heading", name="Create a run")).to_be_visible()
+    # One control per schema property, labelled, with the schema's bounds as a hint.
+    seconds = page.get_by_role("spinbutton", name="sleepSeconds", exact=True)
+    expect(seconds).to_have_attribute("type", "number")
+    expect(page.get_by_role("combobox", name="mode", exact=True)).to_be_visible()
+    expect(page.get_by_role("checkbox", name="notify", exact=True)).to_have_attribute(
+        "type", "checkbox"
+    )
+    page.get_by_role("textbox", name="Scope id", exact=True).fill(scope_id)
+    page.get_by_role("textbox", name="target", exact=True).fill("nightly")
+    page.get_by_role("combobox", name="mode", exact=True).select_option("thorough")
+    seconds.fill("99")
+    page.get_by_role("button", name="Create run").click()
+
+    error = page.locator("#payload-sleepSeconds-error")
+    expect(error).to_be_visible()
+    expect(error).to_contain_text("99 is greater than the maximum of 30")
+    expect(seconds).to_have_attribute("aria-invalid", "true")
+    expect(seconds).to_be_focused()
+    expect(page.get_by_role("alert")).to_contain_text("The run was not created")
+
+    seconds.fill("0.4")
+    page.get_by_role("button", name="Create run").click()
+    expect(page).to_have_url(re.compile(r"#/runs/[0-9a-f]{24}$"))
+    run_id = page.url.rsplit("/", 1)[1]
+    # The bars move without a reload until the run is done.
+    expect(page.get_by_role("progressbar", name="Run progress")).to_have_attribute(
+        "aria-valuenow", "100", timeout=20_000
+    )
+    expect(run_status(page)).to_have_text("succeeded")
+    for step in ("Prepare", "Work", "Report"):
+        expect(page.get_by_role("progressbar", name=f"Step {step}")).to_have_attribute(
+            "aria-valuenow", "100"
+        )
+    with stack.admin() as admin:
+        run = admin.get(f"/v1/runs/{run_id}").json()
+    assert run["payload"] == {"sleepSeconds": 0.4, "target": "nightly", "mode": "thorough"}
+    assert (run["scope"], run["scopeId"], run["status"]) == ("user", scope_id, "succeeded")
+
+
+def test_cancel_shows_cancel_requested_then_cancelled(
+    page: Page, stack: Stack, scope_id: str
+) -> None:
+    with stack.admin() as admin:
+        run_id = create_run(admin, "ui_hold", scope_id, sleepSeconds=6)
+    sign_in(page, stack)
+    page.goto(f"{stack.dashboard}#/runs/{run_id}")
+    expect(run_status(page)).to_have_text("running", timeout=10_000)
+    page.get_by_role("button", name="Cancel run").click()
+    dialog = page.get_by_role("dialog", name="Cancel this run?")
+    expect(dialog.get_by_label("Reason (optional)")).to_be_focused()
+    page.keyboard.type("not needed")
+    page.keyboard.press("Enter")  # confirms, from the keyboard alone
+    # The step holding the run cannot be cancelled, so the run waits for it to end.
+    expect(run_status(page)).to_have_text("cancel requested")
+    expect(page.get_by_role("button", name="Cancel run")).to_have_count(0)
+    expect(run_status(page)).to_have_text("cancelled", timeout=15_000)
+    expect(page.get_by_role("button", name="Rerun")).to_be_visible()
+    timeline = page.get_by_role("list", name="Events, oldest first")
+    expect(timeline).to_contain_text("cancel_requested")
+    expect(timeline).to_contain_text("not needed")
+
+
+def test_rerun_a_failed_run(page: Page, stack: Stack, scope_id: str) -> None:
+    with stack.admin() as admin:
+        run_id = create_run(admin, "ui_fail", scope_id, fatal=True)
+    sign_in(page, stack)
+    page.goto(f"{stack.dashboard}#/runs/{run_id}")
+    expect(run_status(page)).to_have_text("failed", timeout=10_000)
+    error = page.get_by_role("region", name="Error")
+    expect(error).to_contain_text("fatal")
+    expect(error.get_by_label("Last line of the traceback")).to_contain_text("FatalError")
+    page.get_by_role("button", name="Rerun").click()
+    page.get_by_role("dialog", name="Rerun this run?").get_by_role("button", name="Rerun").click()
+    expect(page).not_to_have_url(re.compile(f"{run_id}$"))
+    expect(page).to_have_url(re.compile(r"#/runs/[0-9a-f]{24}$"))
+    expect(page.get_by_role("link", name=f"run {run_id}")).to_be_visible()
+    rerun_id = page.url.rsplit("/", 1)[1]
+    with stack.admin() as admin:
+        assert admin.get(f"/v1/runs/{rerun_id}").json()["rerunOf"] == run_id
+
+
+def test_a_user_key_sees_only_its_own_scopes(page: Page, stack: Stack, scope_id: str) -> None:
+    with stack.admin() as admin:
+        mine = create_run(admin, "ui_fail", scope_id, fatal=True)
+        theirs = create_run(admin, "ui_fail", f"{scope_id}_other", fatal=True)
+        body = {"name": f"key-{scope_id}", "role": "user", "scopes": [f"user:{scope_id}"]}
+        key = admin.post("/v1/api-keys", json=body).json()["key"]
+    sign_in(page, stack, key)
+    expect(page.get_by_role("complementary")).to_contain_text(f"user:{scope_id}")
+    page.get_by_role("link", name="Runs", exact=True).click()
+    runs = page.get_by_role("region", name="Runs")
+    expect(runs.get_by_role("link", name=f"run {mine}")).to_be_visible()
+    expect(runs.get_by_role("link", name=f"run {theirs}")).to_have_count(0)
+    # Not even by its address: the API answers 404, as for a run that does not exist.
+    page.goto(f"{stack.dashboard}#/runs/{theirs}")
+    expect(page.get_by_role("alert")).to_contain_text("NotFound")
+    page.goto(f"{stack.dashboard}#/failed")
+    failed = page.get_by_role("region", name="Dead letters")
+    expect(failed).to_contain_text("ui_fail")
+    expect(failed.get_by_role("link", name=f"run {theirs}")).to_have_count(0)
+    # A user key may not read the whole audit trail's other scopes either.
+    page.goto(f"{stack.dashboard}#/audit?jobId={theirs}")
+    expect(page.get_by_role("region", name="Events")).to_contain_text("No event matches")
+
+
+def test_create_and_pause_a_schedule(page: Page, stack: Stack, scope_id: str) -> None:
+    sign_in(page, stack)
+    page.get_by_role("link", name="Schedules", exact=True).click()
+    page.get_by_role("link", name="New schedule").click()
+    page.get_by_label("Template", exact=True).select_option("ui_report")
+    page.get_by_role("textbox", name="Scope id", exact=True).fill(scope_id)
+    cron = page.get_by_label("Cron", exact=True)
+    cron.fill("every tuesday")
+    page.get_by_label("Time zone").fill("Asia/Taipei")
+    page.get_by_label("Payload template (JSON)").fill('{"period": "{{scheduledFor}}"}')
+    page.get_by_role("button", name="Create schedule").click()
+    expect(page.locator("#schedule-cron-error")).to_be_visible()
+    expect(cron).to_have_attribute("aria-invalid", "true")
+
+    cron.fill("30 9 * * 2")
+    page.get_by_role("button", name="Create schedule").click()
+    expect(page).to_have_url(re.compile(r"#/schedules/[0-9a-f]{24}$"))
+    schedule_id = page.url.rsplit("/", 1)[1]
+    state = page.locator("#schedule-state")
+    expect(state).to_have_text("enabled")
+    fires = page.get_by_role("region", name="Next 10 fires")
+    expect(fires.locator("tbody tr")).to_have_count(10)
+    # 09:30 on a Tuesday in Taipei is 01:30 UTC the same day.
+    expect(fires.locator("tbody tr").first).to_contain_text("09:30:00")
+    expect(fires.locator("tbody tr").first).to_contain_text("01:30:00")
+
+    page.get_by_role("button", name=f"Pause schedule {schedule_id}").click()
+    expect(state).to_have_text("paused")
+    with stack.admin() as admin:
+        assert admin.get(f"/v1/schedules/{schedule_id}").json()["enabled"] is False
+    page.get_by_role("link", name="Schedules", exact=True).click()
+    row = page.get_by_role("row").filter(has=page.get_by_text(f"user:{scope_id}"))
+    expect(row).to_contain_text("paused")
+    expect(row.get_by_role("button", name=f"Resume schedule {schedule_id}")).to_be_visible()
+
+
+def test_bulk_rerun_of_dead_letters(page: Page, stack: Stack, scope_id: str) -> None:
+    body = {"name": f"bulk-{scope_id}", "role": "user", "scopes": [f"user:{scope_id}"]}
+    with stack.admin() as admin:
+        dead = [create_run(admin, "ui_fail", scope_id, fatal=True) for _ in range(3)]
+        key = admin.post("/v1/api-keys", json=body).json()["key"]
+        for run_id in dead:
+            while admin.get(f"/v1/runs/{run_id}").json()["status"] != "failed":
+                time.sleep(0.05)
+    sign_in(page, stack, key)
+    page.get_by_role("link", name="Failed", exact=True).click()
+    group = page.get_by_label("Select 3 ui_fail runs with fatal")
+    group.check()
+    page.get_by_role("button", name="Rerun 3 selected runs").click()
+    page.get_by_role("dialog", name="Rerun 3 runs?").get_by_role("button", name="Rerun 3").click()
+    expect(page.locator("#failed-status")).to_contain_text("3 reruns created")
+    with stack.admin() as admin:
+        runs = admin.get("/v1/runs", params={"scopeId": scope_id, "limit": 10}).json()["items"]
+    assert sorted(r["rerunOf"] for r in runs if r["rerunOf"]) == sorted(dead)
+
+
+def test_every_page_renders_and_the_audit_exports_csv(
+    page: Page, stack: Stack, scope_id: str
+) -> None:
+    with stack.admin() as admin:
+        run_id = create_run(admin, "ui_steps", scope_id, sleepSeconds=0)
+        changed = {"type": "ui_report", "schedulable": True, "description": "version 2"}
+        changed["steps"] = [{"id": "collect", "handler": "builtin.noop"}]
+        assert admin.post("/v1/templates", json=changed).status_code == 201
+    sign_in(page, stack)
+    overview = page.get_by_role("region", name="Runs by status")
+    expect(overview.get_by_role("link", name=re.compile(r"^\d+ succeeded$"))).to_be_visible()
+    expect(page.get_by_role("img", name=re.compile("Runs per minute"))).to_be_visible()
+    expect(page.get_by_role("region", name="Scheduler")).to_contain_text("leader")
+    expect(page.get_by_role("region", name="Workers")).to_contain_text("1 alive")
+
+    page.goto(f"{stack.dashboard}#/templates/ui_report?from=1&to=2")
+    diff = page.get_by_role("region", name="Changes from v1 to v2")
+    expect(diff.locator(".add", has_text='"description": "version 2"')).to_have_count(1)
+
+    page.goto(f"{stack.dashboard}#/runs?templateType=ui_steps&scopeId={scope_id}")
+    expect(page.get_by_role("link", name=f"run {run_id}")).to_be_visible()
+
+    page.goto(f"{stack.dashboard}#/audit?jobId={run_id}")
+    events = page.get_by_role("region", name="Events")
+    expect(events).to_contain_text("created")
+    with page.expect_download() as download:
+        events.get_by_role("button", name="Export CSV").click()
+    rows = list(csv.DictReader(io.StringIO(download.value.path().read_text())))
+    assert rows and {r["jobId"] for r in rows} == {run_id}
+    assert rows[0]["type"] == "created" and rows[0]["actor"] == "user:admin"
