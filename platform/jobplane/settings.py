@@ -31,6 +31,8 @@ class Settings(BaseSettings):
     admin_key: str | None = None
     # A run's payload, as compact JSON, may not be larger (413 `PayloadTooLarge`).
     max_payload_bytes: Annotated[int, Field(ge=1)] = 256 * 1024
+    # A `POST /v1/runs/batch` body may not be larger (413); the other routes' cap stays small.
+    max_batch_bytes: Annotated[int, Field(ge=1)] = 16 * 1024 * 1024
     data_dir: Path = Path(".jobplane")
     host: str = "127.0.0.1"
     port: int = 8000

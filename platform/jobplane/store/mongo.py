@@ -616,6 +616,8 @@ class MongoStore:
         return await self._insert_many([(new, actor) for new in news])
 
     async def _insert_many(self, items: list[tuple[NewRun, str]]) -> list[Run | Exception]:
+        if not items:  # a batch whose every item was refused, or holds a dedupe key
+            return []
         now = self.clock.now()
         runs: list[Run] = []
         docs: list[Doc] = []

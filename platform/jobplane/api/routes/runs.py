@@ -1,4 +1,4 @@
-"""Creating, listing, reading, cancelling and rerunning runs."""
+"""Creating (one or a batch), listing, reading, cancelling and rerunning runs."""
 
 import json
 from typing import Annotated, Any, Literal
@@ -8,16 +8,21 @@ from pydantic import AfterValidator, Field, StrictInt, StrictStr
 
 from jobplane.api import pages
 from jobplane.api.deps import RunReader, RunsDep, RunWriter, SettingsDep, StoreDep
-from jobplane.api.errors import ERROR_RESPONSES
+from jobplane.api.errors import ERROR_RESPONSES, ErrorBody
 from jobplane.api.pages import Cursor, Limit, Page
-from jobplane.api.schema import RequestBody
-from jobplane.errors import PayloadTooLarge
+from jobplane.api.schema import RequestBody, ResponseBody
+from jobplane.errors import JobplaneError, PayloadTooLarge
 from jobplane.model import Event, Instant, Run, RunStatus, ScopeId, Version
 from jobplane.model.storable import storable
 from jobplane.runs import RunRequest
 from jobplane.store import RunQuery
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"], responses=ERROR_RESPONSES)
+
+# The most runs one `POST /v1/runs/batch` takes; its body has a size cap of its own
+# (`JOBPLANE_MAX_BATCH_BYTES`, applied to BATCH_PATH by the app's `BodyLimit`).
+MAX_BATCH = 1000
+BATCH_PATH = "/v1/runs/batch"
 
 
 class RunCreate(RequestBody):
@@ -32,6 +37,32 @@ class RunCreate(RequestBody):
     delay_seconds: Annotated[float, Field(ge=0, le=366 * 86400)] | None = None
     not_before: Instant | None = None
     idempotency_key: Annotated[StrictStr, Field(min_length=1, max_length=200)] | None = None
+
+
+class RunBatch(RequestBody):
+    # A malformed item (a wrong type, an unknown field) refuses the whole request with 422 and
+    # pointers `/runs/<i>/...`, as any body that breaks the document does: it is a bug in the
+    # client, not data. Items are refused one by one only for what the service decides.
+    runs: Annotated[list[RunCreate], Field(min_length=1, max_length=MAX_BATCH)]
+
+
+class BatchCreated(ResponseBody):
+    """201: a new run; 200: the first run of a repeated `idempotencyKey`."""
+
+    status: Literal[200, 201]
+    run: Run
+
+
+class BatchRefused(ResponseBody):
+    """The status and error a `POST /v1/runs` of this item alone would have been answered with;
+    the error's pointers start with the item's, `/runs/<i>`."""
+
+    status: Annotated[int, Field(ge=400, le=599)]
+    error: ErrorBody
+
+
+class BatchResult(ResponseBody):
+    items: list[BatchCreated | BatchRefused]
 
 
 class CancelBody(RequestBody):
@@ -50,18 +81,61 @@ async def create(
 ) -> Run:
     """Create a run; a repeated `idempotencyKey` in the same scope returns the first with 200."""
     caller.may_act_in(body.scope, body.scope_id)
-    # `surrogatepass`: a string UTF-8 cannot encode is measured here and refused by the service.
-    compact = json.dumps(body.payload, ensure_ascii=False, separators=(",", ":"))
-    size = len(compact.encode(errors="surrogatepass"))
-    if size > settings.max_payload_bytes:
-        raise PayloadTooLarge(
-            f"payload is {size} bytes; the limit is {settings.max_payload_bytes}",
-            {"limit": settings.max_payload_bytes, "size": size},
-        )
-    run, created = await runs.create(RunRequest(**body.model_dump()), caller.actor)
+    run, created = await runs.create(run_request(body, settings.max_payload_bytes), caller.actor)
     if not created:
         response.status_code = 200
     return run
+
+
+@router.post("/batch", response_model=BatchResult, response_model_by_alias=True)
+async def create_batch(
+    body: RunBatch, runs: RunsDep, caller: RunWriter, settings: SettingsDep
+) -> BatchResult:
+    """Create up to 1,000 runs; `items` answers each in request order, as `POST /v1/runs` would
+    have: `{status: 201|200, run}` or `{status: 4xx, error}`. One refused item (another scope,
+    a payload too large or invalid, a disabled template) does not stop the others."""
+    outcomes: list[tuple[Run, bool] | JobplaneError | None] = [None] * len(body.runs)
+    accepted: list[int] = []
+    requests: list[RunRequest] = []
+    for i, item in enumerate(body.runs):
+        try:
+            caller.may_act_in(item.scope, item.scope_id)
+            requests.append(run_request(item, settings.max_payload_bytes))
+        except JobplaneError as error:
+            outcomes[i] = error
+            continue
+        accepted.append(i)
+    created = await runs.create_many(requests, caller.actor) if requests else []
+    for i, outcome in zip(accepted, created, strict=True):
+        outcomes[i] = outcome
+    return BatchResult(items=[_batch_item(i, o) for i, o in enumerate(outcomes) if o is not None])
+
+
+def run_request(body: RunCreate, max_payload_bytes: int) -> RunRequest:
+    """The service's request for a valid body, unless its payload is over the size limit."""
+    # `surrogatepass`: a string UTF-8 cannot encode is measured here and refused by the service.
+    compact = json.dumps(body.payload, ensure_ascii=False, separators=(",", ":"))
+    size = len(compact.encode(errors="surrogatepass"))
+    if size > max_payload_bytes:
+        raise PayloadTooLarge(
+            f"payload is {size} bytes; the limit is {max_payload_bytes}",
+            {"limit": max_payload_bytes, "size": size},
+        )
+    return RunRequest(**body.model_dump())
+
+
+def _batch_item(
+    index: int, outcome: tuple[Run, bool] | JobplaneError
+) -> BatchCreated | BatchRefused:
+    if not isinstance(outcome, JobplaneError):
+        run, new = outcome
+        return BatchCreated(status=201 if new else 200, run=run)
+    details = dict(outcome.details)
+    if isinstance(problems := details.get("errors"), list):
+        # The service points into one run (`/payload/x`); the caller sent many.
+        details["errors"] = [{**p, "pointer": f"/runs/{index}{p['pointer']}"} for p in problems]
+    error = ErrorBody(code=outcome.code, message=outcome.message, details=details)
+    return BatchRefused(status=outcome.status, error=error)
 
 
 @router.get("", response_model=Page[Run], response_model_by_alias=True)

@@ -1,0 +1,220 @@
+"""How many runs a second one producer process creates through `jobplane.Client`.
+
+No worker runs: what is measured is the producer's path, from the call to its return with the
+run durable in MongoDB (`majority` by default) and pushed to Redis. For each transport, each
+workload gets a fresh database and Redis prefix with one template (a `builtin.noop` step):
+
+callers     N creates from C concurrent callers (a closed loop: each caller makes its next call
+            when the last one returned), one run per call.
+batches     B runs in one `create_many` call: chunks of 1,000, a few in flight at once.
+sequential  a smaller sample, strictly one create after another: the latency of one create.
+
+direct      `Client(mongodb_url=..., redis_url=...)` in this process: `RunService` directly,
+            concurrent creates sharing MongoDB and Redis writes (the store's group commit).
+http        `Client(url=..., api_key=...)` against a real `python -m jobplane api` process
+            (the bootstrap admin key; one keep-alive pool in the client).
+
+A window runs from the first call to the last return; after it the script checks that MongoDB
+holds every run. CPU seconds of this process (`bench`), the API process, mongod and redis are
+printed per window with the machine's total: "others" is CPU that processes this benchmark did
+not start took meanwhile, so a busy neighbour shows.
+
+MongoDB and Redis are started from the `local` extra's binaries in a temporary directory unless
+URLs are given.
+
+    .venv/bin/python bench/producer.py [--runs N] [--batch-runs B] [--sequential-runs S]
+                                       [--callers C] [--transport direct|http|both] [--repeat K]
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import secrets
+import statistics
+import time
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import httpx
+
+from jobplane import Client, CreateRequest
+from jobplane.backends import open_backends
+from jobplane.devstack.servers import free_port
+from jobplane.model import TemplateSpec
+from jobplane.settings import Settings
+
+# bench/ is not a package: Python puts a script's own folder first on sys.path.
+from throughput import Processes, machine, run_main
+
+TEMPLATE = TemplateSpec.model_validate(
+    {"type": "bench_noop", "steps": [{"id": "only", "handler": "builtin.noop"}]}
+)
+START_SECONDS = 60.0
+
+
+@dataclass
+class Bench:
+    args: argparse.Namespace
+    mongo_url: str
+    redis_url: str
+    procs: Processes
+
+    def settings(self) -> Settings:
+        return Settings(
+            mongodb_url=self.mongo_url,
+            redis_url=self.redis_url,
+            db=f"bench_{secrets.token_hex(4)}",
+            redis_prefix=f"bench{secrets.token_hex(4)}:",
+            write_concern=self.args.write_concern,
+            admin_key=secrets.token_urlsafe(16),
+            port=free_port(),
+            log_format="json",
+        )
+
+    @contextlib.asynccontextmanager
+    async def client(self, transport: str) -> AsyncIterator[tuple[Client, Settings]]:
+        """A client of a fresh database with the template, and (http) an API process."""
+        settings = self.settings()
+        async with open_backends(settings) as backends:
+            await backends.store.register_template(TEMPLATE)
+        try:
+            if transport == "http":
+                self.procs.start(settings, "api")
+                url = f"http://{settings.host}:{settings.port}"
+                await self.api_ready(url)
+                client = Client(url, api_key=settings.admin_key)
+            else:
+                client = Client(
+                    mongodb_url=settings.mongodb_url,
+                    redis_url=settings.redis_url,
+                    db=settings.db,
+                    redis_prefix=settings.redis_prefix,
+                    actor="client:bench",
+                )
+            async with client:
+                yield client, settings
+        finally:
+            self.procs.stop()
+            async with open_backends(settings) as backends:
+                await backends.store.client.drop_database(settings.db)
+
+    async def api_ready(self, url: str) -> None:
+        async with httpx.AsyncClient(base_url=url) as http, asyncio.timeout(START_SECONDS):
+            while True:
+                self.procs.check()
+                with contextlib.suppress(httpx.TransportError):
+                    if (await http.get("/readyz")).status_code == 200:
+                        return
+                await asyncio.sleep(0.05)
+
+
+async def callers(client: Client, runs: int, concurrency: int) -> None:
+    left = runs
+
+    async def caller() -> None:
+        nonlocal left
+        while left > 0:
+            left -= 1
+            await client.create("bench_noop", scope="system", scope_id="bench")
+
+    await asyncio.gather(*(caller() for _ in range(concurrency)))
+
+
+async def batches(client: Client, runs: int) -> None:
+    request = CreateRequest("bench_noop", "system", "bench")
+    results = await client.create_many([request] * runs)
+    refused = [r for r in results if isinstance(r, Exception)]
+    if refused:
+        raise RuntimeError(f"{len(refused)} runs refused, first: {refused[0]!r}")
+
+
+async def sequential(client: Client, runs: int) -> None:
+    for _ in range(runs):
+        await client.create("bench_noop", scope="system", scope_id="bench")
+
+
+async def window(
+    bench: Bench,
+    transport: str,
+    runs: int,
+    work: Callable[[Client], Awaitable[None]],
+) -> float:
+    """Runs a second of one workload on a fresh database; prints the window's CPU use."""
+    async with bench.client(transport) as (client, settings):
+        # One call first: connections and the template cache are warm, as in a running app.
+        await client.create("bench_noop", scope="system", scope_id="warm-up")
+        before, start = bench.procs.cpu(), time.perf_counter()
+        await work(client)
+        seconds = time.perf_counter() - start
+        after = bench.procs.cpu()
+        async with open_backends(settings) as backends:
+            stored = await backends.store.runs.count_documents({"scopeId": "bench"})
+    if stored != runs:
+        raise RuntimeError(f"{runs} runs created, {stored} in MongoDB")
+    used = {name: after.get(name, 0) - before.get(name, 0) for name in after}
+    ours = sum(v for k, v in used.items() if k != "machine")
+    used["others"] = max(0.0, used.pop("machine") - ours)
+    cpu = " ".join(f"{k} {v:.1f}" for k, v in sorted(used.items()) if v >= 0.05)
+    print(f"  {runs / seconds:9,.0f} runs/s  {runs} runs in {seconds:.2f} s  cpu s: {cpu}")
+    return runs / seconds
+
+
+async def main_async(bench: Bench) -> None:
+    a = bench.args
+    print(machine())
+    print(
+        f"runs {a.runs} (callers {a.callers}), batch runs {a.batch_runs}, sequential "
+        f"{a.sequential_runs}, write concern {a.write_concern}, repeat {a.repeat}\n"
+        f"mongodb {bench.mongo_url}, redis {bench.redis_url}\n",
+        flush=True,
+    )
+    transports = ["direct", "http"] if a.transport == "both" else [a.transport]
+    workloads: list[tuple[str, int, Callable[[Client], Awaitable[None]]]] = [
+        (f"{a.callers} callers", a.runs, lambda c: callers(c, a.runs, a.callers)),
+        ("create_many", a.batch_runs, lambda c: batches(c, a.batch_runs)),
+        ("sequential", a.sequential_runs, lambda c: sequential(c, a.sequential_runs)),
+    ]
+    figures: dict[str, list[float]] = {}
+    for _ in range(a.repeat):
+        for transport in transports:
+            for name, runs, work in workloads:
+                label = f"{transport}: {name}"
+                print(label, flush=True)
+                figures.setdefault(label, []).append(await window(bench, transport, runs, work))
+    print(f"\n{'workload':28} {'median':>9} {'min':>9} {'max':>9}  each (runs/s)")
+    for label, rates in figures.items():
+        each = " ".join(f"{r:,.0f}" for r in rates)
+        print(
+            f"{label:28} {statistics.median(rates):9,.0f} {min(rates):9,.0f} {max(rates):9,.0f}"
+            f"  {each}"
+        )
+
+
+def parse() -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--runs", type=int, default=5000, help="runs of the callers workload")
+    parser.add_argument("--batch-runs", type=int, default=20000, help="runs in create_many")
+    parser.add_argument("--sequential-runs", type=int, default=500)
+    parser.add_argument("--callers", type=int, default=32)
+    parser.add_argument("--transport", choices=["direct", "http", "both"], default="both")
+    parser.add_argument("--repeat", type=int, default=3)
+    parser.add_argument("--write-concern", default="majority")
+    parser.add_argument("--mongodb-url", help="a MongoDB of your own (default: a throwaway one)")
+    parser.add_argument("--redis-url", help="a Redis of your own (default: a throwaway one)")
+    return parser.parse_args()
+
+
+def main() -> None:
+    args = parse()
+
+    def start(mongo: str, redis: str, procs: Processes) -> Awaitable[Any]:
+        return main_async(Bench(args, mongo, redis, procs))
+
+    run_main(args, start)
+
+
+if __name__ == "__main__":
+    main()
