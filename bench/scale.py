@@ -21,10 +21,13 @@ seeding     `MongoStore.ensure_indexes()` on the seeded database first, so that 
             so that no round pays for flushing it.
 rounds      `throughput.py`'s drain and end-to-end workloads (N runs, W worker processes, C
             concurrency, a scheduler for end-to-end), interleaved: empty, full, empty, full...
-            "empty" is a fresh database per workload, as in throughput.py; "full" is the seeded
-            one, whose runs of the round are deleted after it. Both count and time only the
-            round's own runs (ObjectIds from the round's start), so the big database costs the
-            benchmark's polling nothing.
+            "full" is the seeded database, "empty" one with the same collections and indexes
+            and no documents; after each workload its runs and events are deleted from either,
+            so both sides differ only in what was there before. (--fresh-empty: a new database
+            per workload on the empty side, as throughput.py does; creating its collections and
+            indexes, and the first writes to them, then count against it.) Both sides count and
+            time only the workload's own runs (ObjectIds from its start), so the big database
+            costs the benchmark's polling nothing.
 plans       Then, with MongoDB's profiler on, the platform's list, reaper and overview reads
             against the full database: per call, time, plans and what they examined.
 
@@ -72,6 +75,7 @@ E2E = "end-to-end, first create -> last done"
 QUIET_OTHERS_MS = 1.0
 SPAN = timedelta(days=30)
 SEED_DB = "scale_seeded"
+EMPTY_DB = "scale_empty"
 USERS, ACCOUNTS, WORKERS = 10_000, 500, 8
 ACTOR = "user:scale"
 
@@ -123,7 +127,7 @@ SHAPE_RUNS: list[tuple[str, Doc, int, str]] = [
 
 async def make_shapes(bench: ScaleBench) -> dict[RunStatus, list[Doc]]:
     """Real finished runs by status, made in a throwaway database by a real worker."""
-    settings = bench.settings()
+    settings = throughput.Bench.settings(bench)  # a new database, whatever `bench.db` is
     async with open_backends(settings) as backends:
         store, service = backends.store, RunService(backends.store, backends.queue)
         try:
@@ -351,7 +355,8 @@ class Cost:
 
 @dataclass
 class ScaleBench(throughput.Bench):
-    """`throughput.Bench` on the seeded database (`seeded`) or on a fresh one per workload.
+    """`throughput.Bench` on a database it keeps (`db`: the seeded one, or one left empty),
+    or on a fresh one per workload (`db` None, as throughput.py does).
 
     Its drain and end-to-end are throughput.py's, with every query of the benchmark's own (the
     count it polls, the first claim, the last completion) limited to the workload's runs, whose
@@ -359,13 +364,13 @@ class ScaleBench(throughput.Bench):
     and sort its million runs.
     """
 
-    seeded: str | None = None
+    db: str | None = None
     since: ObjectId = field(default_factory=ObjectId)
     costs: dict[str, list[Cost]] = field(default_factory=dict)
 
     def settings(self) -> Settings:
         settings = super().settings()
-        return settings.model_copy(update={"db": self.seeded}) if self.seeded else settings
+        return settings.model_copy(update={"db": self.db}) if self.db else settings
 
     def mine(self) -> Doc:
         return {"_id": {"$gte": self.since}}
@@ -376,7 +381,7 @@ class ScaleBench(throughput.Bench):
         # are newer than `since` and nothing made before is.
         await asyncio.sleep(1 - time.time() % 1 + 0.01)
         self.since = ObjectId.from_datetime(datetime.now(UTC))
-        if self.seeded is None:
+        if self.db is None:
             async with super().fresh() as opened:
                 yield opened
             return
@@ -388,7 +393,7 @@ class ScaleBench(throughput.Bench):
             finally:
                 self.procs.stop()
                 await backends.store.flush_events()
-                # The seeded database stays as it was seeded for the next round.
+                # The database stays as it was before the workload, for the next round.
                 await backends.store.runs.delete_many(self.mine())
                 since = self.since.generation_time
                 await backends.store.events.delete_many({"createAt": {"$gte": since}})
@@ -496,18 +501,18 @@ async def forget_redis(backends: Backends, settings: Settings) -> None:
 # -- plans at scale --------------------------------------------------------------------------------
 
 
-async def plans(store: MongoStore, rare_type: str, scope: tuple[str, str], job_id: str) -> None:
+async def plans(store: MongoStore, template_type: str, scope: tuple[str, str], job_id: str) -> None:
     """Time and work of the platform's reads on the seeded database, from MongoDB's profiler."""
     now = store.clock.now()
     within = [scope, ("account", "acct_1")]
     calls: dict[str, Callable[[], Awaitable[Any]]] = {
         "list_runs (first page)": lambda: store.list_runs(RunQuery(), None, 51),
         "list_runs status=failed": lambda: store.list_runs(RunQuery(status=S.FAILED), None, 51),
-        f"list_runs templateType={rare_type}": lambda: store.list_runs(
-            RunQuery(template_type=rare_type), None, 51
+        f"list_runs templateType={template_type}": lambda: store.list_runs(
+            RunQuery(template_type=template_type), None, 51
         ),
-        f"list_runs status=succeeded, templateType={rare_type}": lambda: store.list_runs(
-            RunQuery(status=S.SUCCEEDED, template_type=rare_type), None, 51
+        f"list_runs status=succeeded, templateType={template_type}": lambda: store.list_runs(
+            RunQuery(status=S.SUCCEEDED, template_type=template_type), None, 51
         ),
         # No report_export run ever fails: nothing matches, what is read is the walk.
         "list_runs status=failed, templateType=report_export": lambda: store.list_runs(
@@ -657,6 +662,7 @@ async def main_async(empty: ScaleBench, full: ScaleBench) -> None:
         + ", ".join(f"{s.value} {w:g}" for s, w in a.mix.items())
         + f", batches of {a.batch:,} from {a.seed_tasks} tasks, write concern 1 for seeding",
     )
+    # Opening the backends creates the empty side's collections and indexes (when it keeps one).
     async with open_backends(empty.settings()) as backends:
         opts = await backends.store.client.admin.command("getCmdLineOpts")
         dbpath = Path(opts["parsed"].get("storage", {}).get("dbPath", "/"))
@@ -717,6 +723,7 @@ async def main_async(empty: ScaleBench, full: ScaleBench) -> None:
                     print(f"{label}: stranded / reconciler pushes per end-to-end round: {stranded}")
             await plans(seeded, "nightly_sync", scope, job_id)
         finally:
+            await backends.store.client.drop_database(EMPTY_DB)
             if not a.keep:
                 await backends.store.client.drop_database(SEED_DB)
 
@@ -741,6 +748,12 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--seed", type=int, default=1, help="random seed of the seeding")
     parser.add_argument("--keep", action="store_true", help="keep the seeded database")
+    parser.add_argument(
+        "--fresh-empty",
+        action="store_true",
+        help="the empty side on a new database per workload, as throughput.py (creating its "
+        "collections and 20 indexes is then part of its figure)",
+    )
     parser.add_argument("--runs", type=int, default=5000, help="runs per workload")
     parser.add_argument("--workers", type=int, default=2, help="worker processes")
     parser.add_argument("--concurrency", type=int, default=32, help="JOBPLANE_WORKER_CONCURRENCY")
@@ -768,8 +781,8 @@ def main() -> None:
     args = parse()
 
     def start(mongo: str, redis: str, procs: Processes) -> Awaitable[None]:
-        empty = ScaleBench(args, mongo, redis, procs)
-        full = ScaleBench(args, mongo, redis, procs, seeded=SEED_DB)
+        empty = ScaleBench(args, mongo, redis, procs, db=None if args.fresh_empty else EMPTY_DB)
+        full = ScaleBench(args, mongo, redis, procs, db=SEED_DB)
         return main_async(empty, full)
 
     run_main(args, start)
