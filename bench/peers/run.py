@@ -399,7 +399,8 @@ def scaling(figures: Figures, systems: list[str]) -> list[str]:
         for c, heading in COLUMNS.items():
             rows = [figures[p][system].get(c, []) for p in counts]
             if any(rows):
-                cells = [cell(r, c in LOWER_IS_BETTER).split(" (")[0] for r in rows]
+                spec = "{:,.1f}" if c in LOWER_IS_BETTER else "{:,.0f}"
+                cells = [spec.format(median_range(r)[0]) if r else DASH for r in rows]
                 out.append(f"| {system} | {heading} | " + " | ".join(cells) + " |")
     return out
 
@@ -421,6 +422,16 @@ def server_versions(servers: Servers) -> str:
         mongod = client.admin.command("buildInfo")["version"]
     rds = redis.Redis.from_url(servers.redis_url).info("server")["redis_version"]
     return f"mongod {mongod} (one-node replica set), redis-server {rds}"
+
+
+def report(figures: Figures, systems: list[str]) -> None:
+    for workers, by_system in figures.items():
+        rounds = max(len(v) for f in by_system.values() for k, v in f.items() if k in COLUMNS)
+        print(f"\nP = {workers} worker processes, {rounds} rounds:\n")
+        print("\n".join(table(by_system, systems)))
+    if len(figures) > 1:
+        print("\nmedians by worker processes:\n")
+        print("\n".join(scaling(figures, systems)))
 
 
 def record(
@@ -509,6 +520,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         help="a run during which other processes used more cores than this is measured again",
     )
     parser.add_argument("--redo", type=int, default=2, help="at most this many times")
+    parser.add_argument("--report", type=Path, help="print the tables of a figures.json again")
     parser.add_argument("--mongodb-url", help="with --redis-url: existing servers, all flushed!")
     parser.add_argument("--redis-url")
     args = parser.parse_args(argv)
@@ -526,8 +538,14 @@ def interrupt(signum: int, frame: object) -> None:
 
 def main() -> None:
     signal.signal(signal.SIGTERM, interrupt)
+    args = parse()
+    if args.report:
+        saved = json.loads(args.report.read_text())
+        figures: Figures = {int(p): by_system for p, by_system in saved.items()}
+        report(figures, list(next(iter(figures.values()))))
+        return
     try:
-        compare(parse())
+        compare(args)
     except KeyboardInterrupt:
         sys.exit(130)
 
@@ -560,16 +578,10 @@ def compare(args: argparse.Namespace) -> None:
                         if not record(run, srv, log, label, into, args):
                             failures.append(label)
         flush(srv)
-    names = list(systems)
-    for workers in args.workers:
-        print(f"\nP = {workers} worker processes, {args.rounds} rounds:\n")
-        print("\n".join(table(figures[workers], names)))
-    if len(args.workers) > 1:
-        print("\nmedians by worker processes:\n")
-        print("\n".join(scaling(figures, names)))
+    report(figures, list(systems))
     raw = logs / "figures.json"
     raw.write_text(json.dumps(figures, indent=1))
-    print(f"\nevery figure: {raw}")
+    print(f"\nevery figure: {raw} (`--report {raw}` prints the tables again)")
     if failures:
         print(f"\nFAILED ({len(failures)}): " + "; ".join(failures))
         sys.exit(1)
