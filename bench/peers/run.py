@@ -46,17 +46,18 @@ from urllib.parse import urlsplit, urlunsplit
 import pymongo
 import redis
 
-# bench/peers is the script's own folder, first on sys.path.
+# bench/peers is the script's own folder, first on sys.path; bench/ holds the CPU readers.
 from common import WORKLOADS, median_range
 
+sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 from jobplane.devstack.servers import MongoServer, RedisServer, free_port
+from throughput import cpu_seconds, machine_cpu_seconds
 
 HERE = Path(__file__).resolve().parent
 BENCH = HERE.parent
 ROOT = BENCH.parent
 VENVS = ROOT / ".bench-venvs"
 DEFAULT_SYSTEMS = ("jobplane", "celery-mongo", "celery-redis", "saq")
-CLOCK_TICK = os.sysconf("SC_CLK_TCK")
 # Other processes busier than this (in cores) make a run wait a little (`--settle`).
 QUIET_CORES = 0.15
 RUN_TIMEOUT = 1800  # seconds for one subprocess; a stall is caught sooner inside each driver
@@ -263,21 +264,6 @@ def flush(servers: Servers) -> None:
         for name in client.list_database_names():
             if name not in {"admin", "config", "local"}:
                 client.drop_database(name)
-
-
-def cpu_seconds(pid: int) -> float:
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except OSError:
-        return 0.0
-    fields = stat[stat.rindex(")") + 2 :].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICK
-
-
-def machine_cpu_seconds() -> float:
-    ticks = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
-    user, nice, system, _idle, _iowait, irq, softirq, steal = ticks
-    return (user + nice + system + irq + softirq + steal) / CLOCK_TICK
 
 
 def ours(servers: Servers) -> float:
