@@ -7,7 +7,7 @@ every status.
 from datetime import timedelta
 from typing import Any
 
-from jobplane.model import Run, RunStatus, Template
+from jobplane.model import TERMINAL, Run, RunStatus, Template
 from jobplane.store import Lease, MongoStore, NewRun
 
 WORKER = "w-test"
@@ -28,6 +28,8 @@ async def run_in(
         "attempt": 1,
         "maxAttempts": 3,
     }
+    if status in TERMINAL:
+        doc["completedAt"] = now
     doc.update(fields)
     await store.runs.update_one({"_id": _oid(run.id)}, {"$set": doc})
     fresh = await store.get_run(run.id)

@@ -31,7 +31,7 @@ async def _keys(client_for: Client, settings: Settings) -> dict[str, httpx.Async
 
 
 @pytest.fixture
-async def world(client_for: Client, settings: Settings) -> dict[str, Any]:
+async def world(client_for: Client, settings: Settings, backends: Backends) -> dict[str, Any]:
     """Keys of every role, the noop template, and a finished run in `user:u1` and `user:u2`."""
     clients = await _keys(client_for, settings)
     admin = clients["admin"]
@@ -43,6 +43,7 @@ async def world(client_for: Client, settings: Settings) -> dict[str, Any]:
         cancelled = await admin.post(f"/v1/runs/{run['id']}/cancel", json={"reason": "setup"})
         assert cancelled.json()["status"] == "cancelled"
         runs[scope_id] = run["id"]
+    await backends.store.flush_events()  # the audit query reads the copies in `job_events`
     return {"clients": clients, "mine": runs["u1"], "theirs": runs["u2"]}
 
 

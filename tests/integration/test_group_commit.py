@@ -7,6 +7,8 @@ one batch on purpose.
 
 import asyncio
 
+from bson import ObjectId
+
 from jobplane.model import Run, RunStatus
 from jobplane.store import DuplicateRun, KeyHeld, Known, Lost, MongoStore, Moved, NewRun
 from tests.integration.conftest import Register
@@ -45,7 +47,10 @@ async def test_lost_and_won_writes_in_one_batch_are_told_apart(
         *(store.enqueue(r.id, "user:a", known(RunStatus.PENDING)) for r in runs)
     )
     assert [isinstance(o, Moved) for o in outcomes] == [False, True] * 5
-    assert all(o.status == RunStatus.CANCELLED for o in outcomes[::2] if isinstance(o, Lost))
+    assert all(isinstance(o, Lost) and o.reason == "status" for o in outcomes[::2])
+    for run in runs[::2]:
+        stored = await store.get_run(run.id)
+        assert stored is not None and stored.status == RunStatus.CANCELLED
 
 
 async def test_a_duplicate_key_in_a_batch_fails_only_its_writer(
@@ -79,3 +84,39 @@ async def test_a_bulk_insert_reports_each_collision_on_its_own_item(
         else:
             assert isinstance(outcome, Run)
     assert await store.runs.count_documents({}) == 3
+
+
+async def test_progress_writes_in_one_batch_are_fenced_by_the_lease_alone(
+    store: MongoStore, register: Register
+) -> None:
+    """A progress write carries no event, so it names no version: a heartbeat that moved the
+    version does not make it miss, while a lost lease does, even inside a batch of winners."""
+    template = await register()
+    runs = [await store.insert_run(NewRun(template, "user", "u1"), "user:a") for _ in range(6)]
+    claimed = await store.claim([r.id for r in runs], "w1", lease_seconds=30)
+    leases = [lease for _, lease in claimed]
+    beat_known = [lease.known for lease in leases]
+    await store.heartbeat("w1", leases, 30)
+    assert all(  # the beat moved every version, and the leases know it
+        lease.known and before and lease.known.version == before.version + 1
+        for lease, before in zip(leases, beat_known, strict=True)
+    )
+    stale = [lease.known for lease in leases]
+    for lease, known_before in zip(leases, beat_known, strict=True):
+        lease.known = known_before  # as if the beat's read-back had not come yet
+    taken = leases[::2]
+    for lease in taken:  # another worker's lease now: these writes must be refused
+        await store.runs.update_one(
+            {"_id": ObjectId(lease.run_id)}, {"$set": {"leaseToken": "other"}}
+        )
+    outcomes = await asyncio.gather(
+        *(store.report_progress(lease, 0, 50, 50, "half") for lease in leases)
+    )
+    assert [o is None for o in outcomes] == [False, True] * 3
+    assert all(isinstance(o, Lost) and o.reason == "lease" for o in outcomes[::2])
+    for lease, before in zip(leases, stale, strict=True):
+        stored = await store.get_run(lease.run_id)
+        assert stored is not None and before is not None
+        written = lease not in taken
+        assert stored.progress.percentage == (50 if written else 0)
+        assert stored.version == before.version + written

@@ -202,25 +202,12 @@ def wide(entries: Sequence[Doc]) -> list[Doc]:
     return found
 
 
-def known_scan(entry: Doc) -> bool:
-    """A scan this file reports in `test_listing_templates_and_their_queues_never_scans`
-    (a strict xfail): `store.queues()`, `distinct("queue")` on `job_templates`, which the
-    scheduler's tick and the metrics read. Remove with the index that ends it."""
-    cmd = command(entry)
-    return cmd.get("distinct") == "job_templates" and cmd.get("key") == "queue"
-
-
-async def assert_no_scans(profile: Profiler, expected: set[str], known: bool = False) -> None:
-    """No recorded plan scans a collection (but the `known_scan` when `known`), and each
-    collection in `expected` was queried."""
+async def assert_no_scans(profile: Profiler, expected: set[str]) -> None:
+    """No recorded plan scans a collection, and each collection in `expected` was queried."""
     assert expected <= profile.touched(), (
         f"the profiler saw no query on {sorted(expected - profile.touched())}"
     )
-    offenders = [
-        describe(e)
-        for e in profile.planned()
-        if "COLLSCAN" in e["planSummary"] and not (known and known_scan(e))
-    ]
+    offenders = [describe(e) for e in profile.planned() if "COLLSCAN" in e["planSummary"]]
     offenders += await lookup_scans(profile.store, profile.entries)
     for entry in wide(profile.planned()):
         # Shown with -s, not asserted: an index walked further than the answer needs.
@@ -555,9 +542,7 @@ async def test_the_reaper_reconciler_sweep_and_retention_never_scan(
         scheduler = Scheduler(store, queue, settings)
         await scheduler.tick()
         await scheduler.tick()
-    await assert_no_scans(
-        profile, {"job_runs", "job_events", "job_schedules", "job_templates"}, known=True
-    )
+    await assert_no_scans(profile, {"job_runs", "job_events", "job_schedules", "job_templates"})
 
 
 async def test_creating_reading_and_cancelling_runs_never_scan(
@@ -727,13 +712,6 @@ async def test_templates_and_api_keys_by_name_never_scan(store: MongoStore, seed
     await assert_no_scans(profile, {"job_templates", "api_keys"})
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="job_templates has no index for these: `latest_templates` sorts {type: 1, "
-    "version: -1} (needs that index; (type, version) ascending cannot serve it) and "
-    "`queues` (store.queues(), read by metrics.read_state and every scheduler tick) is a "
-    "`distinct('queue')` (needs {queue: 1})",
-)
 async def test_listing_templates_and_their_queues_never_scans(
     store: MongoStore, queue: RedisQueue, seeded: Seeded
 ) -> None:

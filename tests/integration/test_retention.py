@@ -2,6 +2,7 @@
 are never missing to a reader while they move."""
 
 import asyncio
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 
 import httpx
@@ -26,8 +27,12 @@ def clock() -> ManualClock:
 
 
 @pytest.fixture
-def timed(backends: Backends, settings: Settings, clock: ManualClock) -> MongoStore:
-    return MongoStore(backends.store.client, settings.db, clock=clock)
+async def timed(
+    backends: Backends, settings: Settings, clock: ManualClock
+) -> AsyncIterator[MongoStore]:
+    store = MongoStore(backends.store.client, settings.db, clock=clock)
+    yield store
+    await store.flush_events()  # before the test's database is dropped
 
 
 async def test_only_terminal_runs_past_the_age_move(

@@ -3,6 +3,7 @@ run still active (overlap policies), and with two schedulers at once. Times move
 injected clock, except in the test of the running loop."""
 
 import asyncio
+from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -28,9 +29,12 @@ def clock() -> ManualClock:
 
 
 @pytest.fixture
-def timed(backends: Backends, settings: Settings, clock: ManualClock) -> ScheduleService:
+async def timed(
+    backends: Backends, settings: Settings, clock: ManualClock
+) -> AsyncIterator[ScheduleService]:
     store = MongoStore(backends.store.client, settings.db, clock=clock)
-    return ScheduleService(store, backends.queue)
+    yield ScheduleService(store, backends.queue)
+    await store.flush_events()  # before the test's database is dropped
 
 
 async def schedule(timed: ScheduleService, register: Register, **fields: Any) -> Schedule:

@@ -55,3 +55,35 @@ async def test_concurrent_registrations_make_consecutive_versions(store: MongoSt
     # Eight different definitions: each becomes its own version, none lost to the race.
     assert sorted(t.version for t, created in results if created) == list(range(1, 9))
     assert await store.templates.count_documents({"type": "t"}) == 8
+
+
+async def test_an_earlier_versions_indexes_are_replaced_without_a_gap(
+    store: MongoStore, register: Register
+) -> None:
+    """A deployment made by an earlier version has full indexes where this one keeps partial
+    ones: starting up creates the new ones next to the old (same keys, other names), then
+    drops the old, and a second start changes nothing."""
+    old_runs = {
+        "status_1_lockedUntil_1": [("status", 1), ("lockedUntil", 1)],
+        "status_1_deadline_1": [("status", 1), ("deadline", 1)],
+        "status_1_cancelDeadline_1": [("status", 1), ("cancelDeadline", 1)],
+        "scheduleId_1__id_-1": [("scheduleId", 1), ("_id", -1)],
+        "status_1_dedupeKey_1_updateAt_1": [("status", 1), ("dedupeKey", 1), ("updateAt", 1)],
+    }
+    for name in ("leases", "deadlines", "cancel_deadlines", "schedule_runs", "ended"):
+        await store.runs.drop_index(name)
+    for name, keys in old_runs.items():
+        assert await store.runs.create_index(keys) == name
+    await store.events.create_index([("jobId", 1), ("runVersion", 1), ("_id", 1)])
+    template = await register()
+    run = await store.insert_run(NewRun(template, "user", "u1"), "user:a")
+
+    await store.ensure_indexes()
+    await store.ensure_indexes()
+
+    runs = await store.runs.index_information()
+    assert not old_runs.keys() & runs.keys()
+    assert runs["leases"]["partialFilterExpression"] == {"lockedUntil": {"$exists": True}}
+    assert runs["ended"]["partialFilterExpression"] == {"completedAt": {"$exists": True}}
+    assert "jobId_1_runVersion_1__id_1" not in await store.events.index_information()
+    assert await store.get_run(run.id) is not None

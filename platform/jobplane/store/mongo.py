@@ -8,11 +8,12 @@ race; it comes back as `Lost` and is never retried here.
 """
 
 import asyncio
+import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Callable, Iterable, Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
@@ -27,7 +28,7 @@ from pymongo import (
     UpdateOne,
 )
 from pymongo.asynchronous.collection import AsyncCollection
-from pymongo.errors import BulkWriteError, DuplicateKeyError, WriteError
+from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure, WriteError
 from pymongo.write_concern import WriteConcern
 
 from jobplane.clock import Clock, SystemClock
@@ -70,6 +71,18 @@ _EVENT_FILTERS: list[list[tuple[str, int]]] = [
     [("type", ASCENDING)],
     [("actor", ASCENDING)],
 ]
+# Indexes of earlier versions, replaced by partial ones (fewer entries to keep up on every
+# write) or found unused; `ensure_indexes` drops them.
+_REPLACED_INDEXES = {
+    "job_runs": {
+        "status_1_lockedUntil_1",
+        "status_1_deadline_1",
+        "status_1_cancelDeadline_1",
+        "scheduleId_1__id_-1",
+        "status_1_dedupeKey_1_updateAt_1",
+    },
+    "job_events": {"jobId_1_runVersion_1__id_1"},
+}
 # Fields a write's events need from the run it changes, and `_lost` needs to explain a miss.
 _STATE_FIELDS = {
     "status": 1,
@@ -91,9 +104,9 @@ _UNDONE_STEP = {"p.status": {"$in": [StepStatus.PENDING, StepStatus.FAILED]}}
 class Known:
     """What a writer knows of a run from its own last write.
 
-    With it, the next write can be a plain conditional update on that status and version (no
-    read, no retryable-write image): if it matches, the writer knew the run's state exactly.
-    If another writer got in between, the write falls back to `find_one_and_update`.
+    With it, the next write can be a conditional update on that status and version with no
+    read first: if it matches, the writer knew the run's state exactly; if another writer got
+    in between, it misses, and the writer reads the state and tries again.
     """
 
     status: RunStatus
@@ -104,11 +117,17 @@ class Known:
 
 @dataclass(frozen=True)
 class _Update:
-    """One conditional run update that appends events to the trail (see `_update_many`)."""
+    """One conditional run update (see `_update_many`)."""
 
     query: Doc
     update: Doc
-    array_filters: list[Mapping[str, Any]] | None
+    array_filters: list[Mapping[str, Any]] | None = None
+
+    @property
+    def first_event(self) -> ObjectId | None:
+        """The first event the update appends to the trail, which tells whether it applied."""
+        pushed = self.update.get("$push", {}).get("trail", {}).get("$each")
+        return pushed[0]["_id"] if pushed else None
 
 
 @dataclass
@@ -242,11 +261,15 @@ class _Copier:
 
     # Beyond this many events waiting, writers wait for the copier (MongoDB is not keeping up).
     MAX_BACKLOG = 10_000
+    # Nobody waits for a copy, so each one waits this long for more events to share its insert:
+    # at a low rate, events of many runs go in one insert instead of one insert per write.
+    LINGER_SECONDS = 0.05
 
     def __init__(self, events: AsyncCollection[Doc]) -> None:
         self._events = events
         self._pending: list[Doc] = []
         self._taken = asyncio.Event()
+        self._hurry = asyncio.Event()
         self._copier: asyncio.Task[None] | None = None
 
     async def hand(self, events: list[Doc]) -> None:
@@ -261,6 +284,7 @@ class _Copier:
     async def drain(self) -> None:
         """Wait until every event handed over has been copied (or failed to be)."""
         while self._copier is not None:
+            self._hurry.set()
             await asyncio.wait([self._copier])
 
     async def copy(self, events: list[Doc]) -> None:
@@ -276,6 +300,8 @@ class _Copier:
     async def _copy_pending(self) -> None:
         try:
             while self._pending:
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(self._hurry.wait(), self.LINGER_SECONDS)
                 batch, self._pending = self._pending, []
                 self._taken.set()
                 self._taken = asyncio.Event()
@@ -289,6 +315,7 @@ class _Copier:
                     )
         finally:
             self._copier = None
+            self._hurry.clear()
 
 
 class MongoStore:
@@ -334,19 +361,43 @@ class MongoStore:
         await self.db.command("ping")
 
     async def ensure_indexes(self) -> None:
-        """Create every index; safe to run at each start-up and from several processes."""
+        """Create every index; safe to run at each start-up and from several processes.
+
+        Indexes an earlier version made and this one replaced are dropped after their
+        replacements exist, so no query is left without an index meanwhile.
+        """
         await self.templates.create_indexes(
-            [IndexModel([("type", ASCENDING), ("version", ASCENDING)], unique=True)]
+            [
+                IndexModel([("type", ASCENDING), ("version", ASCENDING)], unique=True),
+                # The latest version of each type, and every queue templates name.
+                IndexModel([("type", ASCENDING), ("version", DESCENDING)]),
+                IndexModel([("queue", ASCENDING)]),
+            ]
         )
         has = {"$exists": True}
+        # Every index is work for every write that changes its keys. Fields only some runs
+        # have (a lease, a deadline, a schedule) get partial indexes, so a run is in them only
+        # while it has the field; terminal runs enter the retention index only once they end.
         await self.runs.create_indexes(
             [
                 # Claim path: the reconciler finds claimable runs missing from Redis.
                 IndexModel([("status", ASCENDING), ("_id", ASCENDING)]),
                 # The reaper's scans: leases that ran out, deadlines and cancel graces passed.
-                IndexModel([("status", ASCENDING), ("lockedUntil", ASCENDING)]),
-                IndexModel([("status", ASCENDING), ("deadline", ASCENDING)]),
-                IndexModel([("status", ASCENDING), ("cancelDeadline", ASCENDING)]),
+                IndexModel(
+                    [("status", ASCENDING), ("lockedUntil", ASCENDING)],
+                    name="leases",
+                    partialFilterExpression={"lockedUntil": has},
+                ),
+                IndexModel(
+                    [("status", ASCENDING), ("deadline", ASCENDING)],
+                    name="deadlines",
+                    partialFilterExpression={"deadline": has},
+                ),
+                IndexModel(
+                    [("status", ASCENDING), ("cancelDeadline", ASCENDING)],
+                    name="cancel_deadlines",
+                    partialFilterExpression={"cancelDeadline": has},
+                ),
                 IndexModel(
                     [("dedupeKey", ASCENDING)],
                     unique=True,
@@ -364,7 +415,11 @@ class MongoStore:
                 ),
                 IndexModel([("scope", ASCENDING), ("scopeId", ASCENDING), ("_id", DESCENDING)]),
                 IndexModel([("templateType", ASCENDING), ("_id", DESCENDING)]),
-                IndexModel([("scheduleId", ASCENDING), ("_id", DESCENDING)]),
+                IndexModel(
+                    [("scheduleId", ASCENDING), ("_id", DESCENDING)],
+                    name="schedule_runs",
+                    partialFilterExpression={"scheduleId": has},
+                ),
                 # Runs waiting for a dedupe key, oldest first.
                 IndexModel(
                     [("dedupeWait", ASCENDING), ("_id", ASCENDING)],
@@ -372,11 +427,13 @@ class MongoStore:
                 ),
                 # The sweep: runs written since its last pass.
                 IndexModel([("updateAt", ASCENDING)]),
-                # Retention: terminal runs by age. Runs holding a spent dedupe key never move
-                # (the key must stay under the unique index); a null `dedupeKey` bound keeps
-                # the pass from even reading them.
+                # Retention: terminal runs (those with `completedAt`) by age. Runs holding a
+                # spent dedupe key never move (the key must stay under the unique index); a null
+                # `dedupeKey` bound keeps the pass from even reading them.
                 IndexModel(
-                    [("status", ASCENDING), ("dedupeKey", ASCENDING), ("updateAt", ASCENDING)]
+                    [("status", ASCENDING), ("dedupeKey", ASCENDING), ("updateAt", ASCENDING)],
+                    name="ended",
+                    partialFilterExpression={"completedAt": has},
                 ),
             ]
         )
@@ -387,17 +444,20 @@ class MongoStore:
             ]
         )
         # The audit query pages by (createAt, _id) under at most one equality filter, and each
-        # such filter has its index, so no query scans the collection.
+        # such filter has its index, so no query scans the collection. A run's own events are
+        # found by the `jobId` one.
         await self.events.create_indexes(
             [
-                IndexModel([("jobId", ASCENDING), ("runVersion", ASCENDING), ("_id", ASCENDING)]),
-                *(
-                    IndexModel([*fields, ("createAt", ASCENDING), ("_id", ASCENDING)])
-                    for fields in _EVENT_FILTERS
-                ),
+                IndexModel([*fields, ("createAt", ASCENDING), ("_id", ASCENDING)])
+                for fields in _EVENT_FILTERS
             ]
         )
         await self.api_keys.create_indexes([IndexModel([("name", ASCENDING)], unique=True)])
+        for collection, names in _REPLACED_INDEXES.items():
+            existing = await self.db[collection].index_information()
+            for name in names & existing.keys():
+                with contextlib.suppress(OperationFailure):  # another process dropped it first
+                    await self.db[collection].drop_index(name)
 
     # -- templates -----------------------------------------------------------------------------
 
@@ -925,13 +985,20 @@ class MongoStore:
     # -- transitions without a lease -----------------------------------------------------------
 
     async def enqueue(self, run_id: str, actor: str, expect: Known | None = None) -> Moved | Lost:
-        """pending → queued, once the run is in Redis; `expect` lets the creator skip a read.
+        """pending → queued, once the run is in Redis.
+
+        `expect` is the creator's own state of the run it just inserted: the write needs no
+        read first, and a miss needs none after. Whatever moved a pending run off that state
+        (a claim, a cancel, the reconciler's mark) leaves nothing to mark, so the miss is
+        reported as a lost race without finding out to what.
 
         A run waiting for a dedupe key stays `pending`: queued, it could never be claimed nor
         take its key (both look for a pending run without `dedupeWait`).
         """
         waits = {"dedupeWait": {"$exists": False}}
-        return await self._transition("enqueue", run_id, actor, expect=expect, extra=waits)
+        return await self._transition(
+            "enqueue", run_id, actor, expect=expect, extra=waits, settle=expect is None
+        )
 
     async def cancel(self, run_id: str, actor: str, reason: str | None) -> Moved | Lost:
         """A run no worker holds yet ends at once; its pending steps are skipped."""
@@ -977,8 +1044,9 @@ class MongoStore:
     ) -> list[tuple[Run, Lease]]:
         """Lease every claimable run among `run_ids` to `worker_id` under a fresh token.
 
-        One conditional `update_many` and one read-back take the leases; ids whose runs are no
-        longer claimable (cancelled, claimed by another worker, not yet due) are not returned.
+        One conditional `update_many` and one read-back take the leases (one
+        `find_one_and_update` for a single id); ids whose runs are no longer claimable
+        (cancelled, claimed by another worker, not yet due) are not returned.
         """
         oids = [oid for oid in map(object_id, run_ids) if oid]
         if not oids:
@@ -1013,53 +1081,63 @@ class MongoStore:
             "from": "$status",
             "to": RunStatus.RUNNING.value,
         }
-        await self.runs.update_many(
+        claimable = {
+            "_id": {"$in": oids},
+            "status": {"$in": sorted(CLAIMABLE)},
+            "dedupeWait": {"$exists": False},
+            **due,
+        }
+        take = [
             {
-                "_id": {"$in": oids},
-                "status": {"$in": sorted(CLAIMABLE)},
-                "dedupeWait": {"$exists": False},
-                **due,
-            },
-            [
-                {
-                    "$set": {
-                        "version": {"$add": ["$version", 1]},
-                        "attempt": {"$add": ["$attempt", 1]},
-                        "status": {"$literal": RunStatus.RUNNING.value},
-                        "lockedBy": {"$literal": worker_id},
-                        "leaseToken": {"$literal": token},
-                        "lockedUntil": now + timedelta(seconds=lease_seconds),
-                        "heartbeatAt": now,
-                        "updateAt": now,
-                        "startedAt": {"$ifNull": ["$startedAt", now]},
-                        # The whole-run limit counts from the first start, across attempts.
-                        "deadline": {
-                            "$ifNull": [
-                                "$deadline",
-                                {
-                                    "$cond": [
-                                        {"$gt": ["$timeoutSeconds", 0]},
-                                        {"$add": [now, {"$multiply": ["$timeoutSeconds", 1000]}]},
-                                        "$$REMOVE",
-                                    ]
-                                },
-                            ]
-                        },
-                        "trail": {"$concatArrays": [{"$ifNull": ["$trail", []]}, [claim_event]]},
-                    }
+                "$set": {
+                    "version": {"$add": ["$version", 1]},
+                    "attempt": {"$add": ["$attempt", 1]},
+                    "status": {"$literal": RunStatus.RUNNING.value},
+                    "lockedBy": {"$literal": worker_id},
+                    "leaseToken": {"$literal": token},
+                    "lockedUntil": now + timedelta(seconds=lease_seconds),
+                    "heartbeatAt": now,
+                    "updateAt": now,
+                    "startedAt": {"$ifNull": ["$startedAt", now]},
+                    # The whole-run limit counts from the first start, across attempts.
+                    "deadline": {
+                        "$ifNull": [
+                            "$deadline",
+                            {
+                                "$cond": [
+                                    {"$gt": ["$timeoutSeconds", 0]},
+                                    {"$add": [now, {"$multiply": ["$timeoutSeconds", 1000]}]},
+                                    "$$REMOVE",
+                                ]
+                            },
+                        ]
+                    },
+                    "trail": {"$concatArrays": [{"$ifNull": ["$trail", []]}, [claim_event]]},
                 }
-            ],
-        )
-        # The runs this token won, each with only this claim's event of its trail: the rest is
-        # not the worker's to copy.
-        mine = {"$in": ["$$this._id", {"$literal": event_ids}]}
-        cursor = await self.runs.aggregate(
-            [
-                {"$match": {"_id": {"$in": oids}, "lockedBy": worker_id, "leaseToken": token}},
-                {"$set": {"trail": {"$filter": {"input": "$trail", "cond": mine}}}},
-            ]
-        )
-        docs = await cursor.to_list()
+            }
+        ]
+        if len(oids) == 1:
+            # One run (an idle worker woken for it): one round trip, which returns the run with
+            # just the last event of its trail, the one this claim appended.
+            doc = await self.runs.find_one_and_update(
+                claimable,
+                take,
+                {"trail": {"$slice": -1}},
+                return_document=ReturnDocument.AFTER,
+            )
+            docs = [doc] if doc is not None else []
+        else:
+            await self.runs.update_many(claimable, take)
+            # The runs this token won, each with only this claim's event of its trail: the rest
+            # is not the worker's to copy.
+            mine = {"$in": ["$$this._id", {"$literal": event_ids}]}
+            cursor = await self.runs.aggregate(
+                [
+                    {"$match": {"_id": {"$in": oids}, "lockedBy": worker_id, "leaseToken": token}},
+                    {"$set": {"trail": {"$filter": {"input": "$trail", "cond": mine}}}},
+                ]
+            )
+            docs = await cursor.to_list()
         claimed: list[tuple[Run, Lease]] = []
         for doc in docs:
             run = _run(doc)
@@ -1192,12 +1270,13 @@ class MongoStore:
     # -- worker writes: fenced by lockedBy + leaseToken ----------------------------------------
 
     async def heartbeat(
-        self, worker_id: str, leases: Iterable[Lease], lease_seconds: float
+        self, worker_id: str, leases: Sequence[Lease], lease_seconds: float
     ) -> tuple[set[str], set[str]]:
         """Renew many leases at once.
 
-        Returns the ids still held and, among them, those whose cancel was requested. Only the
-        worker can tell a lease lost from a run it finished meanwhile, so nothing is recorded.
+        Returns the ids still held and, among them, those whose cancel was requested, and keeps
+        each held lease's `known` state current. Only the worker can tell a lease lost from a
+        run it finished meanwhile, so nothing is recorded.
         """
         by_token: dict[str, list[ObjectId]] = {}
         for lease in leases:
@@ -1215,10 +1294,17 @@ class MongoStore:
             held_filter,
             {"$set": {"lockedUntil": until, "heartbeatAt": now}, "$inc": {"version": 1}},
         )
-        docs = await self.runs.find(held_filter, {"status": 1}).to_list()
-        held = {str(d["_id"]) for d in docs}
-        cancel = {str(d["_id"]) for d in docs if d["status"] == RunStatus.CANCEL_REQUESTED}
-        return held, cancel
+        found = await self.runs.find(held_filter, _STATE_FIELDS).to_list()
+        docs = {str(d["_id"]): d for d in found}
+        for lease in leases:
+            doc = docs.get(lease.run_id)
+            # The beat moved the version: the worker's next write would miss and read it again.
+            if doc and (lease.known is None or lease.known.version < doc["version"]):
+                lease.known = Known(
+                    RunStatus(doc["status"]), doc["version"], doc["scope"], doc["scopeId"]
+                )
+        cancel = {i for i, d in docs.items() if d["status"] == RunStatus.CANCEL_REQUESTED}
+        return set(docs), cancel
 
     async def start_step(
         self, lease: Lease, index: int, step_id: str, at: datetime | None = None
@@ -1455,10 +1541,13 @@ class MongoStore:
         before: Sequence[tuple[str, str | None, Doc]] = (),
         also: Sequence[tuple[str, str | None, Doc]] = (),
         message: str | None = None,
+        settle: bool = True,
     ) -> Moved | Lost:
         """Apply the named transition as one conditional write, then record its events.
 
         `before` events are written ahead of the `status_changed` event, `also` after it.
+        Without `settle`, a write from `expect` that misses is lost at once: no read finds out
+        whether the run could still move, nor where it is.
         """
         t = TRANSITIONS[name]
         oid = object_id(run_id)
@@ -1501,8 +1590,16 @@ class MongoStore:
             ]
 
         written = await self._write(
-            query, update, lease.known if lease else expect, t.sources, array_filters, events
+            query,
+            update,
+            lease.known if lease else expect,
+            t.sources,
+            array_filters,
+            events,
+            settle,
         )
+        if written is None and not settle:
+            return Lost(run_id, "status")
         if written is None:
             # Only a fenced write can come from a superseded lease: a lease offered to an
             # unfenced move (an external worker's `resume` that lost the race) was never granted.
@@ -1531,6 +1628,16 @@ class MongoStore:
         }
         update["$set"]["updateAt"] = now
         update["$inc"] = {"version": 1}
+        if not events:
+            # Without events the write names no state it moves the run from, so the lease is
+            # its whole condition: a heartbeat that moved the version cannot make it miss.
+            if not await self._updates.submit(_Update(query, update)):
+                return await self._lost(lease.run_id, lease, what)
+            if lease.known is not None:
+                # Exact unless another write landed meanwhile; then the next write that needs
+                # the version misses once and reads it.
+                lease.known = replace(lease.known, version=lease.known.version + 1)
+            return None
 
         def trail(state: Known) -> list[Doc]:
             return [
@@ -1564,16 +1671,19 @@ class MongoStore:
         allowed: frozenset[RunStatus],
         array_filters: list[Doc] | None,
         events: Callable[[Known], list[Doc]],
+        settle: bool = True,
     ) -> tuple[Known, list[Doc]] | None:
         """One conditional write that appends its events to the run's trail.
 
         The events name the state the write moves the run from, so the write is filtered on
         that exact status and version as well as on the guards in `query`. A writer that knows
         the state from its own last write (`known`) needs no read; otherwise it reads the state,
-        and reads again if another write got in between. Returns the state before the write and
-        the events written, or None once a read shows the guards no longer hold.
+        and reads again if another write got in between (unless `settle` is off, when a miss
+        from `known` is the end). Returns the state before the write and the events written,
+        or None once a read shows the guards no longer hold.
         """
         state = known if known is not None and known.status in allowed else None
+        filters: list[Mapping[str, Any]] | None = list(array_filters) if array_filters else None
         while True:
             if state is None:
                 doc = await self.runs.find_one(query, _STATE_FIELDS)
@@ -1584,20 +1694,14 @@ class MongoStore:
                 )
             trail = events(state)
             exact = {**query, "status": state.status, "version": state.version}
-            if trail:
-                write = {**update, "$push": {"trail": {"$each": trail}}}
-                filters: list[Mapping[str, Any]] | None = (
-                    list(array_filters) if array_filters else None
-                )
-                matched = await self._updates.submit(_Update(exact, write, filters))
-            else:
-                result = await self.runs.update_one(exact, update, array_filters=array_filters)
-                matched = bool(result.matched_count)
-            if matched:
+            write = {**update, "$push": {"trail": {"$each": trail}}}
+            if await self._updates.submit(_Update(exact, write, filters)):
                 return state, trail
+            if not settle:
+                return None
             state = None
 
-    async def _update_many(self, updates: list["_Update"]) -> list[bool | Exception]:
+    async def _update_many(self, updates: list[_Update]) -> list[bool | Exception]:
         """Apply many writers' conditional updates in one unordered bulk write; each learns
         whether its own filter matched."""
         ops = [UpdateOne(u.query, u.update, array_filters=u.array_filters) for u in updates]
@@ -1615,18 +1719,32 @@ class MongoStore:
             matched = exc.details["nMatched"]
         if matched == sum(o is True for o in outcomes):
             return outcomes
-        # Some filters matched nothing (lost races). The bulk result only counts them, so
-        # look for each update's first event in its run's trail: present means it was applied.
-        firsts = [u.update["$push"]["trail"]["$each"][0]["_id"] for u in updates]
-        cursor = await self.runs.aggregate(
-            [
-                {"$match": {"_id": {"$in": [u.query["_id"] for u in updates]}}},
-                {"$project": {"hit": {"$setIntersection": ["$trail._id", {"$literal": firsts}]}}},
-            ]
-        )
-        hits = {event for doc in await cursor.to_list() for event in doc["hit"]}
-        pairs = zip(outcomes, firsts, strict=True)
-        return [first in hits if o is True else o for o, first in pairs]
+        # Some filters matched nothing (lost races); the bulk result only counts them. An update
+        # with events applied if its first event is in the run's trail. One without is filtered
+        # on a lease alone, and a lease once lost never comes back: it applied if it holds now.
+        firsts = [u.first_event for u in updates]
+        applied: set[ObjectId] = set()
+        if events := [f for f in firsts if f is not None]:
+            ids = [u.query["_id"] for u in updates if u.first_event is not None]
+            cursor = await self.runs.aggregate(
+                [
+                    {"$match": {"_id": {"$in": ids}}},
+                    {
+                        "$project": {
+                            "hit": {"$setIntersection": ["$trail._id", {"$literal": events}]}
+                        }
+                    },
+                ]
+            )
+            applied |= {event for doc in await cursor.to_list() for event in doc["hit"]}
+        if guards := [u.query for u in updates if u.first_event is None]:
+            held = await self.runs.find({"$or": guards}, {"_id": 1}).to_list()
+            applied |= {doc["_id"] for doc in held}
+        # Event ids and run ids are all ObjectIds, unique across both.
+        return [
+            (first or u.query["_id"]) in applied if o is True else o
+            for u, first, o in zip(updates, firsts, outcomes, strict=True)
+        ]
 
     async def lease_lost(self, lease: Lease, what: str) -> Lost:
         """Record why `lease` no longer holds its run (for a loss the worker found itself)."""
@@ -1680,7 +1798,12 @@ def _template(doc: Doc) -> Template:
 
 def archivable(before: datetime) -> Doc:
     """Terminal runs last written before `before` that hold no dedupe key."""
-    return {"status": {"$in": sorted(TERMINAL)}, "dedupeKey": None, "updateAt": {"$lt": before}}
+    return {
+        "status": {"$in": sorted(TERMINAL)},
+        "dedupeKey": None,
+        "updateAt": {"$lt": before},
+        "completedAt": {"$exists": True},
+    }
 
 
 def _run(doc: Doc) -> Run:

@@ -3,10 +3,11 @@ templates and the runs workers hold.
 
 Read-only, and each query is bounded by an index of `MongoStore.ensure_indexes` and by time,
 never by the size of the collection: active runs by `(status, _id)`, runs finished in the last
-hour or day by `(status, dedupeKey, updateAt)` or `(updateAt)` (a finished run is not written
-again, so its `updateAt` is when it ended), runs created in the last hour by `_id` (an
-ObjectId starts with its creation time), and held runs by `(status, lockedUntil)`. A scoped
-caller's queries add their scopes, which `(scope, scopeId, _id)` serves as well.
+hour or day by the partial `(status, dedupeKey, updateAt)` of ended runs (those with
+`completedAt`) or `(updateAt)` (a finished run is not written again, so its `updateAt` is when
+it ended), runs created in the last hour by `_id` (an ObjectId starts with its creation time),
+and held runs by the partial `(status, lockedUntil)` of leased runs. A scoped caller's queries
+add their scopes, which `(scope, scopeId, _id)` serves as well.
 """
 
 import asyncio
@@ -140,7 +141,12 @@ async def _finished_by_minute(
 ) -> dict[datetime, dict[RunStatus, int]]:
     # `completedAt` is when the run ended; `updateAt` (the index's field) is the same write.
     ended = {"$ifNull": ["$completedAt", "$updateAt"]}
-    match = {"status": {"$in": sorted(TERMINAL)}, "updateAt": {"$gte": start}, **scoped}
+    match = {
+        "status": {"$in": sorted(TERMINAL)},
+        "updateAt": {"$gte": start},
+        "completedAt": {"$exists": True},
+        **scoped,
+    }
     cursor = await store.runs.aggregate(
         [
             {"$match": match},
@@ -176,7 +182,12 @@ async def _created_by_minute(
 
 async def _failing(store: MongoStore, scoped: Doc, since: datetime) -> list[Failures]:
     """Templates with failed or expired runs that ended since `since`, the most first."""
-    match = {"status": {"$in": sorted(_DEAD)}, "updateAt": {"$gte": since}, **scoped}
+    match = {
+        "status": {"$in": sorted(_DEAD)},
+        "updateAt": {"$gte": since},
+        "completedAt": {"$exists": True},
+        **scoped,
+    }
     cursor = await store.runs.aggregate(
         [
             {"$match": match},
@@ -237,7 +248,7 @@ async def _held(store: MongoStore, scoped: Doc) -> list[HeldRun]:
         "lockedUntil": 1,
         "progress.percentage": 1,
     }
-    find = {"status": {"$in": sorted(LEASED)}, "lockedBy": {"$ne": None}, **scoped}
+    find = {"status": {"$in": sorted(LEASED)}, "lockedUntil": {"$exists": True}, **scoped}
     docs = await store.runs.find(find, projection).limit(HELD_LIMIT).to_list()
     held = [
         HeldRun(

@@ -494,7 +494,10 @@ class Worker:
         return self._closing.is_set()
 
     async def _heartbeat_loop(self) -> None:
-        # The first beat comes at once: the worker counts as alive from its start.
+        # The first beat comes at once: the worker counts as alive from its start. Beats keep
+        # to a fixed clock, so a slow renewal does not push every later one back.
+        interval = self.settings.heartbeat_seconds
+        beat = time.monotonic()
         while True:
             try:
                 await self._renew(list(self.held.values()))
@@ -514,7 +517,9 @@ class Worker:
                         extra=held.log_fields,
                     )
                     held.interrupt("lost")
-            if await self._closed_within(self.settings.heartbeat_seconds):
+            # A beat that took longer than the interval is not made up for: the next one is due.
+            beat = max(beat + interval, time.monotonic())
+            if await self._closed_within(beat - time.monotonic()):
                 return
 
     async def _renew(self, helds: list[_Held]) -> None:
