@@ -45,8 +45,8 @@ import shutil
 import statistics
 import struct
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Sequence
-from dataclasses import dataclass, field
+from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 from typing import Any
@@ -61,16 +61,12 @@ from jobplane.backends import Backends, open_backends
 from jobplane.model import TERMINAL, RunStatus, TemplateSpec
 from jobplane.runs import RunService
 from jobplane.runs.service import RunRequest
-from jobplane.settings import Settings
 from jobplane.store import EventQuery, MongoStore, RunQuery, overview
-from throughput import Counters, Processes, Quiet, run_main
+from throughput import DRAIN, E2E, Counters, Processes, forget_redis, run_main
 
 Doc = dict[str, Any]
 S = RunStatus
 
-# throughput.py's names of the figures the verdict is about.
-DRAIN = "drain, first claim -> last done"
-E2E = "end-to-end, first create -> last done"
 # A round pair whose neighbours took more CPU per run than this is left out of the quiet medians.
 QUIET_OTHERS_MS = 1.0
 SPAN = timedelta(days=30)
@@ -127,7 +123,7 @@ SHAPE_RUNS: list[tuple[str, Doc, int, str]] = [
 
 async def make_shapes(bench: ScaleBench) -> dict[RunStatus, list[Doc]]:
     """Real finished runs by status, made in a throwaway database by a real worker."""
-    settings = throughput.Bench.settings(bench)  # a new database, whatever `bench.db` is
+    settings = replace(bench, db=None).settings()  # a new database, whatever `bench.db` is
     async with open_backends(settings) as backends:
         store, service = backends.store, RunService(backends.store, backends.queue)
         try:
@@ -355,147 +351,14 @@ class Cost:
 
 @dataclass
 class ScaleBench(throughput.Bench):
-    """`throughput.Bench` on a database it keeps (`db`: the seeded one, or one left empty),
-    or on a fresh one per workload (`db` None, as throughput.py does).
+    """`throughput.Bench` on a database it keeps (`db`: the seeded one, or one left empty), or on
+    a fresh one per workload (`db` None, as throughput.py does), keeping each workload's CPU per
+    run for the table."""
 
-    Its drain and end-to-end are throughput.py's, with every query of the benchmark's own (the
-    count it polls, the first claim, the last completion) limited to the workload's runs, whose
-    ObjectIds are newer than `since`: on the seeded database the unscoped queries would count
-    and sort its million runs.
-    """
-
-    db: str | None = None
-    since: ObjectId = field(default_factory=ObjectId)
     costs: dict[str, list[Cost]] = field(default_factory=dict)
 
-    def settings(self) -> Settings:
-        settings = super().settings()
-        return settings.model_copy(update={"db": self.db}) if self.db else settings
-
-    def mine(self) -> Doc:
-        return {"_id": {"$gte": self.since}}
-
-    @contextlib.asynccontextmanager
-    async def fresh(self) -> AsyncIterator[tuple[Settings, Backends, RunService]]:
-        # ObjectIds keep whole seconds: wait for the next one, so that all the workload's runs
-        # are newer than `since` and nothing made before is.
-        await asyncio.sleep(1 - time.time() % 1 + 0.01)
-        self.since = ObjectId.from_datetime(datetime.now(UTC))
-        if self.db is None:
-            async with super().fresh() as opened:
-                yield opened
-            return
-        settings = self.settings()
-        async with open_backends(settings) as backends:
-            try:
-                await backends.store.register_template(self.template)
-                yield settings, backends, RunService(backends.store, backends.queue)
-            finally:
-                self.procs.stop()
-                await backends.store.flush_events()
-                # The database stays as it was before the workload, for the next round.
-                await backends.store.runs.delete_many(self.mine())
-                since = self.since.generation_time
-                await backends.store.events.delete_many({"createAt": {"$gte": since}})
-                await forget_redis(backends, settings)
-
-    async def last_completed(self, backends: Backends) -> datetime:
-        doc = await backends.store.runs.find_one(
-            {"status": RunStatus.SUCCEEDED, **self.mine()}, sort=[("completedAt", -1)]
-        )
-        assert doc is not None
-        completed: datetime = doc["completedAt"]
-        return completed
-
-    async def drain(self) -> None:
-        n = self.args.runs
-        async with self.fresh() as (settings, backends, service):
-            await throughput.create_many(service, n, throughput.CALLERS)
-            spawned = datetime.now(UTC)
-            self.procs.start(settings, "worker", self.args.workers)
-            await self.procs.workers_ready()
-            before = await Counters.read(backends, settings, self.procs)
-            await self.wait_succeeded(backends, settings, n)
-            after = await Counters.read(backends, settings, self.procs)
-            claim = {"type": "status_changed", "metadata.transition": "claim"}
-            first = await backends.store.events.find_one(
-                {**claim, "createAt": {"$gte": self.since.generation_time}},
-                sort=[("createAt", 1)],
-            )
-            assert first is not None
-            last = await self.last_completed(backends)
-            window = (last - first["createAt"]).total_seconds()
-            self.costs.setdefault(DRAIN, []).append(Cost.between(before, after, n))
-            self.record(
-                DRAIN,
-                n / window,
-                f"{n} runs in {window:.2f} s",
-                before.per_run(after, n, window),
-            )
-            from_spawn = (last - spawned).total_seconds()
-            self.record("drain, from spawn", n / from_spawn, f"{from_spawn:.2f} s")
-
-    async def end_to_end(self) -> None:
-        n = self.args.runs
-        async with self.fresh() as (settings, backends, service):
-            self.procs.start(settings, "scheduler")
-            self.procs.start(settings, "worker", self.args.workers)
-            await self.procs.workers_ready()
-            await asyncio.sleep(0.5)
-            before = await Counters.read(backends, settings, self.procs)
-            started = datetime.now(UTC)
-            created = await throughput.create_many(service, n, throughput.CALLERS)
-            quiet = await self.wait_succeeded(backends, settings, n)
-            after = await Counters.read(backends, settings, self.procs)
-            last = await self.last_completed(backends)
-            window = (last - started).total_seconds()
-            self.costs.setdefault(E2E, []).append(Cost.between(before, after, n))
-            self.record(
-                E2E,
-                n / window,
-                f"{n} runs in {window:.2f} s; the creates took {created:.2f} s",
-                before.per_run(after, n, window) if quiet is None else (),
-            )
-            quiet = quiet or Quiet(n, last, after)
-            done, window = quiet.done, (quiet.last - started).total_seconds()
-            self.stranded.append((n - done, self.procs.reconciled()))
-            self.record(
-                "end-to-end, excluding stranded",
-                done / window,
-                f"{done} runs in {window:.2f} s; {n - done} left in `queued` when the workers "
-                f"went idle; the reconciler pushed {self.stranded[-1][1]} runs in all",
-                before.per_run(quiet.counters, done, window) if done < n else (),
-            )
-
-    async def wait_succeeded(self, backends: Backends, settings: Settings, n: int) -> Quiet | None:
-        runs = backends.store.runs
-        done, moved, quiet = 0, time.monotonic(), None
-        succeeded = {"status": RunStatus.SUCCEEDED, **self.mine()}
-        while done < n:
-            await asyncio.sleep(0.2)
-            self.procs.check()
-            count = await runs.count_documents(succeeded)
-            idle = time.monotonic() - moved
-            if count > done:
-                done, moved = count, time.monotonic()
-            elif quiet is None and idle > throughput.QUIET_SECONDS:
-                counters = await Counters.read(backends, settings, self.procs)
-                quiet = Quiet(done, await self.last_completed(backends), counters)
-            elif idle > throughput.STALL_SECONDS:
-                pipeline = [
-                    {"$match": self.mine()},
-                    {"$group": {"_id": "$status", "n": {"$sum": 1}}},
-                ]
-                counts = {d["_id"]: d["n"] async for d in await runs.aggregate(pipeline)}
-                raise RuntimeError(f"stalled at {done} of {n} succeeded; statuses {counts}")
-        return quiet
-
-
-async def forget_redis(backends: Backends, settings: Settings) -> None:
-    redis = backends.queue.redis
-    keys = [k async for k in redis.scan_iter(f"{settings.redis_prefix}*")]
-    if keys:
-        await redis.delete(*keys)
+    def spent(self, name: str, before: Counters, after: Counters, runs: int) -> None:
+        self.costs.setdefault(name, []).append(Cost.between(before, after, runs))
 
 
 # -- plans at scale --------------------------------------------------------------------------------
@@ -598,12 +461,12 @@ def table(empty: ScaleBench, full: ScaleBench) -> None:
         other = full.figures.get(name, [])
         if not other:
             continue
-        pairs = [f / e for e, f in zip(rates, other, strict=False)]
+        ratios = [f / e for e, f in zip(rates, other, strict=False)]
         ratio = statistics.median(other) / statistics.median(rates)
         print(
             f"{name:40} {statistics.median(rates):12,.0f} {min(rates):6,.0f}-{max(rates):<6,.0f} "
             f"{statistics.median(other):12,.0f} {min(other):6,.0f}-{max(other):<6,.0f} "
-            f"{ratio:10.3f} {min(pairs):7.3f}-{max(pairs):.3f}"
+            f"{ratio:10.3f} {min(ratios):7.3f}-{max(ratios):.3f}"
         )
     print(
         f"\nrounds whose neighbours took under {QUIET_OTHERS_MS:g} ms of CPU per run in both "
@@ -626,10 +489,12 @@ def table(empty: ScaleBench, full: ScaleBench) -> None:
             line = f"{len(quiet)} quiet: empty {e_med:,.0f}, full {f_med:,.0f}, {f_med / e_med:.3f}"
         else:
             line = "no quiet round"
-        print(
-            f"  {name:38} {line}; mongod ms per run: empty {mongod_e:.2f}, full "
-            f"{mongod_f:.2f} ({mongod_f / mongod_e:.3f})"
-        )
+        if mongod_e:
+            line += f"; mongod ms per run: empty {mongod_e:.2f}, full {mongod_f:.2f}"
+            line += f" ({mongod_f / mongod_e:.3f})"
+        else:  # a mongod named by URL: its CPU is not this benchmark's to read
+            line += "; mongod CPU not read"
+        print(f"  {name:38} {line}")
 
 
 def disk(path: Path) -> str:

@@ -49,10 +49,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequen
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import ClassVar, Protocol
+from typing import Any, ClassVar, Protocol
 
 import pymongo
 import redis
+from bson import ObjectId
 
 from jobplane.backends import Backends, open_backends
 from jobplane.devstack.servers import MongoServer, RedisServer, free_port
@@ -69,6 +70,8 @@ REQUEST = RunRequest(template_type="bench_noop", scope="system", scope_id="bench
 CLOCK_TICK = os.sysconf("SC_CLK_TCK")
 TOP_KINDS = ("insert", "queries", "update", "remove", "getmore", "commands")
 WORKLOADS = ("create", "drain", "e2e")
+DRAIN = "drain, first claim -> last done"
+E2E = "end-to-end, first create -> last done"
 # Progress paused this long means the workers are idle with runs left (stranded in `queued`);
 # the scheduler's reconciler re-pushes those every JOBPLANE_RECONCILE_SECONDS (10 s).
 QUIET_SECONDS = 1.0
@@ -271,6 +274,11 @@ class Bench:
     procs: Processes
     figures: dict[str, list[float]] = field(default_factory=dict)
     stranded: list[tuple[int, int]] = field(default_factory=list)
+    # A database to keep (scale.py's, seeded with a million runs) instead of a new one per
+    # workload. Each workload then counts, sorts and deletes only its own runs and events, those
+    # from `since` on: the documents that were there before stay, and cost the polling nothing.
+    db: str | None = None
+    since: ObjectId | None = None
     # What `fresh` registers; other benchmarks built on this class register their own.
     template: ClassVar[TemplateSpec] = TEMPLATE
 
@@ -279,7 +287,7 @@ class Bench:
         return Settings(
             mongodb_url=self.mongo_url,
             redis_url=self.redis_url,
-            db=f"bench_{tag}",
+            db=self.db or f"bench_{tag}",
             redis_prefix=f"bench:{tag}:",
             write_concern=self.args.write_concern,
             worker_concurrency=self.args.concurrency,
@@ -287,7 +295,13 @@ class Bench:
 
     @contextlib.asynccontextmanager
     async def fresh(self) -> AsyncIterator[tuple[Settings, Backends, RunService]]:
-        """Backends on a new database and prefix, with the template; both dropped afterwards."""
+        """Backends on a new prefix and a new database (or `db`), with the template; the prefix
+        and the database (or the workload's runs and events in `db`) dropped afterwards."""
+        if self.db:
+            # ObjectIds keep whole seconds: wait for the next one, so that all the workload's
+            # runs are newer than `since` and nothing made before is.
+            await asyncio.sleep(1 - time.time() % 1 + 0.01)
+            self.since = ObjectId.from_datetime(datetime.now(UTC))
         settings = self.settings()
         async with open_backends(settings) as backends:
             try:
@@ -296,12 +310,24 @@ class Bench:
             finally:
                 self.procs.stop()
                 await backends.store.flush_events()
-                await backends.store.client.drop_database(settings.db)
-                keys = [
-                    k async for k in backends.queue.redis.scan_iter(f"{settings.redis_prefix}*")
-                ]
-                if keys:
-                    await backends.queue.redis.delete(*keys)
+                if self.db:
+                    await backends.store.runs.delete_many(self.own_runs())
+                    await backends.store.events.delete_many(self.own_events())
+                else:
+                    await backends.store.client.drop_database(settings.db)
+                await forget_redis(backends, settings)
+
+    def own_runs(self) -> dict[str, Any]:
+        """The `job_runs` filter to the workload's runs (all of them unless `db` is kept)."""
+        return {} if self.since is None else {"_id": {"$gte": self.since}}
+
+    def own_events(self) -> dict[str, Any]:
+        """The `job_events` filter to the workload's events (all of them unless `db` is kept)."""
+        return {} if self.since is None else {"createAt": {"$gte": self.since.generation_time}}
+
+    def spent(self, name: str, before: Counters, after: Counters, runs: int) -> None:
+        """Called with the readings around workload `name`'s `runs` runs, for a subclass to keep
+        what they cost (scale.py tabulates it); this benchmark prints it with the figure."""
 
     def record(self, name: str, rate: float, line: str, details: Sequence[str] = ()) -> None:
         self.figures.setdefault(name, []).append(rate)
@@ -334,14 +360,16 @@ class Bench:
             before = await Counters.read(backends, settings, self.procs)
             await self.wait_succeeded(backends, settings, n)
             after = await Counters.read(backends, settings, self.procs)
+            claim = {"type": "status_changed", "metadata.transition": "claim"}
             first = await backends.store.events.find_one(
-                {"type": "status_changed", "metadata.transition": "claim"}, sort=[("createAt", 1)]
+                claim | self.own_events(), sort=[("createAt", 1)]
             )
             assert first is not None
-            last = await last_completed(backends)
+            last = await self.last_completed(backends)
             window = (last - first["createAt"]).total_seconds()
+            self.spent(DRAIN, before, after, n)
             self.record(
-                "drain, first claim -> last done",
+                DRAIN,
                 n / window,
                 f"{n} runs in {window:.2f} s",
                 before.per_run(after, n, window),
@@ -363,10 +391,11 @@ class Bench:
             created = await create_many(service, n, CALLERS)
             quiet = await self.wait_succeeded(backends, settings, n)
             after = await Counters.read(backends, settings, self.procs)
-            last = await last_completed(backends)
+            last = await self.last_completed(backends)
             window = (last - started).total_seconds()
+            self.spent(E2E, before, after, n)
             self.record(
-                "end-to-end, first create -> last done",
+                E2E,
                 n / window,
                 f"{n} runs in {window:.2f} s; the creates took {created:.2f} s",
                 before.per_run(after, n, window) if quiet is None else (),
@@ -391,21 +420,33 @@ class Bench:
         """
         runs = backends.store.runs
         done, moved, quiet = 0, time.monotonic(), None
+        succeeded = {"status": RunStatus.SUCCEEDED} | self.own_runs()
         while done < n:
             await asyncio.sleep(0.2)
             self.procs.check()
-            count = await runs.count_documents({"status": RunStatus.SUCCEEDED})
+            count = await runs.count_documents(succeeded)
             idle = time.monotonic() - moved
             if count > done:
                 done, moved = count, time.monotonic()
             elif quiet is None and idle > QUIET_SECONDS:
                 counters = await Counters.read(backends, settings, self.procs)
-                quiet = Quiet(done, await last_completed(backends), counters)
+                quiet = Quiet(done, await self.last_completed(backends), counters)
             elif idle > STALL_SECONDS:
-                pipeline = [{"$group": {"_id": "$status", "n": {"$sum": 1}}}]
+                pipeline = [
+                    {"$match": self.own_runs()},
+                    {"$group": {"_id": "$status", "n": {"$sum": 1}}},
+                ]
                 counts = {d["_id"]: d["n"] async for d in await runs.aggregate(pipeline)}
                 raise RuntimeError(f"stalled at {done} of {n} succeeded; statuses {counts}")
         return quiet
+
+    async def last_completed(self, backends: Backends) -> datetime:
+        doc = await backends.store.runs.find_one(
+            {"status": RunStatus.SUCCEEDED} | self.own_runs(), sort=[("completedAt", -1)]
+        )
+        assert doc is not None
+        completed: datetime = doc["completedAt"]
+        return completed
 
 
 @dataclass(frozen=True)
@@ -430,13 +471,12 @@ async def create_many(service: RunService, n: int, callers: int) -> float:
     return time.perf_counter() - started
 
 
-async def last_completed(backends: Backends) -> datetime:
-    doc = await backends.store.runs.find_one(
-        {"status": RunStatus.SUCCEEDED}, sort=[("completedAt", -1)]
-    )
-    assert doc is not None
-    completed: datetime = doc["completedAt"]
-    return completed
+async def forget_redis(backends: Backends, settings: Settings) -> None:
+    """Delete the keys under the settings' prefix."""
+    client = backends.queue.redis
+    keys = [k async for k in client.scan_iter(f"{settings.redis_prefix}*")]
+    if keys:
+        await client.delete(*keys)
 
 
 # -- report ----------------------------------------------------------------------------------------
@@ -529,8 +569,8 @@ async def main_async(bench: Bench) -> None:
         # The last line, for bench/peers: medians under the peers' workload names.
         names = {
             "enqueue": "create, 32 callers",
-            "drain": "drain, first claim -> last done",
-            "e2e": "end-to-end, first create -> last done",
+            "drain": DRAIN,
+            "e2e": E2E,
         }
         medians = {
             short: statistics.median(bench.figures[long])
