@@ -11,6 +11,7 @@ import uvicorn
 
 from jobplane.api import create_app
 from jobplane.backends import Backends, open_backends
+from jobplane.clock import ManualClock
 from jobplane.devstack import free_port
 from jobplane.model import Template, TemplateSpec
 from jobplane.process import HTTPServer, serve_http
@@ -41,6 +42,17 @@ def settings(mongo_url: str, redis_url: str, db_name: str, redis_prefix: str) ->
 async def backends(settings: Settings) -> AsyncIterator[Backends]:
     async with open_backends(settings) as opened:
         yield opened
+
+
+@pytest.fixture
+async def timed(
+    backends: Backends, settings: Settings, clock: ManualClock
+) -> AsyncIterator[MongoStore]:
+    """A store of the test's database on the module's `clock` fixture, which moves only when
+    the test says."""
+    store = MongoStore(backends.store.client, settings.db, clock=clock)
+    yield store
+    await store.flush_events()  # before the test's database is dropped
 
 
 @pytest.fixture

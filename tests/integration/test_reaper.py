@@ -5,7 +5,6 @@ What each store method does to one run is in test_transitions.py; here the sched
 runs, picks the method and pushes the requeued runs again.
 """
 
-from collections.abc import AsyncIterator
 from dataclasses import dataclass
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -13,7 +12,6 @@ from typing import Any
 import pytest
 from bson import ObjectId
 
-from jobplane.backends import Backends
 from jobplane.clock import ManualClock
 from jobplane.model import TERMINAL, Run, RunStatus, Template
 from jobplane.queue.redis import RedisQueue
@@ -133,15 +131,6 @@ CASES: dict[str, Case] = {
 @pytest.fixture
 def clock() -> ManualClock:
     return ManualClock(datetime(2026, 3, 7, tzinfo=UTC))
-
-
-@pytest.fixture
-async def timed(
-    backends: Backends, settings: Settings, clock: ManualClock
-) -> AsyncIterator[MongoStore]:
-    store = MongoStore(backends.store.client, settings.db, clock=clock)
-    yield store
-    await store.flush_events()  # before the test's database is dropped
 
 
 @pytest.fixture

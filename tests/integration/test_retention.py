@@ -2,7 +2,6 @@
 are never missing to a reader while they move."""
 
 import asyncio
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime
 
 import httpx
@@ -24,15 +23,6 @@ DAY = 86400
 @pytest.fixture
 def clock() -> ManualClock:
     return ManualClock(datetime(2026, 3, 1, tzinfo=UTC))
-
-
-@pytest.fixture
-async def timed(
-    backends: Backends, settings: Settings, clock: ManualClock
-) -> AsyncIterator[MongoStore]:
-    store = MongoStore(backends.store.client, settings.db, clock=clock)
-    yield store
-    await store.flush_events()  # before the test's database is dropped
 
 
 async def test_only_terminal_runs_past_the_age_move(

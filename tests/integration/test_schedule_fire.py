@@ -3,7 +3,6 @@ run still active (overlap policies), and with two schedulers at once. Times move
 injected clock, except in the test of the running loop."""
 
 import asyncio
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from typing import Any
 
@@ -29,12 +28,9 @@ def clock() -> ManualClock:
 
 
 @pytest.fixture
-async def timed(
-    backends: Backends, settings: Settings, clock: ManualClock
-) -> AsyncIterator[ScheduleService]:
-    store = MongoStore(backends.store.client, settings.db, clock=clock)
-    yield ScheduleService(store, backends.queue)
-    await store.flush_events()  # before the test's database is dropped
+def timed(timed: MongoStore, backends: Backends) -> ScheduleService:
+    """The schedule service over conftest's store on this module's clock."""
+    return ScheduleService(timed, backends.queue)
 
 
 async def schedule(timed: ScheduleService, register: Register, **fields: Any) -> Schedule:

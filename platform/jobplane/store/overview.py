@@ -139,8 +139,6 @@ async def _count_active(store: MongoStore, scoped: Doc) -> dict[RunStatus, int]:
 async def _finished_by_minute(
     store: MongoStore, scoped: Doc, start: datetime
 ) -> dict[datetime, dict[RunStatus, int]]:
-    # `completedAt` is when the run ended; `updateAt` (the index's field) is the same write.
-    ended = {"$ifNull": ["$completedAt", "$updateAt"]}
     match = {
         "status": {"$in": sorted(TERMINAL)},
         "updateAt": {"$gte": start},
@@ -153,7 +151,7 @@ async def _finished_by_minute(
             {
                 "$group": {
                     "_id": {
-                        "minute": {"$dateTrunc": {"date": ended, "unit": "minute"}},
+                        "minute": {"$dateTrunc": {"date": "$completedAt", "unit": "minute"}},
                         "status": "$status",
                     },
                     "n": {"$sum": 1},
