@@ -190,7 +190,7 @@ class Bench(throughput.Bench):
                 began = time.perf_counter()
                 samples = await cancel_many(service, watcher, a.runs, a.in_flight, a.sleep_seconds)
                 seconds = time.perf_counter() - began
-                await backends.store.flush_events()
+                await backends.store.flush()
                 after = await Counters.read(backends, settings, self.procs)
                 self.procs.check()
             finally:

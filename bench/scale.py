@@ -152,7 +152,7 @@ async def make_shapes(bench: ScaleBench) -> dict[RunStatus, list[Doc]]:
                 for run_id, _ in made:
                     while (await service.get(run_id)).status not in TERMINAL:  # noqa: ASYNC110
                         await asyncio.sleep(0.1)
-            await store.flush_events()
+            await store.flush()
             docs = await store.runs.find({}).to_list()
         finally:
             bench.procs.stop()

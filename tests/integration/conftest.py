@@ -52,7 +52,7 @@ async def timed(
     the test says."""
     store = MongoStore(backends.store.client, settings.db, clock=clock)
     yield store
-    await store.flush_events()  # before the test's database is dropped
+    await store.flush()  # before the test's database is dropped
 
 
 @pytest.fixture

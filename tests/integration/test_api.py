@@ -85,7 +85,7 @@ async def test_bad_templates_write_nothing(
     assert await backends.store.templates.count_documents({}) == 0
 
 
-async def test_create_get_and_follow_a_run(api: httpx.AsyncClient) -> None:
+async def test_create_get_and_follow_a_run(api: httpx.AsyncClient, backends: Backends) -> None:
     await api.post("/v1/templates", content=DEMO_YAML, headers={"content-type": "application/yaml"})
     body = {
         "templateType": "demo_long_task",
@@ -99,6 +99,7 @@ async def test_create_get_and_follow_a_run(api: httpx.AsyncClient) -> None:
     assert run["status"] == "pending" and run["templateVersion"] == 1 and run["priority"] == 0
     assert [s["id"] for s in run["progress"]["steps"]] == ["prepare", "execute", "finalize"]
 
+    await backends.store.flush()  # its `queued` mark, made a moment after the create
     fetched = (await api.get(f"/v1/runs/{run['id']}")).json()
     assert fetched["status"] == "queued" and fetched["id"] == run["id"]
     events = (await api.get(f"/v1/runs/{run['id']}/events")).json()

@@ -43,7 +43,7 @@ async def world(client_for: Client, settings: Settings, backends: Backends) -> d
         cancelled = await admin.post(f"/v1/runs/{run['id']}/cancel", json={"reason": "setup"})
         assert cancelled.json()["status"] == "cancelled"
         runs[scope_id] = run["id"]
-    await backends.store.flush_events()  # the audit query reads the copies in `job_events`
+    await backends.store.flush()  # the audit query reads the copies in `job_events`
     return {"clients": clients, "mine": runs["u1"], "theirs": runs["u2"]}
 
 

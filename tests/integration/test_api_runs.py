@@ -79,12 +79,13 @@ async def test_list_pages_newest_first_and_stays_stable_under_inserts(
     assert not set(newer) & set(seen)
 
 
-async def test_list_filters(api: httpx.AsyncClient) -> None:
+async def test_list_filters(api: httpx.AsyncClient, backends: Backends) -> None:
     await register(api, noop())
     await register(api, noop("t_other"))
     a = await create(api)
     b = await create(api, type_="t_other", scope_id="u2")
     await api.post(f"/v1/runs/{a['id']}/cancel")
+    await backends.store.flush()  # b's `queued` mark
 
     async def ids(query: str) -> list[str]:
         return [r["id"] for r in (await api.get(f"/v1/runs?{query}")).json()["items"]]
@@ -236,6 +237,7 @@ async def test_queue_same_scope_runs_the_waiting_run_after_the_active_one(
     third = await create(api)
     assert (first["status"], second["status"], third["status"]) == ("pending", "pending", "pending")
     assert second["dedupeWait"] is not None and second["dedupeKey"] is None
+    await backends.store.flush()  # the first's `queued` mark
     assert (await api.get(f"/v1/runs/{first['id']}")).json()["status"] == "queued"
     # The waiting runs are not in Redis: nothing can claim them early.
     waiting = [QueueEntry(r["id"], "default", 0, None) for r in (second, third)]
@@ -258,6 +260,7 @@ async def test_a_waiting_run_that_is_cancelled_frees_its_place(
     third = await create(api)
     assert (await api.post(f"/v1/runs/{second['id']}/cancel")).json()["status"] == "cancelled"
     await api.post(f"/v1/runs/{first['id']}/cancel")
+    await backends.store.flush()  # the third's `queued` mark, made once it took the key
     admitted = (await api.get(f"/v1/runs/{third['id']}")).json()
     assert admitted["status"] == "queued" and admitted["dedupeKey"] is not None
 
@@ -320,8 +323,9 @@ async def test_the_audit_query_filters_and_pages(
 ) -> None:
     await register(api, noop())
     runs = [await create(api, scope_id=f"u{i % 2}") for i in range(4)]
+    await backends.store.flush()  # their `queued` marks come before the cancel
     await api.post(f"/v1/runs/{runs[0]['id']}/cancel", json={"reason": "audit me"})
-    await backends.store.flush_events()
+    await backends.store.flush()
 
     async def items(query: str) -> list[dict[str, Any]]:
         found: list[dict[str, Any]] = (await api.get(f"/v1/events?{query}")).json()["items"]
@@ -378,7 +382,7 @@ async def test_the_audit_query_never_scans_the_collection(
 ) -> None:
     await register(api, noop())
     await create(api)
-    await backends.store.flush_events()
+    await backends.store.flush()
     store = backends.store
     if timed:
         now = store.clock.now()

@@ -101,6 +101,7 @@ async def test_a_run_that_kills_its_worker_expires_after_max_attempts(
     env = {"PYTHONPATH": pythonpath, "CHAOS_KILLS": str(kills)}
     service = RunService(backends.store, backends.queue)
     run, _ = await service.create(RunRequest("t_noop", "user", "u"), "user:a")
+    await backends.store.flush()  # its `queued` mark, which the story below begins with
 
     scheduler = spawn(fast, "scheduler", tmp_path / "scheduler.log")
     dead: list[subprocess.Popen[bytes]] = []
@@ -169,6 +170,7 @@ async def test_a_worker_frozen_past_its_lease_cannot_write_after_waking_up(
     run, _ = await RunService(backends.store, backends.queue).create(
         RunRequest("t_noop", "user", "u", {"sleepSeconds": 4}), "user:a"
     )
+    await backends.store.flush()  # its `queued` mark, which the story below begins with
     scheduler = spawn(fast, "scheduler", tmp_path / "scheduler.log")
     zombie = spawn(fast, "worker", tmp_path / "zombie.log", JOBPLANE_WORKER_ID="zombie")
     healthy: subprocess.Popen[bytes] | None = None
@@ -276,6 +278,7 @@ async def test_sigterm_lets_a_step_that_ends_within_the_drain_finish(
     run, _ = await RunService(backends.store, backends.queue).create(
         RunRequest("t_noop", "user", "u", {"sleepSeconds": 3}), "user:a"
     )
+    await backends.store.flush()  # its `queued` mark, which the story below begins with
     worker = spawn(
         settings,
         "worker",

@@ -164,7 +164,9 @@ async def test_templates_apply_list_show_enable_disable(cli: CLI, tmp_path: Path
     failed(await cli("templates", "apply", str(tmp_path / "empty")), "InvalidArgument")
 
 
-async def test_a_user_key_acts_only_in_its_scopes(cli: CLI, register: Register) -> None:
+async def test_a_user_key_acts_only_in_its_scopes(
+    cli: CLI, register: Register, backends: Backends
+) -> None:
     await register("t_noop")
     elsewhere = await created(cli, "t_noop", "--scope", "user", "--scope-id", "u2")
 
@@ -189,6 +191,7 @@ async def test_a_user_key_acts_only_in_its_scopes(cli: CLI, register: Register) 
 
     mine = await created(cli, "t_noop", "--scope", "user", "--scope-id", "u1", key=alice)
     theirs = await created(cli, "t_noop", "--scope", "account", "--scope-id", "a1", key=alice)
+    await backends.store.flush()  # their `queued` marks
     run = json.loads(ok(await cli("runs", "get", mine, key=alice)).out)
     assert (run["scope"], run["scopeId"], run["status"]) == ("user", "u1", "queued")
     assert row_ids(ok(await cli("runs", "list", key=alice))) == [theirs, mine]
@@ -225,11 +228,14 @@ async def test_a_user_key_acts_only_in_its_scopes(cli: CLI, register: Register) 
     failed(await cli("runs", "cancel", mine, key=auditor["secret"]), "Forbidden")
 
 
-async def test_runs_list_follows_cursors_with_all(cli: CLI, register: Register) -> None:
+async def test_runs_list_follows_cursors_with_all(
+    cli: CLI, register: Register, backends: Backends
+) -> None:
     await register("t_noop")
     await register("t_other")
     ids = [await created(cli, "t_noop", "--scope-id", f"s{i}") for i in range(5)]
     other = await created(cli, "t_other", "--priority", "5", "--delay-seconds", "60")
+    await backends.store.flush()  # their `queued` marks
     newest_first = [other, *reversed(ids)]
 
     first = await cli("runs", "list", "--limit", "2")
@@ -284,9 +290,10 @@ async def test_cancel_and_rerun(
     failed(await cli("runs", "rerun", "0" * 24), "NotFound")
 
 
-async def test_events_with_filters(cli: CLI, register: Register) -> None:
+async def test_events_with_filters(cli: CLI, register: Register, backends: Backends) -> None:
     await register("t_noop")
     run_id = await created(cli, "t_noop", "--scope", "user", "--scope-id", "u1")
+    await backends.store.flush()  # its `queued` mark, before the cancel
     ok(await cli("runs", "cancel", run_id, "--reason", "stop it"))
     other = await created(cli, "t_noop")
 

@@ -73,6 +73,7 @@ async def test_an_external_step_runs_between_inline_steps(
 ) -> None:
     await register(steps=STEPS)
     run_id = await create(backends, {"n": 21})
+    await backends.store.flush()  # its `queued` mark, before any worker can claim it
     async with running(backends, settings), external(api):
         [done] = await settled(backends.store, [run_id], within=30)
     assert done.status == RunStatus.SUCCEEDED

@@ -10,12 +10,8 @@ import asyncio
 from bson import ObjectId
 
 from jobplane.model import Run, RunStatus
-from jobplane.store import DuplicateRun, KeyHeld, Known, Lost, MongoStore, Moved, NewRun
+from jobplane.store import DuplicateRun, KeyHeld, Lost, MongoStore, Moved, NewRun
 from tests.integration.conftest import Register
-
-
-def known(status: RunStatus, version: int = 1) -> Known:
-    return Known(status, version, "user", "u1")
 
 
 async def test_two_writers_from_one_state_in_one_batch_one_wins(
@@ -23,15 +19,12 @@ async def test_two_writers_from_one_state_in_one_batch_one_wins(
 ) -> None:
     template = await register()
     runs = [await store.insert_run(NewRun(template, "user", "u1"), "user:a") for _ in range(10)]
-    # Twice the same move from the same known state, all submitted at once.
-    outcomes = await asyncio.gather(
-        *(store.enqueue(r.id, f"user:{i}", known(RunStatus.PENDING)) for r in runs for i in (0, 1))
-    )
-    for run, pair in zip(runs, zip(outcomes[::2], outcomes[1::2], strict=True), strict=True):
-        assert sorted(type(o).__name__ for o in pair) == ["Lost", "Moved"], run.id
+    # Each run's mark twice, from the same state, in one batch.
+    await store.mark_queued([*runs, *runs], "user:a")
+    await store.flush()
+    for run in runs:
         stored = await store.get_run(run.id)
         assert stored is not None and stored.status == RunStatus.QUEUED and stored.version == 2
-    await store.flush_events()
     # Exactly one `status_changed` per run: the loser's events were never written.
     assert await store.events.count_documents({"type": "status_changed"}) == len(runs)
 
@@ -41,16 +34,31 @@ async def test_lost_and_won_writes_in_one_batch_are_told_apart(
 ) -> None:
     template = await register()
     runs = [await store.insert_run(NewRun(template, "user", "u1"), "user:a") for _ in range(10)]
-    for run in runs[::2]:  # cancelled meanwhile: the enqueuer's known state is stale
+    for run in runs[::2]:  # cancelled meanwhile: the creator's known state is stale
         assert isinstance(await store.cancel(run.id, "user:b", None), Moved)
-    outcomes = await asyncio.gather(
-        *(store.enqueue(r.id, "user:a", known(RunStatus.PENDING)) for r in runs)
-    )
-    assert [isinstance(o, Moved) for o in outcomes] == [False, True] * 5
-    assert all(isinstance(o, Lost) and o.reason == "status" for o in outcomes[::2])
-    for run in runs[::2]:
+    await store.mark_queued(runs, "user:a")
+    await store.flush()
+    statuses = [stored.status for r in runs if (stored := await store.get_run(r.id))]
+    assert statuses == [RunStatus.CANCELLED, RunStatus.QUEUED] * 5
+    # Only the marks that applied had their events copied.
+    marked = await store.events.distinct("jobId", {"metadata.transition": "enqueue"})
+    assert sorted(marked) == sorted(r.id for r in runs[1::2])
+
+
+async def test_a_mark_is_made_on_its_own_after_its_linger(
+    store: MongoStore, register: Register
+) -> None:
+    template = await register()
+    run = await store.insert_run(NewRun(template, "user", "u1"), "user:a")
+    await store.mark_queued([run], "user:a")
+
+    async def version() -> int:
         stored = await store.get_run(run.id)
-        assert stored is not None and stored.status == RunStatus.CANCELLED
+        return stored.version if stored and stored.status == RunStatus.QUEUED else 0
+
+    async with asyncio.timeout(30):  # no flush: the linger runs out
+        while await version() != 2:  # noqa: ASYNC110
+            await asyncio.sleep(0.02)
 
 
 async def test_a_duplicate_key_in_a_batch_fails_only_its_writer(

@@ -331,6 +331,7 @@ async def test_an_operator_as_an_id_is_not_found(
     run = await create_run(api)
     schedule = await api.post("/v1/schedules", json={**RUN, "cron": "@daily"})
     assert schedule.status_code == 201, schedule.text
+    await backends.store.flush()  # the run's `queued` mark
     before = await written(backends)
     error_of(await api.request(method, path, json=body), 404, "NotFound")
     assert await written(backends) == before
@@ -359,6 +360,7 @@ async def test_an_operator_in_another_body_is_refused(
     """The fencing fields of a worker's call above all: `{"$ne": null}` must not pass for
     any lease token."""
     run = await create_run(api)
+    await backends.store.flush()  # its `queued` mark
     refused(await api.post(path.replace("{run}", run["id"]), json=body), pointer)
     assert (await api.get(f"/v1/runs/{run['id']}")).json()["status"] == "queued"
     assert await backends.store.api_keys.count_documents({}) == 0
@@ -429,7 +431,7 @@ async def test_operators_in_filters_do_not_widen_a_list(
     assert (await api.post("/v1/schedules", json={**RUN, "cron": "@daily"})).status_code == 201
     key = {"name": "u1", "role": "user", "scopes": ["user:u1"]}
     user = client_for((await api.post("/v1/api-keys", json=key)).json()["key"])
-    await backends.store.flush_events()
+    await backends.store.flush()
 
     # A user key sees its own scope whatever the query string says; a bracketed operator is
     # an unknown parameter (ignored), one in a value is a plain string.

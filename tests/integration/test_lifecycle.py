@@ -24,6 +24,7 @@ async def test_demo_long_task_runs_to_success(backends: Backends, settings: Sett
     payload = {"target": "t", "sleepSeconds": 0.5}
     run, _ = await service.create(RunRequest("demo_long_task", "user", "u1", payload), "user:alice")
     assert run.status == RunStatus.PENDING and run.template_version == 1
+    await store.flush()  # its `queued` mark, before a worker can make it moot
 
     progress_seen: list[float] = []
     async with running(backends, settings):

@@ -156,5 +156,5 @@ async def test_retry_backoff_follows_the_policy_on_an_injected_clock(
     finally:
         stop.set()
         await task
-        await store.flush_events()
+        await store.flush()
     assert done.error is not None and done.error.attempt == 2

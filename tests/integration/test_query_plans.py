@@ -93,7 +93,7 @@ class Profiler:
 
     async def __aenter__(self) -> "Profiler":
         db = self.store.db
-        await self.store.flush_events()  # the seeding's own writes stay out of the record
+        await self.store.flush()  # the seeding's own writes stay out of the record
         await db.command("profile", 0)
         await db.drop_collection("system.profile")
         await db.create_collection("system.profile", capped=True, size=PROFILE_BYTES)
@@ -108,7 +108,7 @@ class Profiler:
     ) -> None:
         db = self.store.db
         try:
-            await self.store.flush_events()
+            await self.store.flush()
         finally:
             await db.command("profile", 0)
         names = [f"{db.name}.{c}" for c in PROFILED]
@@ -429,7 +429,7 @@ async def seed(store: MongoStore, queue: RedisQueue) -> Seeded:
         _, record = mint_key(f"qp-key-{i}", "user", ["user:u1"], SEEDER, now)
         assert await store.insert_api_key(record)
         api_keys.append(record.id)
-    await store.flush_events()
+    await store.flush()
     return Seeded(
         plain=plain,
         keyed=keyed,

@@ -134,10 +134,12 @@ async def test_overlap_queue_waits_for_the_previous_run(
     await timed.fire_due(clock.now(), 10, GRACE)
     clock.advance(3600)
     await timed.fire_due(clock.now(), 10, GRACE)
+    await timed.store.flush()
     first, second = await runs_of(timed, made.id)
     assert first["status"] == RunStatus.QUEUED and second["status"] == RunStatus.PENDING
     assert second["dedupeWait"] == f"schedule:{made.id}"
     await RunService(timed.store, timed.queue).cancel(str(first["_id"]), "user:test", None)
+    await timed.store.flush()
     admitted = await timed.store.get_run(str(second["_id"]))
     assert admitted is not None and admitted.status == RunStatus.QUEUED
 

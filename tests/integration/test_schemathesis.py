@@ -80,7 +80,7 @@ async def test_every_operation_holds_to_the_document(
     keys = {"admin": settings.admin_key, "user": user_key}
     failures = await asyncio.to_thread(fuzz, url, keys, seeds)
     assert not failures, "\n\n".join(failures)
-    await backends.store.flush_events()
+    await backends.store.flush()
     assert await half_written(backends) == []
 
 

@@ -1079,7 +1079,7 @@ class StoreMachine(RuleBasedStateMachine):
 
     async def reset(self) -> None:
         # The next example starts from empty collections (indexes and templates stay).
-        await self.store.flush_events()
+        await self.store.flush()
         for collection in (self.store.runs, self.store.archive, self.store.events):
             await collection.delete_many({})
 

@@ -18,11 +18,11 @@ async def test_events_a_dead_writer_never_copied_are_read_and_swept_once(
     template = await register()
     with monkeypatch.context() as patched:
         # The process dies after each write and before its copy.
-        patched.setattr(store._copier, "copy", _die)
+        patched.setattr(store, "_copy", _die)
         run = await store.insert_run(NewRun(template, "user", "u1"), "user:a")
         [(_, lease)] = await store.claim([run.id], "w", 5)
         await store.complete(lease, 0, "only", "out", None)
-        await store.flush_events()
+        await store.flush()
     assert await store.events.count_documents({"jobId": run.id}) == 0
 
     # Readers see the whole trail already: it is durable with the writes themselves.
@@ -51,7 +51,7 @@ async def test_the_sweep_checks_only_runs_written_since_its_last_pass(
     timed = MongoStore(store.client, store.db.name, clock=clock)
     template = await register()
     first = await timed.insert_run(NewRun(template, "user", "u1"), "user:a")
-    await timed.flush_events()
+    await timed.flush()
     # Past the skew the sweep allows for writers' clocks (30 s).
     assert await timed.sweep_trails(clock.now() + timedelta(seconds=60)) == 0
     # An event gone from `job_events` of a run nobody wrote since is not looked for again...
@@ -59,9 +59,9 @@ async def test_the_sweep_checks_only_runs_written_since_its_last_pass(
     clock.advance(120)
     # ...but one of a run written after the last pass is.
     with monkeypatch.context() as patched:
-        patched.setattr(timed._copier, "copy", _die)
+        patched.setattr(timed, "_copy", _die)
         second = await timed.insert_run(NewRun(template, "user", "u2"), "user:a")
-        await timed.flush_events()
+        await timed.flush()
     assert await timed.sweep_trails(clock.now() + timedelta(seconds=1)) == 1
     assert await timed.events.count_documents({"jobId": second.id}) == 1
     assert await timed.events.count_documents({"jobId": first.id}) == 0
@@ -72,7 +72,7 @@ async def test_copies_keep_up_and_trails_stay_whole(store: MongoStore, register:
     runs = [await store.insert_run(NewRun(template, "user", "u1"), "user:a") for _ in range(20)]
     claimed = await store.claim([r.id for r in runs], "w", 5)
     await asyncio.gather(*(store.complete(lease, 0, "only", None, None) for _, lease in claimed))
-    await store.flush_events()
+    await store.flush()
     assert await store.events.count_documents({}) == 20 * 4
     doc = await store.runs.find_one({})
     assert doc is not None and len(doc["trail"]) == 4

@@ -31,7 +31,7 @@ async def running(
         stop.set()
         await asyncio.gather(*tasks)
         # As a worker process does on exit: its events are all in `job_events` once it stops.
-        await backends.store.flush_events()
+        await backends.store.flush()
 
 
 async def settled(store: MongoStore, run_ids: Iterable[str], within: float = 60) -> list[Run]:

@@ -1,10 +1,11 @@
-"""Group commit: concurrent items leave together, and each caller hears only its own outcome."""
+"""Group commit: concurrent items leave together, and each caller hears only its own outcome.
+A backlog: items nobody waits for linger to share a write, and a drain writes them all."""
 
 import asyncio
 
 import pytest
 
-from jobplane.groupcommit import GroupCommit
+from jobplane.groupcommit import Backlog, GroupCommit
 
 
 class Recorder:
@@ -86,3 +87,57 @@ async def test_a_caller_that_gives_up_does_not_stop_the_others() -> None:
     with pytest.raises(asyncio.CancelledError):
         await quitter
     assert flush.batches == [[1, 2]]  # written all the same: a write once sent cannot be undone
+
+
+async def test_a_backlog_writes_after_its_linger_what_gathered_meanwhile() -> None:
+    written: list[list[int]] = []
+    done = asyncio.Event()
+
+    async def write(items: list[int]) -> None:
+        written.append(items)
+        done.set()
+
+    backlog = Backlog(write, linger=0.05)
+    await backlog.hand([1, 2])
+    await backlog.hand([3])
+    assert written == []  # handing over does not wait for the write
+    async with asyncio.timeout(30):
+        await done.wait()
+    assert written == [[1, 2, 3]]
+
+
+async def test_a_drain_cuts_the_linger_short_and_writes_everything() -> None:
+    written: list[list[int]] = []
+
+    async def write(items: list[int]) -> None:
+        written.append(items)
+        await asyncio.sleep(0)
+
+    backlog = Backlog(write, linger=3600)
+    await backlog.hand([1, 2])
+    await backlog.hand([3])
+    await backlog.drain()
+    assert written == [[1, 2, 3]]
+    await backlog.hand([4])
+    await backlog.drain()
+    assert written == [[1, 2, 3], [4]]
+
+
+async def test_handing_over_waits_while_the_backlog_is_full() -> None:
+    release = asyncio.Event()
+    written: list[list[int]] = []
+
+    async def write(items: list[int]) -> None:
+        await release.wait()
+        written.append(items)
+
+    backlog = Backlog(write, linger=0, max_backlog=3)
+    await backlog.hand([1])
+    await asyncio.sleep(0.01)  # the writer took [1] and is stuck writing it
+    more = asyncio.ensure_future(backlog.hand([2, 3, 4, 5]))
+    await asyncio.sleep(0.01)
+    assert not more.done()  # four waiting, more than three
+    release.set()
+    await more  # the writer took them
+    await backlog.drain()
+    assert written == [[1], [2, 3, 4, 5]]

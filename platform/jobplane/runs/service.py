@@ -25,7 +25,7 @@ from jobplane.errors import (
 from jobplane.model import CLAIMABLE, TERMINAL, Run, RunStatus, Template
 from jobplane.model.storable import unstorable
 from jobplane.queue.redis import QueueEntry, RedisQueue
-from jobplane.store import DuplicateRun, KeyHeld, Known, Lost, MongoStore, NewRun
+from jobplane.store import DuplicateRun, KeyHeld, Lost, MongoStore, NewRun
 
 log = logging.getLogger("jobplane.runs")
 
@@ -61,6 +61,8 @@ class RunService:
         returns the run it created first. If Redis is unreachable the run stays `pending` in
         MongoDB, durable, and the reconciler queues it once Redis is back: an accepted run is
         never lost. Concurrent creates share their MongoDB and Redis writes (group commit).
+        The run comes back `pending`; it shows `queued` a moment later (`store.mark_queued`)
+        unless a worker claimed it first.
 
         The template's dedupe key is taken through MongoDB's unique index, so of many
         concurrent creates for one key exactly one becomes active. The others are refused
@@ -81,8 +83,8 @@ class RunService:
         """Create many runs at once; each item gets what `create` would return, or the error
         `create` would raise, and one bad item does not stop the others.
 
-        Runs without a dedupe key are written in one bulk insert, queued in one Redis round
-        trip and marked `queued` in one bulk write; runs with one go through `create`.
+        Runs without a dedupe key are written in one bulk insert and queued in one Redis round
+        trip; runs with one go through `create`.
         """
         outcomes: list[tuple[Run, bool] | JobplaneError | None] = [None] * len(requests)
         plain: list[tuple[int, Template, NewRun]] = []
@@ -209,26 +211,21 @@ class RunService:
             await self.enqueue(await self.get(waiting.id), actor)
             return
 
-    async def enqueue(self, run: Run, actor: str) -> bool:
-        """Push a pending run to Redis and mark it `queued`; False leaves it to the reconciler."""
-        return (await self._enqueue_many([run], actor))[0]
+    async def enqueue(self, run: Run, actor: str) -> None:
+        """Push a pending run to Redis and have it marked `queued`; a run Redis refused stays
+        `pending` for the reconciler."""
+        await self._enqueue_many([run], actor)
 
-    async def _enqueue_many(self, runs: Sequence[Run], actor: str) -> list[bool]:
+    async def _enqueue_many(self, runs: Sequence[Run], actor: str) -> None:
         if not runs:
-            return []
+            return
         entries = [QueueEntry(r.id, r.queue, r.priority, r.not_before) for r in runs]
         try:
             await self.queue.push(entries, self.store.clock.now())
         except (RedisError, OSError) as exc:
             log.warning("%d runs stay pending, Redis push failed: %s", len(runs), exc)
-            return [False] * len(runs)
-
-        # A worker may already have claimed a run (pending is claimable); then its move is lost.
-        async def mark(run: Run) -> bool:
-            known = Known(run.status, run.version, run.scope, run.scope_id)
-            return not isinstance(await self.store.enqueue(run.id, actor, known), Lost)
-
-        return list(await asyncio.gather(*map(mark, runs)))
+            return
+        await self.store.mark_queued(runs, actor)
 
     async def cancel(self, run_id: str, actor: str, reason: str | None) -> Run:
         """SPEC rule 4: a run no worker holds ends `cancelled` at once and leaves the queue; a

@@ -7,7 +7,6 @@ update whose filter names the source statuses from `TRANSITIONS` (plus `lockedBy
 race; it comes back as `Lost` and is never retried here.
 """
 
-import asyncio
 import contextlib
 import logging
 import secrets
@@ -32,7 +31,7 @@ from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure, 
 from pymongo.write_concern import WriteConcern
 
 from jobplane.clock import Clock, SystemClock
-from jobplane.groupcommit import GroupCommit
+from jobplane.groupcommit import Backlog, GroupCommit
 from jobplane.model import (
     ACTIVE,
     CLAIMABLE,
@@ -57,6 +56,9 @@ Doc = dict[str, Any]
 log = logging.getLogger("jobplane.store")
 
 _DUPLICATE_KEY = 11000
+# A run waiting for a dedupe key stays `pending`: queued, it could never be claimed nor take its
+# key (both look for a pending run without `dedupeWait`).
+_NOT_WAITING = {"dedupeWait": {"$exists": False}}
 # How far before the last sweep's end the next one starts: writers' clocks may lag.
 _SWEEP_SKEW = timedelta(seconds=30)
 # How long a process creating runs trusts a template it read (see `cached_template`).
@@ -122,6 +124,22 @@ class _Update:
     query: Doc
     update: Doc
     array_filters: list[Mapping[str, Any]] | None = None
+
+    @classmethod
+    def exact(
+        cls,
+        query: Doc,
+        update: Doc,
+        state: Known,
+        trail: list[Doc],
+        array_filters: list[Doc] | None = None,
+    ) -> "_Update":
+        """An update filtered on `state`, the exact status and version its `trail` moves from."""
+        return cls(
+            {**query, "status": state.status, "version": state.version},
+            {**update, "$push": {"trail": {"$each": trail}}},
+            list(array_filters) if array_filters else None,
+        )
 
     @property
     def first_event(self) -> ObjectId | None:
@@ -249,76 +267,14 @@ def object_id(run_id: str) -> ObjectId | None:
     return ObjectId(run_id) if ObjectId.is_valid(run_id) else None
 
 
-class _Copier:
-    """Copies events from the runs' trails into `job_events`, in bulk, off the callers' path.
-
-    A write appends its events to the run's `trail` array in the same update, so they are as
-    durable as the write itself, and the trail is kept. This copier then inserts them into
-    `job_events`; each keeps its `_id`, so a second copy is a duplicate-key no-op. While one
-    copy is in flight new events gather for the next. Whatever a process that died never
-    copied, the scheduler's sweep finds in the trails and copies.
-    """
-
-    # Beyond this many events waiting, writers wait for the copier (MongoDB is not keeping up).
-    MAX_BACKLOG = 10_000
-    # Nobody waits for a copy, so each one waits this long for more events to share its insert:
-    # at a low rate, events of many runs go in one insert instead of one insert per write.
-    LINGER_SECONDS = 0.05
-
-    def __init__(self, events: AsyncCollection[Doc]) -> None:
-        self._events = events
-        self._pending: list[Doc] = []
-        self._taken = asyncio.Event()
-        self._hurry = asyncio.Event()
-        self._copier: asyncio.Task[None] | None = None
-
-    async def hand(self, events: list[Doc]) -> None:
-        if not events:
-            return
-        self._pending.extend(events)
-        if self._copier is None:
-            self._copier = asyncio.create_task(self._copy_pending())
-        while len(self._pending) > self.MAX_BACKLOG and self._copier is not None:
-            await self._taken.wait()
-
-    async def drain(self) -> None:
-        """Wait until every event handed over has been copied (or failed to be)."""
-        while self._copier is not None:
-            self._hurry.set()
-            await asyncio.wait([self._copier])
-
-    async def copy(self, events: list[Doc]) -> None:
-        try:
-            await self._events.insert_many(events, ordered=False)
-        except BulkWriteError as exc:
-            # Copied before, by this process or by the sweep: the copy is already there.
-            if exc.details.get("writeConcernErrors") or any(
-                e["code"] != _DUPLICATE_KEY for e in exc.details["writeErrors"]
-            ):
-                raise
-
-    async def _copy_pending(self) -> None:
-        try:
-            while self._pending:
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(self._hurry.wait(), self.LINGER_SECONDS)
-                batch, self._pending = self._pending, []
-                self._taken.set()
-                self._taken = asyncio.Event()
-                try:
-                    await self.copy(batch)
-                except Exception:
-                    log.warning(
-                        "copying %d events failed; the sweep copies them from the runs' trails",
-                        len(batch),
-                        exc_info=True,
-                    )
-        finally:
-            self._copier = None
-            self._hurry.clear()
-
-
 class MongoStore:
+    # Nobody waits for an event copy, so a copy waits this long for more events to share its
+    # insert: at a low rate, events of many runs go in one insert instead of one per write.
+    COPY_LINGER_SECONDS = 0.05
+    # Long enough for most runs to be claimed first, which makes their mark moot; far shorter
+    # than the reconciler's idle time, which would otherwise mark them.
+    MARK_LINGER_SECONDS = 0.1
+
     def __init__(
         self,
         client: AsyncMongoClient[Doc],
@@ -337,7 +293,11 @@ class MongoStore:
         self.api_keys: AsyncCollection[Doc] = self.db["api_keys"]
         self.clock: Clock = clock or SystemClock()
         self.meta: AsyncCollection[Doc] = self.db["job_meta"]
-        self._copier = _Copier(self.events)
+        # Events are copied from the trails into `job_events` off the writers' path (see
+        # `_copy_events`), and a creator's `pending → queued` mark is made off the create
+        # path (see `mark_queued`).
+        self._copier = Backlog(self._copy_events, linger=self.COPY_LINGER_SECONDS)
+        self._marks = Backlog(self._mark_queued, linger=self.MARK_LINGER_SECONDS)
         self._inserts = GroupCommit(self._insert_many)
         self._template_cache: dict[tuple[str, int | None], tuple[float, Template]] = {}
         self._updates = GroupCommit(self._update_many)
@@ -350,11 +310,13 @@ class MongoStore:
         return cls(client, db_name, write_concern, clock)
 
     async def close(self) -> None:
-        await self.flush_events()
+        await self.flush()
         await self.client.close()
 
-    async def flush_events(self) -> None:
-        """Wait until the events of this process's writes have been copied to `job_events`."""
+    async def flush(self) -> None:
+        """Wait until this process's deferred writes are done: its `queued` marks, then the
+        copies of its events to `job_events`."""
+        await self._marks.drain()
         await self._copier.drain()
 
     async def ping(self) -> None:
@@ -705,8 +667,13 @@ class MongoStore:
     @staticmethod
     def _new_run(new: NewRun, actor: str, now: datetime) -> tuple[Run, Doc]:
         t = new.template
-        run = Run(
-            id=str(ObjectId()),
+        oid = ObjectId()
+        # Built without validation: every value is typed and was checked on its way in (the
+        # template when registered, the payload against its schema), and a read validates the
+        # stored document. Validating here again was half of a bulk create's CPU.
+        steps = [StepProgress.model_construct(id=s.id) for s in t.steps]
+        run = Run.model_construct(
+            id=str(oid),
             template_type=t.type,
             template_version=t.version,
             scope=new.scope,
@@ -715,7 +682,7 @@ class MongoStore:
             payload=new.payload,
             priority=t.priority if new.priority is None else new.priority,
             queue=t.queue,
-            progress=Progress(steps=[StepProgress(id=s.id) for s in t.steps]),
+            progress=Progress.model_construct(steps=steps),
             max_attempts=t.retry_policy.max_attempts,
             timeout_seconds=t.timeout_seconds,
             cancel_grace_seconds=t.cancel_policy.grace_seconds,
@@ -730,7 +697,8 @@ class MongoStore:
             update_at=now,
         )
         doc = run.model_dump(by_alias=True, exclude_none=True)
-        doc["_id"] = ObjectId(doc.pop("id"))
+        del doc["id"]
+        doc["_id"] = oid
         created = _event(
             run.id, "created", actor, run.scope, run.scope_id, 1, to=RunStatus.PENDING, now=now
         )
@@ -944,11 +912,38 @@ class MongoStore:
         )
         missing = await cursor.to_list()
         for start in range(0, len(missing), 1000):
-            await self._copier.copy(missing[start : start + 1000])
+            await self._copy(missing[start : start + 1000])
         await self.meta.update_one(
             {"_id": "trail_sweep"}, {"$set": {"through": settled}}, upsert=True
         )
         return len(missing)
+
+    async def _copy_events(self, events: list[Doc]) -> None:
+        """Copy events from the runs' trails into `job_events`, in bulk, off the writers' path.
+
+        A write appends its events to the run's `trail` in the same update, so they are as
+        durable as the write itself, and the trail is kept. Whatever a process that died never
+        copied, the scheduler's sweep finds in the trails and copies.
+        """
+        try:
+            await self._copy(events)
+        except Exception:
+            log.warning(
+                "copying %d events failed; the sweep copies them from the runs' trails",
+                len(events),
+                exc_info=True,
+            )
+
+    async def _copy(self, events: list[Doc]) -> None:
+        try:
+            await self.events.insert_many(events, ordered=False)
+        except BulkWriteError as exc:
+            # Each copy keeps the event's `_id`: copied before (by this process or by the
+            # sweep), it is a duplicate-key no-op.
+            if exc.details.get("writeConcernErrors") or any(
+                e["code"] != _DUPLICATE_KEY for e in exc.details["writeErrors"]
+            ):
+                raise
 
     async def archive_runs(self, before: datetime, limit: int) -> int:
         """Move up to `limit` runs that ended before `before` to `job_runs_archive`; returns
@@ -984,21 +979,46 @@ class MongoStore:
 
     # -- transitions without a lease -----------------------------------------------------------
 
-    async def enqueue(self, run_id: str, actor: str, expect: Known | None = None) -> Moved | Lost:
-        """pending → queued, once the run is in Redis.
+    async def enqueue(self, run_id: str, actor: str) -> Moved | Lost:
+        """pending → queued, once the run is in Redis (the reconciler's mark)."""
+        return await self._transition("enqueue", run_id, actor, extra=_NOT_WAITING)
 
-        `expect` is the creator's own state of the run it just inserted: the write needs no
-        read first, and a miss needs none after. Whatever moved a pending run off that state
-        (a claim, a cancel, the reconciler's mark) leaves nothing to mark, so the miss is
-        reported as a lost race without finding out to what.
+    async def mark_queued(self, runs: Sequence[Run], actor: str) -> None:
+        """pending → queued for pending runs their creator just pushed to Redis, off the
+        create path: within `MARK_LINGER_SECONDS`, in one bulk write with other marks.
 
-        A run waiting for a dedupe key stays `pending`: queued, it could never be claimed nor
-        take its key (both look for a pending run without `dedupeWait`).
+        Pending runs are claimable too, so most runs are claimed before the mark is made, and
+        the mark then misses: moot, not lost, as whatever moved the run off `pending` (a claim,
+        a cancel, the reconciler) leaves nothing to mark. A mark this process never made (it
+        died, the write failed) is made by the reconciler.
         """
-        waits = {"dedupeWait": {"$exists": False}}
-        return await self._transition(
-            "enqueue", run_id, actor, expect=expect, extra=waits, settle=expect is None
+        await self._marks.hand(
+            [(r.id, actor, Known(r.status, r.version, r.scope, r.scope_id)) for r in runs]
         )
+
+    async def _mark_queued(self, marks: list[tuple[str, str, Known]]) -> None:
+        for start in range(0, len(marks), 1000):
+            updates: list[_Update] = []
+            for run_id, actor, state in marks[start : start + 1000]:
+                query, update, events = self._move("enqueue", run_id, actor, extra=_NOT_WAITING)
+                updates.append(_Update.exact(query, update, state, events(state)))
+            try:
+                outcomes = await self._update_many(updates)
+            except Exception:
+                log.warning(
+                    "marking %d runs queued failed; the reconciler marks them",
+                    len(updates),
+                    exc_info=True,
+                )
+                continue
+            await self._copier.hand(
+                [
+                    event
+                    for u, applied in zip(updates, outcomes, strict=True)
+                    if applied is True
+                    for event in u.update["$push"]["trail"]["$each"]
+                ]
+            )
 
     async def cancel(self, run_id: str, actor: str, reason: str | None) -> Moved | Lost:
         """A run no worker holds yet ends at once; its pending steps are skipped."""
@@ -1532,7 +1552,6 @@ class MongoStore:
         actor: str,
         *,
         lease: Lease | None = None,
-        expect: Known | None = None,
         extra: Mapping[str, Any] | None = None,
         set_: Mapping[str, Any] | None = None,
         unset: Sequence[str] = (),
@@ -1541,19 +1560,47 @@ class MongoStore:
         before: Sequence[tuple[str, str | None, Doc]] = (),
         also: Sequence[tuple[str, str | None, Doc]] = (),
         message: str | None = None,
-        settle: bool = True,
     ) -> Moved | Lost:
         """Apply the named transition as one conditional write, then record its events.
 
         `before` events are written ahead of the `status_changed` event, `also` after it.
-        Without `settle`, a write from `expect` that misses is lost at once: no read finds out
-        whether the run could still move, nor where it is.
         """
         t = TRANSITIONS[name]
-        oid = object_id(run_id)
-        if oid is None:
+        if object_id(run_id) is None:
             return Lost(run_id, "missing")
-        query: Doc = {"_id": oid, "status": {"$in": sorted(t.sources)}}
+        query, update, events = self._move(
+            name, run_id, actor, lease, extra, set_, unset, inc, before, also, message
+        )
+        written = await self._write(
+            query, update, lease.known if lease else None, t.sources, array_filters, events
+        )
+        if written is None:
+            # Only a fenced write can come from a superseded lease: a lease offered to an
+            # unfenced move (an external worker's `resume` that lost the race) was never granted.
+            return await self._lost(run_id, lease if t.fenced else None, name)
+        state, trail = written
+        if lease is not None:
+            lease.known = Known(t.target, state.version + 1, state.scope, state.scope_id)
+        await self._copier.hand(trail)
+        return Moved(run_id, state.status, t.target)
+
+    def _move(
+        self,
+        name: str,
+        run_id: str,
+        actor: str,
+        lease: Lease | None = None,
+        extra: Mapping[str, Any] | None = None,
+        set_: Mapping[str, Any] | None = None,
+        unset: Sequence[str] = (),
+        inc: Mapping[str, int] | None = None,
+        before: Sequence[tuple[str, str | None, Doc]] = (),
+        also: Sequence[tuple[str, str | None, Doc]] = (),
+        message: str | None = None,
+    ) -> tuple[Doc, Doc, Callable[[Known], list[Doc]]]:
+        """The named transition's guards, its update, and its events from a given state."""
+        t = TRANSITIONS[name]
+        query: Doc = {"_id": ObjectId(run_id), "status": {"$in": sorted(t.sources)}}
         if t.fenced:
             assert lease is not None, f"{name} is a worker write and needs a lease"
             query |= {"lockedBy": lease.worker_id, "leaseToken": lease.token}
@@ -1589,26 +1636,7 @@ class MongoStore:
                 *(event(*e) for e in also),
             ]
 
-        written = await self._write(
-            query,
-            update,
-            lease.known if lease else expect,
-            t.sources,
-            array_filters,
-            events,
-            settle,
-        )
-        if written is None and not settle:
-            return Lost(run_id, "status")
-        if written is None:
-            # Only a fenced write can come from a superseded lease: a lease offered to an
-            # unfenced move (an external worker's `resume` that lost the race) was never granted.
-            return await self._lost(run_id, lease if t.fenced else None, name)
-        state, trail = written
-        if lease is not None:
-            lease.known = Known(t.target, state.version + 1, state.scope, state.scope_id)
-        await self._copier.hand(trail)
-        return Moved(run_id, state.status, t.target)
+        return query, update, events
 
     async def _fenced_write(
         self,
@@ -1671,19 +1699,16 @@ class MongoStore:
         allowed: frozenset[RunStatus],
         array_filters: list[Doc] | None,
         events: Callable[[Known], list[Doc]],
-        settle: bool = True,
     ) -> tuple[Known, list[Doc]] | None:
         """One conditional write that appends its events to the run's trail.
 
         The events name the state the write moves the run from, so the write is filtered on
         that exact status and version as well as on the guards in `query`. A writer that knows
         the state from its own last write (`known`) needs no read; otherwise it reads the state,
-        and reads again if another write got in between (unless `settle` is off, when a miss
-        from `known` is the end). Returns the state before the write and the events written,
-        or None once a read shows the guards no longer hold.
+        and reads again if another write got in between. Returns the state before the write and
+        the events written, or None once a read shows the guards no longer hold.
         """
         state = known if known is not None and known.status in allowed else None
-        filters: list[Mapping[str, Any]] | None = list(array_filters) if array_filters else None
         while True:
             if state is None:
                 doc = await self.runs.find_one(query, _STATE_FIELDS)
@@ -1693,12 +1718,9 @@ class MongoStore:
                     RunStatus(doc["status"]), doc["version"], doc["scope"], doc["scopeId"]
                 )
             trail = events(state)
-            exact = {**query, "status": state.status, "version": state.version}
-            write = {**update, "$push": {"trail": {"$each": trail}}}
-            if await self._updates.submit(_Update(exact, write, filters)):
+            exact = _Update.exact(query, update, state, trail, array_filters)
+            if await self._updates.submit(exact):
                 return state, trail
-            if not settle:
-                return None
             state = None
 
     async def _update_many(self, updates: list[_Update]) -> list[bool | Exception]:
