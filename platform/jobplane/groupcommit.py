@@ -14,8 +14,11 @@ linger a moment for more to share their write.
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Awaitable, Callable, Sequence
 from typing import Generic, TypeVar
+
+log = logging.getLogger("jobplane.groupcommit")
 
 T = TypeVar("T")
 R = TypeVar("R")
@@ -72,7 +75,8 @@ class Backlog(Generic[T]):
     writers' items go in one write instead of one each. `drain` cuts the linger short and
     waits until every item handed over has been written (or failed to be). Beyond
     `max_backlog` items waiting, `hand` waits: the writes are not keeping up. `write` handles
-    its own failures; nobody is there to hear of them.
+    its own failures, as nobody is there to hear of them; one it lets through is logged and
+    loses its batch only.
     """
 
     def __init__(
@@ -111,7 +115,10 @@ class Backlog(Generic[T]):
                 batch, self._pending = self._pending, []
                 self._taken.set()
                 self._taken = asyncio.Event()
-                await self._write(batch)
+                try:
+                    await self._write(batch)
+                except Exception:
+                    log.exception("a write of %d items failed", len(batch))
         finally:
             self._writer = None
             self._hurry.clear()

@@ -45,6 +45,23 @@ async def test_lost_and_won_writes_in_one_batch_are_told_apart(
     assert sorted(marked) == sorted(r.id for r in runs[1::2])
 
 
+async def test_a_run_read_after_it_ended_is_never_marked(
+    store: MongoStore, register: Register
+) -> None:
+    """`admit_next` reads the run it admitted before queueing it: a cancel may have ended it
+    in between, and a mark filtered on that read would bring it back."""
+    template = await register()
+    run = await store.insert_run(NewRun(template, "user", "u1"), "user:a")
+    assert isinstance(await store.cancel(run.id, "user:b", None), Moved)
+    cancelled = await store.get_run(run.id)
+    assert cancelled is not None and cancelled.status == RunStatus.CANCELLED
+    await store.mark_queued([cancelled], "user:a")
+    await store.flush()
+    after = await store.get_run(run.id)
+    assert after is not None
+    assert (after.status, after.version) == (RunStatus.CANCELLED, cancelled.version)
+
+
 async def test_a_mark_is_made_on_its_own_after_its_linger(
     store: MongoStore, register: Register
 ) -> None:

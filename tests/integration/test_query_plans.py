@@ -641,6 +641,25 @@ async def test_run_lists_never_scan(store: MongoStore, seeded: Seeded) -> None:
     await assert_no_scans(profile, {"job_runs"})
 
 
+async def test_a_rare_status_of_one_template_is_listed_without_walking_the_others(
+    store: MongoStore,
+) -> None:
+    """Dead letters of a template whose runs all succeeded, next to many failed runs of
+    another: found through the partial index of ended runs, walking neither the template's
+    runs nor the other failed ones."""
+    failing, fine = await register(store, "qp_failing"), await register(store, "qp_fine")
+    now = store.clock.now()
+    for template, status in ((failing, "failed"), (fine, "succeeded")):
+        runs = await store.insert_runs([NewRun(template, "user", "u1")] * 300, "user:qp")
+        ids = [r.id for r in runs if isinstance(r, Run)]
+        await set_fields(store, ids, {"status": status, "completedAt": now})
+    async with Profiler(store) as profile:
+        assert await store.list_runs(RunQuery(RunStatus.FAILED, fine.type), None, 21) == []
+    [entry] = [e for e in profile.planned() if e["ns"].endswith(".job_runs")]
+    assert entry["planSummary"] == "IXSCAN { templateType: 1, status: 1, _id: -1 }", describe(entry)
+    assert entry["docsExamined"] == 0, describe(entry)
+
+
 async def test_event_queries_never_scan(store: MongoStore, seeded: Seeded) -> None:
     now = store.clock.now()
     job = seeded.runs[RunStatus.RUNNING][0]

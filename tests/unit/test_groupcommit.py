@@ -141,3 +141,19 @@ async def test_handing_over_waits_while_the_backlog_is_full() -> None:
     await more  # the writer took them
     await backlog.drain()
     assert written == [[1], [2, 3, 4, 5]]
+
+
+async def test_a_backlog_write_that_raises_loses_its_batch_only() -> None:
+    written: list[list[int]] = []
+
+    async def write(items: list[int]) -> None:
+        if items == [1]:
+            raise ConnectionError("down")
+        written.append(items)
+
+    backlog = Backlog(write, linger=3600)
+    await backlog.hand([1])
+    await backlog.drain()
+    await backlog.hand([2])
+    await backlog.drain()
+    assert written == [[2]]

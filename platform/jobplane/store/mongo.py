@@ -377,6 +377,14 @@ class MongoStore:
                 ),
                 IndexModel([("scope", ASCENDING), ("scopeId", ASCENDING), ("_id", DESCENDING)]),
                 IndexModel([("templateType", ASCENDING), ("_id", DESCENDING)]),
+                # Ended runs of a template by status (its dead letters): without it a list of a
+                # rare status of one template walks every run of that status. Only ended runs,
+                # which never change status again: an entry per run, written once.
+                IndexModel(
+                    [("templateType", ASCENDING), ("status", ASCENDING), ("_id", DESCENDING)],
+                    name="ended_by_template",
+                    partialFilterExpression={"completedAt": has},
+                ),
                 IndexModel(
                     [("scheduleId", ASCENDING), ("_id", DESCENDING)],
                     name="schedule_runs",
@@ -838,6 +846,9 @@ class MongoStore:
             )
             if value is not None
         }
+        if query.status in TERMINAL:
+            # True of every ended run; it lets the partial index of ended runs serve the query.
+            find["completedAt"] = {"$exists": True}
         if within is not None:
             find["$or"] = [{"scope": s, "scopeId": i} for s, i in within]
         if query.before is not None:
@@ -990,10 +1001,16 @@ class MongoStore:
         Pending runs are claimable too, so most runs are claimed before the mark is made, and
         the mark then misses: moot, not lost, as whatever moved the run off `pending` (a claim,
         a cancel, the reconciler) leaves nothing to mark. A mark this process never made (it
-        died, the write failed) is made by the reconciler.
+        died, the write failed) is made by the reconciler. Each run is filtered on the status
+        and version it is handed over with, so only runs seen `pending` are marked: a run read
+        after it ended must never be written back to `queued`.
         """
         await self._marks.hand(
-            [(r.id, actor, Known(r.status, r.version, r.scope, r.scope_id)) for r in runs]
+            [
+                (r.id, actor, Known(r.status, r.version, r.scope, r.scope_id))
+                for r in runs
+                if r.status == RunStatus.PENDING
+            ]
         )
 
     async def _mark_queued(self, marks: list[tuple[str, str, Known]]) -> None:
@@ -1011,6 +1028,8 @@ class MongoStore:
                     exc_info=True,
                 )
                 continue
+            if failed := [o for o in outcomes if isinstance(o, Exception)]:
+                log.warning("%d runs not marked queued, first: %s", len(failed), failed[0])
             await self._copier.hand(
                 [
                     event
@@ -1747,7 +1766,7 @@ class MongoStore:
         firsts = [u.first_event for u in updates]
         applied: set[ObjectId] = set()
         if events := [f for f in firsts if f is not None]:
-            ids = [u.query["_id"] for u in updates if u.first_event is not None]
+            ids = [u.query["_id"] for u, f in zip(updates, firsts, strict=True) if f is not None]
             cursor = await self.runs.aggregate(
                 [
                     {"$match": {"_id": {"$in": ids}}},
