@@ -473,6 +473,8 @@ def table(empty: ScaleBench, full: ScaleBench) -> None:
         "halves, and mongod's CPU per run over all rounds (a cost, less sensitive to them):"
     )
     for name in (DRAIN, E2E):
+        if not empty.costs.get(name) or not full.costs.get(name):
+            continue  # not among --workloads
         rows = zip(
             empty.figures.get(name, []),
             empty.costs.get(name, []),
@@ -581,7 +583,8 @@ async def main_async(empty: ScaleBench, full: ScaleBench) -> None:
                     print(f"\nround {i + 1} of {a.repeat}, {label} database", flush=True)
                     for name in a.workloads:
                         await {"drain": bench.drain, "e2e": bench.end_to_end}[name]()
-            table(empty, full)
+            if a.workloads and a.repeat:
+                table(empty, full)
             for bench, label in ((empty, "empty"), (full, "full")):
                 if bench.stranded:
                     stranded = ", ".join(f"{x} / {y}" for x, y in bench.stranded)
@@ -630,7 +633,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
         "--workloads",
         type=lambda s: [w for w in s.split(",") if w],
         default=["drain", "e2e"],
-        help="comma-separated subset of: drain,e2e",
+        help="comma-separated subset of: drain,e2e (none: seed and show the plans only)",
     )
     args = parser.parse_args(argv)
     if unknown := set(args.workloads) - {"drain", "e2e"}:
