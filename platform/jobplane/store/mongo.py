@@ -336,7 +336,6 @@ class MongoStore:
                 IndexModel([("queue", ASCENDING)]),
             ]
         )
-        has = {"$exists": True}
         # Every index is work for every write that changes its keys. Fields only some runs
         # have (a lease, a deadline, a schedule) get partial indexes, so a run is in them only
         # while it has the field; terminal runs enter the retention index only once they end.
@@ -345,65 +344,56 @@ class MongoStore:
                 # Claim path: the reconciler finds claimable runs missing from Redis.
                 IndexModel([("status", ASCENDING), ("_id", ASCENDING)]),
                 # The reaper's scans: leases that ran out, deadlines and cancel graces passed.
-                IndexModel(
+                _only_with(
+                    "lockedUntil",
                     [("status", ASCENDING), ("lockedUntil", ASCENDING)],
                     name="leases",
-                    partialFilterExpression={"lockedUntil": has},
                 ),
-                IndexModel(
-                    [("status", ASCENDING), ("deadline", ASCENDING)],
-                    name="deadlines",
-                    partialFilterExpression={"deadline": has},
+                _only_with(
+                    "deadline", [("status", ASCENDING), ("deadline", ASCENDING)], name="deadlines"
                 ),
-                IndexModel(
+                _only_with(
+                    "cancelDeadline",
                     [("status", ASCENDING), ("cancelDeadline", ASCENDING)],
                     name="cancel_deadlines",
-                    partialFilterExpression={"cancelDeadline": has},
                 ),
-                IndexModel(
-                    [("dedupeKey", ASCENDING)],
-                    unique=True,
-                    partialFilterExpression={"dedupeKey": has},
-                ),
-                IndexModel(
+                _only_with("dedupeKey", [("dedupeKey", ASCENDING)], unique=True),
+                _only_with(
+                    "idempotencyKey",
                     [("scope", ASCENDING), ("scopeId", ASCENDING), ("idempotencyKey", ASCENDING)],
                     unique=True,
-                    partialFilterExpression={"idempotencyKey": has},
                 ),
-                IndexModel(
+                _only_with(
+                    "scheduleId",
                     [("scheduleId", ASCENDING), ("scheduledFor", ASCENDING)],
                     unique=True,
-                    partialFilterExpression={"scheduleId": has},
                 ),
                 IndexModel([("scope", ASCENDING), ("scopeId", ASCENDING), ("_id", DESCENDING)]),
                 IndexModel([("templateType", ASCENDING), ("_id", DESCENDING)]),
                 # Ended runs of a template by status (its dead letters): without it a list of a
                 # rare status of one template walks every run of that status. Only ended runs,
                 # which never change status again: an entry per run, written once.
-                IndexModel(
+                _only_with(
+                    "completedAt",
                     [("templateType", ASCENDING), ("status", ASCENDING), ("_id", DESCENDING)],
                     name="ended_by_template",
-                    partialFilterExpression={"completedAt": has},
                 ),
-                IndexModel(
+                _only_with(
+                    "scheduleId",
                     [("scheduleId", ASCENDING), ("_id", DESCENDING)],
                     name="schedule_runs",
-                    partialFilterExpression={"scheduleId": has},
                 ),
                 # Runs waiting for a dedupe key, oldest first.
-                IndexModel(
-                    [("dedupeWait", ASCENDING), ("_id", ASCENDING)],
-                    partialFilterExpression={"dedupeWait": has},
-                ),
+                _only_with("dedupeWait", [("dedupeWait", ASCENDING), ("_id", ASCENDING)]),
                 # The sweep: runs written since its last pass.
                 IndexModel([("updateAt", ASCENDING)]),
                 # Retention: terminal runs (those with `completedAt`) by age. Runs holding a
                 # spent dedupe key never move (the key must stay under the unique index); a null
                 # `dedupeKey` bound keeps the pass from even reading them.
-                IndexModel(
+                _only_with(
+                    "completedAt",
                     [("status", ASCENDING), ("dedupeKey", ASCENDING), ("updateAt", ASCENDING)],
                     name="ended",
-                    partialFilterExpression={"completedAt": has},
                 ),
             ]
         )
@@ -1819,6 +1809,11 @@ class MongoStore:
 
 
 # -- conversion to and from BSON: here and nowhere else ------------------------------------------
+
+
+def _only_with(field: str, keys: list[tuple[str, int]], **options: Any) -> IndexModel:
+    """An index of the runs that have `field` only: a write to any other run skips it."""
+    return IndexModel(keys, partialFilterExpression={field: {"$exists": True}}, **options)
 
 
 def _definition(spec: TemplateSpec) -> Doc:
