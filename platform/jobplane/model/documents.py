@@ -6,9 +6,11 @@ Only the store converts between these models and BSON.
 
 import re
 from datetime import UTC, datetime
+from functools import cached_property
 from typing import Annotated, Any, Literal
 
 from annotated_types import Ge, Le
+from jsonschema import Draft202012Validator
 from pydantic import (
     AfterValidator,
     AwareDatetime,
@@ -133,6 +135,11 @@ class Template(TemplateSpec):
     version: int
     create_at: datetime
     update_at: datetime
+
+    @cached_property
+    def payload_validator(self) -> Draft202012Validator:
+        """Built once per version: building it cost more than validating a small payload."""
+        return Draft202012Validator(self.payload_schema)
 
     def step_index(self, step_id: str) -> int:
         return next(i for i, s in enumerate(self.steps) if s.id == step_id)

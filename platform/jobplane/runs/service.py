@@ -9,7 +9,6 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
-from jsonschema import Draft202012Validator
 from redis.exceptions import RedisError
 
 from jobplane import metrics
@@ -277,8 +276,9 @@ class RunService:
 def validate_payload(template: Template, payload: dict[str, Any]) -> None:
     if problems := unstorable(payload, "/payload"):
         raise ValidationFailed("payload cannot be stored as sent", problems)
-    validator = Draft202012Validator(template.payload_schema)
-    errors = sorted(validator.iter_errors(payload), key=lambda e: list(e.absolute_path))
+    errors = sorted(
+        template.payload_validator.iter_errors(payload), key=lambda e: list(e.absolute_path)
+    )
     if errors:
         raise ValidationFailed(
             "payload does not match the template's payloadSchema",

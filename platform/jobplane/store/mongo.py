@@ -666,11 +666,9 @@ class MongoStore:
     def _new_run(new: NewRun, actor: str, now: datetime) -> tuple[Run, Doc]:
         t = new.template
         oid = ObjectId()
-        # Built without validation: every value is typed and was checked on its way in (the
-        # template when registered, the payload against its schema), and a read validates the
-        # stored document. Validating here again was half of a bulk create's CPU.
-        steps = [StepProgress.model_construct(id=s.id) for s in t.steps]
-        run = Run.model_construct(
+        # Validated although every value was checked on its way in: pydantic-core validates a
+        # run in a few microseconds, several times faster than `model_construct` builds one.
+        run = Run(
             id=str(oid),
             template_type=t.type,
             template_version=t.version,
@@ -680,7 +678,7 @@ class MongoStore:
             payload=new.payload,
             priority=t.priority if new.priority is None else new.priority,
             queue=t.queue,
-            progress=Progress.model_construct(steps=steps),
+            progress=Progress(steps=[StepProgress(id=s.id) for s in t.steps]),
             max_attempts=t.retry_policy.max_attempts,
             timeout_seconds=t.timeout_seconds,
             cancel_grace_seconds=t.cancel_policy.grace_seconds,
