@@ -138,7 +138,8 @@ class Template(TemplateSpec):
 
     @cached_property
     def payload_validator(self) -> Draft202012Validator:
-        """Built once per version: building it cost more than validating a small payload."""
+        """Built once per loaded template (the store caches them): building it cost more than
+        validating a small payload."""
         return Draft202012Validator(self.payload_schema)
 
     def step_index(self, step_id: str) -> int:
