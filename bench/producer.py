@@ -15,7 +15,7 @@ http        `Client(url=..., api_key=...)` against a real `python -m jobplane ap
             (the bootstrap admin key; one keep-alive pool in the client).
 
 A window runs from the first call until the client is closed after the last return (in direct
-mode closing waits for the store's deferred writes: `queued` marks, event copies); after it the
+mode closing waits for the store's deferred writes, the event copies); after it the
 script checks that MongoDB holds every run. CPU seconds of this process (`bench`), the API
 process, mongod and redis are printed per window with the machine's total: "others" is CPU that
 processes this benchmark did not start took meanwhile, so a busy neighbour shows.
@@ -149,8 +149,8 @@ async def window(
         await client.create("bench_noop", scope="system", scope_id="warm-up")
         before, start = bench.procs.cpu(), time.perf_counter()
         await work(client)
-        # Closing waits for this process's deferred writes (direct: the `queued` marks and
-        # event copies the creates caused), so the window holds all the work they cost.
+        # Closing waits for this process's deferred writes (direct: the event copies the
+        # creates caused), so the window holds all the work they cost.
         await client.close()
         seconds = time.perf_counter() - start
         after = bench.procs.cpu()

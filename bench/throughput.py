@@ -460,7 +460,7 @@ class Quiet:
 
 async def create_many(service: RunService, n: int, callers: int) -> float:
     """Create `n` runs from `callers` concurrent callers; returns the seconds it took, up to
-    the end of the work the creates left behind (`queued` marks, event copies)."""
+    the end of the work the creates left behind (event copies)."""
     todo = iter(range(n))
 
     async def caller() -> None:

@@ -8,8 +8,8 @@ most one bulk round trip of waiting, in exchange for one round trip (and one jou
 batch instead of per item. A caller hears back only after the write that holds its item has
 returned: nothing is acknowledged before it is durable.
 
-`Backlog` is for writes nobody waits on (copies, marks that can be made again later): items
-linger a moment for more to share their write.
+`Backlog` is for writes nobody waits on (copies that can be made again later): items linger a
+moment for more to share their write.
 """
 
 import asyncio

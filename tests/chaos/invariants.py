@@ -103,8 +103,8 @@ def check_run(run: Doc, events: list[Doc], steps: list[str] | None, now: datetim
             source = RunStatus(event["from"]) if "from" in event else None
             if source != state:
                 bad.append(f"moves from {source} but was {state}")
-            elif state is None and target != RunStatus.PENDING:
-                bad.append(f"begins as {target.value}, not pending")
+            elif state is None and target not in (RunStatus.PENDING, RunStatus.QUEUED):
+                bad.append(f"begins as {target.value}, not pending or queued")
             elif state is not None and target not in ALLOWED[state]:
                 bad.append(f"moves {state.value} -> {target.value}, not in SPEC's table")
             state = target

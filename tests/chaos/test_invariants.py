@@ -34,7 +34,8 @@ def step(version: int, kind: str, step_id: str, actor: str = W1, **metadata: Any
 
 
 def good() -> list[Doc]:
-    """pending -> queued -> running (w1) -> a, b -> succeeded."""
+    """pending -> queued -> running (w1) -> a, b -> succeeded: a run that waited for its
+    dedupe key (others are created `queued`)."""
     return [
         moved(1, None, "pending", "user:u"),
         moved(2, "pending", "queued", "user:u"),
@@ -55,6 +56,11 @@ def test_a_good_trail_passes() -> None:
     assert check_run(run(), good(), STEPS, NOW) == []
 
 
+def test_a_run_created_queued_passes() -> None:
+    trail = [moved(1, None, "queued", "user:u"), *good()[2:]]
+    assert check_run(run(), trail, STEPS, NOW) == []
+
+
 def test_a_retried_run_passes_when_its_last_lease_ran_every_step() -> None:
     trail = [
         *good()[:5],
@@ -73,7 +79,7 @@ def test_a_retried_run_passes_when_its_last_lease_ran_every_step() -> None:
         ([*good()[:-1], moved(6, "running", "failed")], "trail ends failed"),
         ([*good(), moved(7, "succeeded", "queued", "reaper")], "not in SPEC's table"),
         ([*good()[:2], moved(3, "pending", "running"), *good()[3:]], "moves from pending"),
-        ([moved(1, None, "queued"), *good()[1:]], "begins as queued"),
+        ([moved(1, None, "running"), *good()[2:]], "begins as running"),
         ([*good()[:3], step(4, "step_started", "a", W2), *good()[4:]], "lease held by worker:w1"),
         ([*good()[:3], *good()[5:7], *good()[3:5], good()[-1]], "started before the step ahead"),
         ([*good()[:5], good()[-1]], "without a recorded run of step b"),

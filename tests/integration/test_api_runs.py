@@ -85,7 +85,6 @@ async def test_list_filters(api: httpx.AsyncClient, backends: Backends) -> None:
     a = await create(api)
     b = await create(api, type_="t_other", scope_id="u2")
     await api.post(f"/v1/runs/{a['id']}/cancel")
-    await backends.store.flush()  # b's `queued` mark
 
     async def ids(query: str) -> list[str]:
         return [r["id"] for r in (await api.get(f"/v1/runs?{query}")).json()["items"]]
@@ -235,10 +234,9 @@ async def test_queue_same_scope_runs_the_waiting_run_after_the_active_one(
     first = await create(api)
     second = await create(api)
     third = await create(api)
-    assert (first["status"], second["status"], third["status"]) == ("pending", "pending", "pending")
+    # The first holds the key and is queued; the others wait for it, `pending`.
+    assert (first["status"], second["status"], third["status"]) == ("queued", "pending", "pending")
     assert second["dedupeWait"] is not None and second["dedupeKey"] is None
-    await backends.store.flush()  # the first's `queued` mark
-    assert (await api.get(f"/v1/runs/{first['id']}")).json()["status"] == "queued"
     # The waiting runs are not in Redis: nothing can claim them early.
     waiting = [QueueEntry(r["id"], "default", 0, None) for r in (second, third)]
     assert await backends.queue.missing(waiting) == waiting
@@ -260,7 +258,6 @@ async def test_a_waiting_run_that_is_cancelled_frees_its_place(
     third = await create(api)
     assert (await api.post(f"/v1/runs/{second['id']}/cancel")).json()["status"] == "cancelled"
     await api.post(f"/v1/runs/{first['id']}/cancel")
-    await backends.store.flush()  # the third's `queued` mark, made once it took the key
     admitted = (await api.get(f"/v1/runs/{third['id']}")).json()
     assert admitted["status"] == "queued" and admitted["dedupeKey"] is not None
 
@@ -309,11 +306,9 @@ async def test_a_cancel_racing_a_claim_ends_in_one_consistent_state(
         assert [to for _, to in moves].count(RunStatus.CANCELLED) <= 1
         if run.status == RunStatus.CANCELLED:
             claimed = RunStatus.RUNNING in [to for _, to in moves]
-            # Either it never ran (cancelled before or after its `queued` mark), or the worker
-            # acknowledged a cancel request.
-            assert moves[-1][0] in (
-                {RunStatus.CANCEL_REQUESTED} if claimed else {RunStatus.PENDING, RunStatus.QUEUED}
-            )
+            # Either it never ran (cancelled while queued), or the worker acknowledged a
+            # cancel request.
+            assert moves[-1][0] in ({RunStatus.CANCEL_REQUESTED} if claimed else {RunStatus.QUEUED})
             outcomes.add("acknowledged" if claimed else "before it ran")
         else:
             assert run.status == RunStatus.SUCCEEDED  # the cancel came after the end: a 409
@@ -326,7 +321,6 @@ async def test_the_audit_query_filters_and_pages(
 ) -> None:
     await register(api, noop())
     runs = [await create(api, scope_id=f"u{i % 2}") for i in range(4)]
-    await backends.store.flush()  # their `queued` marks come before the cancel
     await api.post(f"/v1/runs/{runs[0]['id']}/cancel", json={"reason": "audit me"})
     await backends.store.flush()
 

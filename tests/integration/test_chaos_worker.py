@@ -101,7 +101,6 @@ async def test_a_run_that_kills_its_worker_expires_after_max_attempts(
     env = {"PYTHONPATH": pythonpath, "CHAOS_KILLS": str(kills)}
     service = RunService(backends.store, backends.queue)
     run, _ = await service.create(RunRequest("t_noop", "user", "u"), "user:a")
-    await backends.store.flush()  # its `queued` mark, which the story below begins with
 
     scheduler = spawn(fast, "scheduler", tmp_path / "scheduler.log")
     dead: list[subprocess.Popen[bytes]] = []
@@ -146,7 +145,6 @@ async def test_a_run_that_kills_its_worker_expires_after_max_attempts(
     assert len({e.actor for e in claims}) == 3, "three different worker processes"
     assert [e.type for e in events].count("lease_expired") == 3
     assert transitions(events) == [
-        ("enqueue", "user:a"),
         ("claim", claims[0].actor),
         ("reap_requeue", "reaper"),
         ("claim", claims[1].actor),
@@ -170,7 +168,6 @@ async def test_a_worker_frozen_past_its_lease_cannot_write_after_waking_up(
     run, _ = await RunService(backends.store, backends.queue).create(
         RunRequest("t_noop", "user", "u", {"sleepSeconds": 4}), "user:a"
     )
-    await backends.store.flush()  # its `queued` mark, which the story below begins with
     scheduler = spawn(fast, "scheduler", tmp_path / "scheduler.log")
     zombie = spawn(fast, "worker", tmp_path / "zombie.log", JOBPLANE_WORKER_ID="zombie")
     healthy: subprocess.Popen[bytes] | None = None
@@ -203,7 +200,6 @@ async def test_a_worker_frozen_past_its_lease_cannot_write_after_waking_up(
     assert [s.status for s in done.progress.steps] == [StepStatus.SUCCEEDED] * 2
     events = await backends.store.events_of(run.id)
     assert transitions(events) == [
-        ("enqueue", "user:a"),
         ("claim", "worker:zombie"),
         ("reap_requeue", "reaper"),
         ("claim", "worker:healthy"),
@@ -278,7 +274,6 @@ async def test_sigterm_lets_a_step_that_ends_within_the_drain_finish(
     run, _ = await RunService(backends.store, backends.queue).create(
         RunRequest("t_noop", "user", "u", {"sleepSeconds": 3}), "user:a"
     )
-    await backends.store.flush()  # its `queued` mark, which the story below begins with
     worker = spawn(
         settings,
         "worker",
@@ -301,7 +296,6 @@ async def test_sigterm_lets_a_step_that_ends_within_the_drain_finish(
     nap = done.progress.steps[0]
     assert nap.completed_at is not None and signalled < nap.completed_at, "SIGTERM came mid-step"
     assert transitions(await backends.store.events_of(run.id)) == [
-        ("enqueue", "user:a"),
         ("claim", "worker:drained"),
         ("complete", "worker:drained"),
     ]

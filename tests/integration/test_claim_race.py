@@ -71,7 +71,7 @@ async def test_four_worker_processes_claim_each_run_exactly_once(
     async for event in cursor:
         trails.setdefault(event["jobId"], []).append((event["from"], event["to"]))
     for trail in trails.values():
-        status = RunStatus.PENDING
+        status = RunStatus.QUEUED
         for from_, to in trail:
             assert from_ == status and RunStatus(to) in ALLOWED[status], trail
             status = RunStatus(to)

@@ -19,12 +19,15 @@ async def test_two_writers_from_one_state_in_one_batch_one_wins(
 ) -> None:
     template = await register()
     runs = [await store.insert_run(NewRun(template, "user", "u1"), "user:a") for _ in range(10)]
-    # Each run's mark twice, from the same state, in one batch.
-    await store.mark_queued([*runs, *runs], "user:a")
-    await store.flush()
+    # Each run cancelled twice at once: both writers read the same state, and their writes
+    # share a bulk write.
+    outcomes = await asyncio.gather(*(store.cancel(r.id, "user:a", None) for r in [*runs, *runs]))
+    for first, second in zip(outcomes[: len(runs)], outcomes[len(runs) :], strict=True):
+        assert sorted(type(o).__name__ for o in (first, second)) == ["Lost", "Moved"]
     for run in runs:
         stored = await store.get_run(run.id)
-        assert stored is not None and stored.status == RunStatus.QUEUED and stored.version == 2
+        assert stored is not None and stored.status == RunStatus.CANCELLED and stored.version == 2
+    await store.flush()
     # Exactly one `status_changed` per run: the loser's events were never written.
     assert await store.events.count_documents({"type": "status_changed"}) == len(runs)
 
@@ -34,48 +37,21 @@ async def test_lost_and_won_writes_in_one_batch_are_told_apart(
 ) -> None:
     template = await register()
     runs = [await store.insert_run(NewRun(template, "user", "u1"), "user:a") for _ in range(10)]
-    for run in runs[::2]:  # cancelled meanwhile: the creator's known state is stale
-        assert isinstance(await store.cancel(run.id, "user:b", None), Moved)
-    await store.mark_queued(runs, "user:a")
+    leases = [lease for _, lease in await store.claim([r.id for r in runs], "w1", 30)]
+    taken = leases[::2]
+    for lease in taken:  # another worker's lease now: the holder's own state is stale
+        await store.runs.update_one(
+            {"_id": ObjectId(lease.run_id)}, {"$set": {"leaseToken": "other"}}
+        )
+    outcomes = await asyncio.gather(
+        *(store.complete(lease, 0, "only", None, {"ok": True}) for lease in leases)
+    )
+    assert [type(o).__name__ for o in outcomes] == ["Lost", "Moved"] * 5
+    assert all(isinstance(o, Lost) and o.reason == "lease" for o in outcomes[::2])
     await store.flush()
-    statuses = [stored.status for r in runs if (stored := await store.get_run(r.id))]
-    assert statuses == [RunStatus.CANCELLED, RunStatus.QUEUED] * 5
-    # Only the marks that applied had their events copied.
-    marked = await store.events.distinct("jobId", {"metadata.transition": "enqueue"})
-    assert sorted(marked) == sorted(r.id for r in runs[1::2])
-
-
-async def test_a_run_read_after_it_ended_is_never_marked(
-    store: MongoStore, register: Register
-) -> None:
-    """`admit_next` reads the run it admitted before queueing it: a cancel may have ended it
-    in between, and a mark filtered on that read would bring it back."""
-    template = await register()
-    run = await store.insert_run(NewRun(template, "user", "u1"), "user:a")
-    assert isinstance(await store.cancel(run.id, "user:b", None), Moved)
-    cancelled = await store.get_run(run.id)
-    assert cancelled is not None and cancelled.status == RunStatus.CANCELLED
-    await store.mark_queued([cancelled], "user:a")
-    await store.flush()
-    after = await store.get_run(run.id)
-    assert after is not None
-    assert (after.status, after.version) == (RunStatus.CANCELLED, cancelled.version)
-
-
-async def test_a_mark_is_made_on_its_own_after_its_linger(
-    store: MongoStore, register: Register
-) -> None:
-    template = await register()
-    run = await store.insert_run(NewRun(template, "user", "u1"), "user:a")
-    await store.mark_queued([run], "user:a")
-
-    async def version() -> int:
-        stored = await store.get_run(run.id)
-        return stored.version if stored and stored.status == RunStatus.QUEUED else 0
-
-    async with asyncio.timeout(30):  # no flush: the linger runs out
-        while await version() != 2:  # noqa: ASYNC110
-            await asyncio.sleep(0.02)
+    # Only the writes that applied had their events copied.
+    completed = await store.events.distinct("jobId", {"metadata.transition": "complete"})
+    assert sorted(completed) == sorted(lease.run_id for lease in leases[1::2])
 
 
 async def test_a_duplicate_key_in_a_batch_fails_only_its_writer(

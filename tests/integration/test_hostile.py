@@ -331,7 +331,6 @@ async def test_an_operator_as_an_id_is_not_found(
     run = await create_run(api)
     schedule = await api.post("/v1/schedules", json={**RUN, "cron": "@daily"})
     assert schedule.status_code == 201, schedule.text
-    await backends.store.flush()  # the run's `queued` mark
     before = await written(backends)
     error_of(await api.request(method, path, json=body), 404, "NotFound")
     assert await written(backends) == before
@@ -360,7 +359,6 @@ async def test_an_operator_in_another_body_is_refused(
     """The fencing fields of a worker's call above all: `{"$ne": null}` must not pass for
     any lease token."""
     run = await create_run(api)
-    await backends.store.flush()  # its `queued` mark
     refused(await api.post(path.replace("{run}", run["id"]), json=body), pointer)
     assert (await api.get(f"/v1/runs/{run['id']}")).json()["status"] == "queued"
     assert await backends.store.api_keys.count_documents({}) == 0

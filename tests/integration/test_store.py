@@ -32,7 +32,7 @@ async def test_one_active_run_per_dedupe_key_under_concurrent_inserts(
     [(_, lease)] = await store.claim(winners, "w", 5)
     await store.complete(lease, 0, "only", None, None)
     again = await store.insert_run(new, "user:a")
-    assert again.status == RunStatus.PENDING
+    assert again.status == RunStatus.QUEUED and again.dedupe_key == new.dedupe_key
 
 
 async def test_idempotency_key_returns_the_existing_run(

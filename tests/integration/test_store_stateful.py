@@ -342,6 +342,7 @@ class Create(Op):
                 got.id,
                 self.kind,
                 world.now,
+                status=S.PENDING if new.dedupe_wait else S.QUEUED,
                 not_before=new.not_before,
                 dedupe_key=new.dedupe_key,
                 dedupe_wait=new.dedupe_wait,
@@ -1132,14 +1133,16 @@ def can_race(a: Op, b: Op) -> bool:
 
 
 def check_path(doc: Doc) -> None:
-    """The trail starts with `created` and its status changes form a valid path through the
-    table, from named transitions, ending at the run's status; nothing follows a terminal
-    status, so a run succeeds at most once."""
+    """The trail starts with `created` (`pending` for a run waiting for its dedupe key,
+    `queued` otherwise) and its status changes form a valid path through the table, from named
+    transitions, ending at the run's status; nothing follows a terminal status, so a run
+    succeeds at most once."""
     trail = doc["trail"]
     assert trail[0]["type"] == "created" and trail[0]["runVersion"] == 1, trail[0]
     versions = [e["runVersion"] for e in trail]
     assert versions == sorted(versions) and versions[-1] <= doc["version"], versions
-    status = S.PENDING
+    status = S(trail[0]["to"])
+    assert status in (S.PENDING, S.QUEUED), trail[0]
     changes = [e for e in trail if e["type"] == "status_changed"]
     for e in changes:
         frm, to = S(e["from"]), S(e["to"])

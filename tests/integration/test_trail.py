@@ -28,7 +28,7 @@ async def test_events_a_dead_writer_never_copied_are_read_and_swept_once(
     # Readers see the whole trail already: it is durable with the writes themselves.
     trail = [(e.type, e.to) for e in await store.events_of(run.id)]
     assert trail == [
-        ("created", RunStatus.PENDING),
+        ("created", RunStatus.QUEUED),
         ("status_changed", RunStatus.RUNNING),
         ("step_finished", None),
         ("status_changed", RunStatus.SUCCEEDED),

@@ -57,11 +57,10 @@ class RunService:
         """Validate, write the run to MongoDB, then queue it in Redis.
 
         Returns the run and whether it is new: a repeated `idempotency_key` in the same scope
-        returns the run it created first. If Redis is unreachable the run stays `pending` in
-        MongoDB, durable, and the reconciler queues it once Redis is back: an accepted run is
-        never lost. Concurrent creates share their MongoDB and Redis writes (group commit).
-        The run comes back `pending`; it shows `queued` a moment later (`store.mark_queued`)
-        unless a worker claimed it first.
+        returns the run it created first. The run is written `queued` and then pushed to
+        Redis; if Redis is unreachable it is durable in MongoDB all the same, and the reconciler
+        pushes it once Redis is back: an accepted run is never lost. Concurrent creates share
+        their MongoDB and Redis writes (group commit).
 
         The template's dedupe key is taken through MongoDB's unique index, so of many
         concurrent creates for one key exactly one becomes active. The others are refused
@@ -113,7 +112,7 @@ class RunService:
                 fresh.append(result)
                 outcomes[i] = result, True
                 metrics.RUNS_CREATED.labels(template.type).inc()
-        await self._enqueue_many(fresh, actor)
+        await self._push(fresh)
 
         async def one(i: int, request: RunRequest) -> None:
             try:
@@ -166,7 +165,7 @@ class RunService:
                 # The holder may have ended before this run was written: nobody would admit it.
                 await self.admit_next(held.key, actor)
                 return await self.get(run.id)
-            await self.enqueue(run, actor)
+            await self._push([run])
             return run
         raise ResourceInvalidState("the run's dedupe key kept changing hands; try again")
 
@@ -207,24 +206,23 @@ class RunService:
                 continue
             if isinstance(taken, Lost):
                 continue  # cancelled meanwhile; look at the next
-            await self.enqueue(await self.get(waiting.id), actor)
+            if isinstance(await self.store.enqueue(waiting.id, actor), Lost):
+                continue  # cancelled since it took the key; the cancel admits the next
+            await self._push([waiting])
             return
 
-    async def enqueue(self, run: Run, actor: str) -> None:
-        """Push a pending run to Redis and have it marked `queued`; a run Redis refused stays
-        `pending` for the reconciler."""
-        await self._enqueue_many([run], actor)
-
-    async def _enqueue_many(self, runs: Sequence[Run], actor: str) -> None:
+    async def _push(self, runs: Sequence[Run]) -> None:
+        """Put `queued` runs in Redis. MongoDB has them already, so a push Redis refused is
+        left to the reconciler, which pushes the queued runs Redis is missing."""
         if not runs:
             return
         entries = [QueueEntry(r.id, r.queue, r.priority, r.not_before) for r in runs]
         try:
             await self.queue.push(entries, self.store.clock.now())
         except (RedisError, OSError) as exc:
-            log.warning("%d runs stay pending, Redis push failed: %s", len(runs), exc)
-            return
-        await self.store.mark_queued(runs, actor)
+            log.warning(
+                "%d queued runs wait for the reconciler, Redis push failed: %s", len(runs), exc
+            )
 
     async def cancel(self, run_id: str, actor: str, reason: str | None) -> Run:
         """SPEC rule 4: a run no worker holds ends `cancelled` at once and leaves the queue; a

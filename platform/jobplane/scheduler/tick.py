@@ -169,6 +169,8 @@ class Scheduler:
             missing = await self.queue.missing(entries)
             await self.queue.push(missing, self.clock.now())
             pushed += len(missing)
+            # Runs are created `queued`. A pending one here took its dedupe key in a process
+            # that died before queueing it, or was created by an earlier version.
             for run in runs:
                 if run.status == RunStatus.PENDING:
                     await self.store.enqueue(run.id, "scheduler")

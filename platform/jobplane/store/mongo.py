@@ -271,9 +271,6 @@ class MongoStore:
     # Nobody waits for an event copy, so a copy waits this long for more events to share its
     # insert: at a low rate, events of many runs go in one insert instead of one per write.
     COPY_LINGER_SECONDS = 0.05
-    # Long enough for most runs to be claimed first, which makes their mark moot; far shorter
-    # than the reconciler's idle time, which would otherwise mark them.
-    MARK_LINGER_SECONDS = 0.1
 
     def __init__(
         self,
@@ -294,10 +291,8 @@ class MongoStore:
         self.clock: Clock = clock or SystemClock()
         self.meta: AsyncCollection[Doc] = self.db["job_meta"]
         # Events are copied from the trails into `job_events` off the writers' path (see
-        # `_copy_events`), and a creator's `pending → queued` mark is made off the create
-        # path (see `mark_queued`).
+        # `_copy_events`).
         self._copier = Backlog(self._copy_events, linger=self.COPY_LINGER_SECONDS)
-        self._marks = Backlog(self._mark_queued, linger=self.MARK_LINGER_SECONDS)
         self._inserts = GroupCommit(self._insert_many)
         self._template_cache: dict[tuple[str, int | None], tuple[float, Template]] = {}
         self._updates = GroupCommit(self._update_many)
@@ -314,9 +309,7 @@ class MongoStore:
         await self.client.close()
 
     async def flush(self) -> None:
-        """Wait until this process's deferred writes are done: its `queued` marks, then the
-        copies of its events to `job_events`."""
-        await self._marks.drain()
+        """Wait until this process's copies of its events to `job_events` are written."""
         await self._copier.drain()
 
     async def ping(self) -> None:
@@ -623,7 +616,9 @@ class MongoStore:
     # -- runs ----------------------------------------------------------------------------------
 
     async def insert_run(self, new: NewRun, actor: str) -> Run:
-        """Write a new `pending` run and its `created` event.
+        """Write a new run and its `created` event: `queued`, as its creator pushes it to Redis
+        next (the reconciler does if the creator cannot), or `pending` while it waits for its
+        dedupe key.
 
         Concurrent calls are written together (group commit). The unique indexes decide dedupe
         and idempotency, so concurrent creates cannot both win.
@@ -674,7 +669,7 @@ class MongoStore:
             template_version=t.version,
             scope=new.scope,
             scope_id=new.scope_id,
-            status=RunStatus.PENDING,
+            status=RunStatus.PENDING if new.dedupe_wait else RunStatus.QUEUED,
             payload=new.payload,
             priority=t.priority if new.priority is None else new.priority,
             queue=t.queue,
@@ -696,7 +691,7 @@ class MongoStore:
         del doc["id"]
         doc["_id"] = oid
         created = _event(
-            run.id, "created", actor, run.scope, run.scope_id, 1, to=RunStatus.PENDING, now=now
+            run.id, "created", actor, run.scope, run.scope_id, 1, to=run.status, now=now
         )
         doc["trail"] = [created]
         return run, doc
@@ -979,53 +974,9 @@ class MongoStore:
     # -- transitions without a lease -----------------------------------------------------------
 
     async def enqueue(self, run_id: str, actor: str) -> Moved | Lost:
-        """pending → queued, once the run is in Redis (the reconciler's mark)."""
+        """pending → queued: a run that took the dedupe key it waited for, or one the
+        reconciler found `pending` (its process died before it could queue it)."""
         return await self._transition("enqueue", run_id, actor, extra=_NOT_WAITING)
-
-    async def mark_queued(self, runs: Sequence[Run], actor: str) -> None:
-        """pending → queued for pending runs their creator just pushed to Redis, off the
-        create path: within `MARK_LINGER_SECONDS`, in one bulk write with other marks.
-
-        Pending runs are claimable too, so most runs are claimed before the mark is made, and
-        the mark then misses: moot, not lost, as whatever moved the run off `pending` (a claim,
-        a cancel, the reconciler) leaves nothing to mark. A mark this process never made (it
-        died, the write failed) is made by the reconciler. Each run is filtered on the status
-        and version it is handed over with, so only runs seen `pending` are marked: a run read
-        after it ended must never be written back to `queued`.
-        """
-        await self._marks.hand(
-            [
-                (r.id, actor, Known(r.status, r.version, r.scope, r.scope_id))
-                for r in runs
-                if r.status == RunStatus.PENDING
-            ]
-        )
-
-    async def _mark_queued(self, marks: list[tuple[str, str, Known]]) -> None:
-        for start in range(0, len(marks), 1000):
-            updates: list[_Update] = []
-            for run_id, actor, state in marks[start : start + 1000]:
-                query, update, events = self._move("enqueue", run_id, actor, extra=_NOT_WAITING)
-                updates.append(_Update.exact(query, update, state, events(state)))
-            try:
-                outcomes = await self._update_many(updates)
-            except Exception:
-                log.warning(
-                    "marking %d runs queued failed; the reconciler marks them",
-                    len(updates),
-                    exc_info=True,
-                )
-                continue
-            if failed := [o for o in outcomes if isinstance(o, Exception)]:
-                log.warning("%d runs not marked queued, first: %s", len(failed), failed[0])
-            await self._copier.hand(
-                [
-                    event
-                    for u, applied in zip(updates, outcomes, strict=True)
-                    if applied is True
-                    for event in u.update["$push"]["trail"]["$each"]
-                ]
-            )
 
     async def cancel(self, run_id: str, actor: str, reason: str | None) -> Moved | Lost:
         """A run no worker holds yet ends at once; its pending steps are skipped."""
@@ -1575,38 +1526,6 @@ class MongoStore:
         t = TRANSITIONS[name]
         if object_id(run_id) is None:
             return Lost(run_id, "missing")
-        query, update, events = self._move(
-            name, run_id, actor, lease, extra, set_, unset, inc, before, also, message
-        )
-        written = await self._write(
-            query, update, lease.known if lease else None, t.sources, array_filters, events
-        )
-        if written is None:
-            # Only a fenced write can come from a superseded lease: a lease offered to an
-            # unfenced move (an external worker's `resume` that lost the race) was never granted.
-            return await self._lost(run_id, lease if t.fenced else None, name)
-        state, trail = written
-        if lease is not None:
-            lease.known = Known(t.target, state.version + 1, state.scope, state.scope_id)
-        await self._copier.hand(trail)
-        return Moved(run_id, state.status, t.target)
-
-    def _move(
-        self,
-        name: str,
-        run_id: str,
-        actor: str,
-        lease: Lease | None = None,
-        extra: Mapping[str, Any] | None = None,
-        set_: Mapping[str, Any] | None = None,
-        unset: Sequence[str] = (),
-        inc: Mapping[str, int] | None = None,
-        before: Sequence[tuple[str, str | None, Doc]] = (),
-        also: Sequence[tuple[str, str | None, Doc]] = (),
-        message: str | None = None,
-    ) -> tuple[Doc, Doc, Callable[[Known], list[Doc]]]:
-        """The named transition's guards, its update, and its events from a given state."""
-        t = TRANSITIONS[name]
         query: Doc = {"_id": ObjectId(run_id), "status": {"$in": sorted(t.sources)}}
         if t.fenced:
             assert lease is not None, f"{name} is a worker write and needs a lease"
@@ -1643,7 +1562,18 @@ class MongoStore:
                 *(event(*e) for e in also),
             ]
 
-        return query, update, events
+        written = await self._write(
+            query, update, lease.known if lease else None, t.sources, array_filters, events
+        )
+        if written is None:
+            # Only a fenced write can come from a superseded lease: a lease offered to an
+            # unfenced move (an external worker's `resume` that lost the race) was never granted.
+            return await self._lost(run_id, lease if t.fenced else None, name)
+        state, trail = written
+        if lease is not None:
+            lease.known = Known(t.target, state.version + 1, state.scope, state.scope_id)
+        await self._copier.hand(trail)
+        return Moved(run_id, state.status, t.target)
 
     async def _fenced_write(
         self,
