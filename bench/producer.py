@@ -35,7 +35,7 @@ import contextlib
 import secrets
 import statistics
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
@@ -214,10 +214,11 @@ def parse() -> argparse.Namespace:
 def main() -> None:
     args = parse()
 
-    def start(mongo: str, redis: str, procs: Processes) -> Awaitable[Any]:
+    def start(mongo: str, redis: str, procs: Processes) -> Coroutine[Any, Any, None]:
         return main_async(Bench(args, mongo, redis, procs))
 
-    run_main(args, start)
+    # This process is an application's, with its own event loop and collector: asyncio's.
+    run_main(args, start, asyncio.run)
 
 
 if __name__ == "__main__":

@@ -45,7 +45,7 @@ import shutil
 import statistics
 import struct
 import time
-from collections.abc import Awaitable, Callable, Sequence
+from collections.abc import Awaitable, Callable, Coroutine, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
@@ -648,7 +648,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
 def main() -> None:
     args = parse()
 
-    def start(mongo: str, redis: str, procs: Processes) -> Awaitable[None]:
+    def start(mongo: str, redis: str, procs: Processes) -> Coroutine[Any, Any, None]:
         empty = ScaleBench(args, mongo, redis, procs, db=None if args.fresh_empty else EMPTY_DB)
         full = ScaleBench(args, mongo, redis, procs, db=SEED_DB)
         return main_async(empty, full)

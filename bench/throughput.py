@@ -45,7 +45,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from pathlib import Path
@@ -55,6 +55,7 @@ import pymongo
 import redis
 from bson import ObjectId
 
+import jobplane.process
 from jobplane.backends import Backends, open_backends
 from jobplane.devstack.servers import MongoServer, RedisServer, free_port
 from jobplane.model import RunStatus, TemplateSpec
@@ -497,16 +498,17 @@ def machine() -> str:
 
 
 async def software(settings: Settings) -> str:
-    """The versions of Python, the servers and their clients, as one line."""
+    """The versions of Python, the servers and their clients, and this process's event loop."""
     async with open_backends(settings) as backends:
         mongod = (await backends.store.client.admin.command("buildInfo"))["version"]
         server = await backends.queue.redis.info("server")
         await backends.store.client.drop_database(settings.db)
     hiredis = "yes" if redis.utils.HIREDIS_AVAILABLE else "no"
+    loop = type(asyncio.get_running_loop()).__module__.split(".")[0]
     return (
         f"python {platform.python_version()}, mongod {mongod}, redis-server "
         f"{server['redis_version']}, pymongo {pymongo.version}, redis-py {redis.__version__} "
-        f"(hiredis {hiredis})"
+        f"(hiredis {hiredis}), this process on {loop}'s event loop"
     )
 
 
@@ -611,14 +613,19 @@ def interrupt(signum: int, frame: object) -> None:
 
 
 def run_main(
-    args: argparse.Namespace, start: Callable[[str, str, Processes], Awaitable[None]]
+    args: argparse.Namespace,
+    start: Callable[[str, str, Processes], Coroutine[Any, Any, None]],
+    runner: Callable[[Coroutine[Any, Any, None]], None] = jobplane.process.run,
 ) -> None:
-    """Start (or reach) the servers, run `start(mongo_url, redis_url, procs)`, stop them."""
+    """Start (or reach) the servers, run `start(mongo_url, redis_url, procs)`, stop them.
+
+    This process stands in for a jobplane service (the API without HTTP, a scheduler), so by
+    default it runs as they do: `jobplane.process.run`'s event loop and collector settings."""
     signal.signal(signal.SIGTERM, interrupt)
     try:
         with servers(args) as (mongo_url, redis_url, procs):
             try:
-                asyncio.run(start(mongo_url, redis_url, procs))  # type: ignore[arg-type]
+                runner(start(mongo_url, redis_url, procs))
             finally:
                 signal.signal(signal.SIGTERM, interrupt)  # closing the loop reset it
     except (KeyboardInterrupt, asyncio.CancelledError):

@@ -1,10 +1,12 @@
 """The Redis fast path: queue order, delayed promotion, owner-checked locks."""
 
+import asyncio
+import time
 from datetime import UTC, datetime, timedelta
 
 from jobplane.backends import Backends
 from jobplane.clock import ManualClock
-from jobplane.queue.redis import QueueEntry, RedisQueue
+from jobplane.queue.redis import Locks, QueueEntry, RedisQueue
 from jobplane.runs import RunRequest, RunService
 from jobplane.scheduler import Scheduler
 from jobplane.settings import Settings
@@ -29,11 +31,27 @@ async def test_lock_refresh_and_release_need_the_owner(queue: RedisQueue) -> Non
 
 
 async def test_run_locks_report_lost_owners(queue: RedisQueue) -> None:
-    await queue.lock_runs({"a": "w1:t1", "b": "w1:t1"}, 10)
-    await queue.lock_runs({"b": "w2:t2"}, 10)  # a later claim, decided by MongoDB, takes b
+    await queue.lock_runs(Locks({"a": "w1:t1", "b": "w1:t1"}, 10))
+    await queue.lock_runs(Locks({"b": "w2:t2"}, 10))  # a later claim, decided by MongoDB, takes b
+    await queue.lock_runs(Locks({"b": "w1:t1", "c": "w1:t1"}, 10, only_if_free=True))
+    assert await queue.redis.get(queue.keys.lock("c")) == b"w1:t1", "a missing lock is restored"
     assert await queue.refresh_runs({"a": "w1:t1", "b": "w1:t1"}, 10) == {"a": True, "b": False}
     assert not await queue.release_run("b", "w1:t1")
     assert await queue.redis.get(queue.keys.lock("b")) == b"w2:t2"
+
+
+async def test_pipelined_scripts_cost_no_extra_round_trip(queue: RedisQueue) -> None:
+    """redis-py asks SCRIPT EXISTS before a pipeline that calls scripts by hash; ours send
+    their source, so a batch of releases or refreshes is one round trip, even after a flush."""
+    await queue.lock_runs(Locks({"a": "w1:t1", "b": "w1:t1"}, 10))
+    await queue.redis.script_flush()
+    before = await queue.redis.info("commandstats")
+    assert await queue.refresh_runs({"a": "w1:t1", "b": "w1:t1"}, 10) == {"a": True, "b": True}
+    assert await queue.release_run("a", "w1:t1")
+    after = await queue.redis.info("commandstats")
+    calls = {k: after[k]["calls"] - before.get(k, {"calls": 0})["calls"] for k in after}
+    assert calls.get("cmdstat_script", 0) == 0 and calls.get("cmdstat_evalsha", 0) == 0
+    assert calls["cmdstat_eval"] == 3
 
 
 async def test_pop_orders_by_priority_then_age_and_promotes_due_delayed(
@@ -67,10 +85,49 @@ async def test_missing_finds_runs_redis_lost(queue: RedisQueue, store: MongoStor
     assert await queue.missing([ready, delayed]) == [delayed]
 
 
-async def test_wait_blocks_until_a_push(queue: RedisQueue, store: MongoStore) -> None:
-    assert await queue.wait(["q"], 0.05) is None
-    await queue.push([QueueEntry("00000000000000000000000a", "q", 0)], store.clock.now())
-    assert await queue.wait(["q"], 1) == "00000000000000000000000a"
+async def test_a_blocking_pop_waits_for_a_push_and_mirrors_locks_meanwhile(
+    queue: RedisQueue, store: MongoStore
+) -> None:
+    now = store.clock.now()
+    locks = Locks({"x": "w1:t1"}, 10)
+    assert (await queue.pop(["q"], 4, now, 0.05, locks)).run_ids == []
+    assert await queue.redis.get(queue.keys.lock("x")) == b"w1:t1"
+
+    async def push_soon() -> None:
+        await asyncio.sleep(0.1)
+        ids = [f"00000000000000000000000{c}" for c in "abc"]
+        await queue.push([QueueEntry(i, "q", 0) for i in ids], store.clock.now())
+
+    pusher = asyncio.create_task(push_soon())
+    began = time.monotonic()
+    popped = await queue.pop(["q"], 4, now, 5)
+    assert time.monotonic() - began < 4, "woken by the push, not by the timeout"
+    await pusher
+    # The wait takes the first id; the pop after it, in the same round trip, the ones pushed
+    # with it.
+    assert [i[-1] for i in popped.run_ids] == ["a", "b", "c"]
+
+
+async def test_a_wait_under_a_millisecond_is_not_forever(queue: RedisQueue) -> None:
+    """Redis reads a timeout that truncates to 0 ms as "block forever"."""
+    async with asyncio.timeout(10):
+        assert (await queue.pop(["q"], 1, datetime.now(UTC), 0.0001)).run_ids == []
+
+
+async def test_a_blocking_pop_takes_no_more_than_asked_across_queues(
+    queue: RedisQueue, store: MongoStore
+) -> None:
+    now = store.clock.now()
+    first = [QueueEntry(f"{i:024x}", "q1", 0) for i in range(1, 11)]
+    second = [QueueEntry(f"{i:024x}", "q2", 0) for i in range(11, 21)]
+    await queue.push(second, now)
+    # q1 is empty: the wait takes q2's first run, and the pops fill the rest from q2.
+    popped = await queue.pop(["q1", "q2"], 5, now, 1)
+    assert popped.run_ids == [e.run_id for e in second[:5]]
+    await queue.push(first, now)
+    popped = await queue.pop(["q1", "q2"], 5, now, 1)
+    assert popped.run_ids == [e.run_id for e in first[:5]], "q1 first, and five in all"
+    assert await queue.redis.zcard(queue.keys.queue("q2")) == 5
 
 
 async def test_the_tick_promotes_delayed_runs_of_a_queue_no_worker_polls(

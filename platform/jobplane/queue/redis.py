@@ -4,12 +4,14 @@ Nothing here is the truth about a run; MongoDB is. A popped id is only a hint th
 claimable, and everything in Redis can be rebuilt from MongoDB by the reconciler.
 """
 
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from datetime import datetime
 from importlib import resources
+from typing import Any, cast
 
 from redis.asyncio import Redis
+from redis.asyncio.client import Pipeline
 from redis.commands.core import AsyncScript
 
 from jobplane.groupcommit import GroupCommit
@@ -19,6 +21,13 @@ from jobplane.queue.keys import Keys, delayed_member
 def _script(redis: "Redis", name: str) -> AsyncScript:
     source = (resources.files("jobplane.queue") / "lua" / f"{name}.lua").read_text()
     return redis.register_script(source)
+
+
+def _eval(pipe: Pipeline, script: AsyncScript, keys: Sequence[str], args: Sequence[Any]) -> None:
+    # A script called by its hash in a pipeline makes redis-py ask SCRIPT EXISTS first, a round
+    # trip of its own for every pipeline. EVAL carries the source instead: Redis hashes it and
+    # runs its cached copy, and never answers NOSCRIPT after a restart or a SCRIPT FLUSH.
+    pipe.eval(cast(str, script.script), len(keys), *keys, *args)  # `_script` registers text
 
 
 def epoch_ms(at: datetime) -> int:
@@ -42,6 +51,24 @@ class Popped:
 
 def lock_owner(worker_id: str, lease_token: str) -> str:
     return f"{worker_id}:{lease_token}"
+
+
+@dataclass(frozen=True)
+class Locks:
+    """Run locks that mirror leases MongoDB granted: run id -> owner, all for one TTL.
+
+    A claim was MongoDB's decision, so an older owner's value is overwritten; `only_if_free`
+    restores a missing lock without touching one that someone else holds.
+    """
+
+    owners: Mapping[str, str]
+    ttl_seconds: float
+    only_if_free: bool = False
+
+    def write(self, pipe: Pipeline, keys: Keys) -> None:
+        px = int(self.ttl_seconds * 1000)
+        for run_id, owner in self.owners.items():
+            pipe.set(keys.lock(run_id), owner, px=px, nx=self.only_if_free)
 
 
 class RedisQueue:
@@ -84,25 +111,53 @@ class RedisQueue:
             await pipe.execute()
         return [None] * len(pushes)
 
-    async def pop(self, queues: Sequence[str], n: int, now: datetime) -> Popped:
-        """Pop up to `n` ready ids across `queues` in order, promoting due delayed runs first."""
-        ids: list[str] = []
-        next_due: int | None = None
-        for queue in queues:
-            keys = [self.keys.queue(queue), self.keys.delayed(queue)]
-            reply = await self._claim(keys=keys, args=[epoch_ms(now), n - len(ids), 1000])
-            ids.extend(_text(v) for v in reply[:-1])
-            if reply[-1]:
-                due = int(float(_text(reply[-1])))
-                next_due = due if next_due is None else min(next_due, due)
-        due_at = datetime.fromtimestamp(next_due / 1000, now.tzinfo) if next_due else None
-        return Popped(ids, due_at)
+    async def pop(
+        self,
+        queues: Sequence[str],
+        n: int,
+        now: datetime,
+        block_seconds: float = 0,
+        locks: Locks | None = None,
+    ) -> Popped:
+        """Pop up to `n` ready ids across `queues` in order, promoting due delayed runs first.
 
-    async def wait(self, queues: Sequence[str], block_seconds: float) -> str | None:
-        """Block until a ready id arrives in one of `queues` (popping it), or the time is up."""
-        keys = [self.keys.queue(q) for q in queues]
-        reply = await self.redis.bzpopmin(keys, timeout=block_seconds)
-        return _text(reply[1]) if reply else None
+        With `block_seconds` (and `n` > 0) a BZPOPMIN over the ready sets goes first: it takes
+        the first ready id at once, or waits up to that long for one to be pushed. It shares a
+        round trip with the first queue's pop of the others, and `locks` (leases just granted)
+        are mirrored in that round trip too: a worker waiting for work pays one round trip a
+        wake-up, not a pop that finds nothing, a wait, and then its lock writes.
+        """
+        if not queues:
+            return Popped([], None)
+        blocking = block_seconds > 0 and n > 0
+        first = [self.keys.queue(queues[0]), self.keys.delayed(queues[0])]
+        async with self.redis.pipeline(transaction=False) as pipe:
+            if locks is not None:
+                locks.write(pipe, self.keys)
+            if blocking:
+                # Redis truncates a timeout to whole milliseconds (0.001 s can come out as
+                # 0.999 ms) and reads 0 as "forever".
+                timeout = max(block_seconds, 0.002)
+                pipe.bzpopmin([self.keys.queue(q) for q in queues], timeout=timeout)
+            _eval(pipe, self._claim, first, [epoch_ms(now), n - 1 if blocking else n, 1000])
+            replies = await pipe.execute()
+        waited, popped = replies[-2] if blocking else None, replies[-1]
+        ids = [_text(waited[1])] if waited else []
+        dues: list[int] = []
+        for queue in queues[1:]:
+            ids.extend(self._popped(popped, dues))
+            keys = [self.keys.queue(queue), self.keys.delayed(queue)]
+            popped = await self._claim(keys=keys, args=[epoch_ms(now), n - len(ids), 1000])
+        ids.extend(self._popped(popped, dues))
+        next_due = datetime.fromtimestamp(min(dues) / 1000, now.tzinfo) if dues else None
+        return Popped(ids, next_due)
+
+    @staticmethod
+    def _popped(reply: list[bytes | str], dues: list[int]) -> list[str]:
+        """The ids one queue's pop returned; its next due time, if any, goes to `dues`."""
+        if reply[-1]:
+            dues.append(int(float(_text(reply[-1]))))
+        return [_text(v) for v in reply[:-1]]
 
     async def remove(self, run_id: str, queue: str, priority: int) -> None:
         keys = [self.keys.queue(queue), self.keys.delayed(queue)]
@@ -121,18 +176,10 @@ class RedisQueue:
 
     # -- locks ---------------------------------------------------------------------------------
 
-    async def lock_runs(
-        self, owners: dict[str, str], ttl_seconds: float, only_if_free: bool = False
-    ) -> None:
-        """Mirror leases MongoDB granted.
-
-        On a claim MongoDB decided, so an older owner's value is overwritten; `only_if_free`
-        restores a missing lock without touching one that someone else holds.
-        """
+    async def lock_runs(self, locks: Locks) -> None:
+        """Mirror leases MongoDB granted (see `Locks`)."""
         async with self.redis.pipeline(transaction=False) as pipe:
-            for run_id, owner in owners.items():
-                px = int(ttl_seconds * 1000)
-                pipe.set(self.keys.lock(run_id), owner, px=px, nx=only_if_free)
+            locks.write(pipe, self.keys)
             await pipe.execute()
 
     async def refresh_runs(self, owners: dict[str, str], ttl_seconds: float) -> dict[str, bool]:
@@ -140,7 +187,7 @@ class RedisQueue:
         ttl = int(ttl_seconds * 1000)
         async with self.redis.pipeline(transaction=False) as pipe:
             for run_id, owner in owners.items():
-                await self._refresh(keys=[self.keys.lock(run_id)], args=[owner, ttl], client=pipe)
+                _eval(pipe, self._refresh, [self.keys.lock(run_id)], [owner, ttl])
             replies = await pipe.execute()
         return {run_id: bool(r) for run_id, r in zip(owners, replies, strict=True)}
 
@@ -151,7 +198,7 @@ class RedisQueue:
     async def _release_many(self, releases: list[tuple[str, str]]) -> list[bool]:
         async with self.redis.pipeline(transaction=False) as pipe:
             for run_id, owner in releases:
-                await self._release(keys=[self.keys.lock(run_id)], args=[owner], client=pipe)
+                _eval(pipe, self._release, [self.keys.lock(run_id)], [owner])
             replies = await pipe.execute()
         return [bool(r) for r in replies]
 

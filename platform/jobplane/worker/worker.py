@@ -23,7 +23,7 @@ from jobplane import metrics
 from jobplane.clock import Clock, SystemClock
 from jobplane.model import Run, RunError, RunStatus, StepStatus, Template
 from jobplane.process import log_context
-from jobplane.queue.redis import QueueEntry, RedisQueue
+from jobplane.queue.redis import Locks, QueueEntry, RedisQueue
 from jobplane.runs import RunService
 from jobplane.settings import Settings
 from jobplane.store import Lease, Lost, MongoStore, Moved
@@ -172,9 +172,18 @@ class Worker:
         # that ends paying for a claim of its own.
         backlog = False
         gathered = 0.0
+        # Until when a pop may block: the earliest delayed run's due time, which only a pop
+        # promotes. Unknown at first, so the first pop does not block.
+        due = self.clock.now()
+        # Leases just granted whose Redis locks are not written yet: they ride with the next
+        # pop, or go alone before the loop waits for a slot.
+        unmirrored: dict[str, str] = {}
         while not stop.is_set():
             free = concurrency - len(self.held)
             if free <= 0 or (backlog and free < concurrency // 4 and gathered < CLAIM_GATHER):
+                if unmirrored:
+                    await self._mirror(unmirrored)
+                    unmirrored = {}
                 self._slot_free.clear()
                 waited = time.monotonic()
                 with contextlib.suppress(TimeoutError):
@@ -182,38 +191,36 @@ class Worker:
                 gathered += time.monotonic() - waited
                 continue
             gathered = 0.0
+            locks = Locks(unmirrored, self.settings.lease_seconds) if unmirrored else None
+            unmirrored = {}
             try:
-                ids = await self._next_ids(queues, free)
-                backlog = len(ids) == free
-                if ids:
-                    await self.claim(ids)
+                now = self.clock.now()
+                block = min(self.settings.poll_seconds, (due - now).total_seconds())
+                popped = await self.queue.pop(queues, free, now, block, locks)
+                due = popped.next_due or now + timedelta(seconds=self.settings.poll_seconds)
+                backlog = len(popped.run_ids) == free
+                if popped.run_ids:
+                    unmirrored = await self.claim(popped.run_ids)
             except Exception:
                 # MongoDB or Redis unreachable: back off, the runs wait safely where they are.
+                # Locks not written are restored by the heartbeat.
                 log.exception("claim failed; retrying")
                 await asyncio.sleep(self.settings.poll_seconds)
+        if unmirrored:
+            await self._mirror(unmirrored)
 
-    async def _next_ids(self, queues: list[str], free: int) -> list[str]:
-        now = self.clock.now()
-        popped = await self.queue.pop(queues, free, now)
-        if popped.run_ids:
-            return popped.run_ids
-        block = self.settings.poll_seconds
-        if popped.next_due is not None:
-            block = min(block, max(0.01, (popped.next_due - now).total_seconds()))
-        run_id = await self.queue.wait(queues, block)
-        return [run_id] if run_id else []
-
-    async def claim(self, run_ids: list[str]) -> list[Run]:
-        """Take the leases MongoDB grants among `run_ids` and start their runs."""
-        claimed = await self.store.claim(run_ids, self.id, self.settings.lease_seconds)
-        if not claimed:
-            return []
-        owners = {run.id: lease.owner for run, lease in claimed}
+    async def _mirror(self, owners: dict[str, str]) -> None:
         try:
-            await self.queue.lock_runs(owners, self.settings.lease_seconds)
+            await self.queue.lock_runs(Locks(owners, self.settings.lease_seconds))
         except Exception:
             # MongoDB granted the leases; the heartbeat restores the Redis mirror later.
             log.warning("could not mirror %d leases in Redis", len(owners))
+
+    async def claim(self, run_ids: list[str]) -> dict[str, str]:
+        """Take the leases MongoDB grants among `run_ids` and start their runs.
+
+        Returns the owners of the leases taken, for the caller to mirror as Redis locks."""
+        claimed = await self.store.claim(run_ids, self.id, self.settings.lease_seconds)
         for run, lease in claimed:
             metrics.run_claimed(run)
             held = _Held(run, lease)
@@ -223,7 +230,7 @@ class Worker:
             # The task copies the context as it is created: its log lines carry the run.
             with log_context(run_id=run.id, lease_token=lease.token):
                 held.task = asyncio.create_task(self._execute(held))
-        return [run for run, _ in claimed]
+        return {run.id: lease.owner for run, lease in claimed}
 
     # -- executing -----------------------------------------------------------------------------
 
@@ -554,7 +561,7 @@ class Worker:
         # another owner holds is left alone (only its owner may change it).
         missing = {run_id: owners[run_id] for run_id, ok in refreshed.items() if not ok}
         if missing:
-            await self.queue.lock_runs(missing, ttl, only_if_free=True)
+            await self.queue.lock_runs(Locks(missing, ttl, only_if_free=True))
 
     async def _cancel_listener(self) -> None:
         while not self._closing.is_set():
