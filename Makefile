@@ -58,6 +58,7 @@ bench: $(STAMP)
 	$(BIN)/python bench/producer.py
 	$(BIN)/python bench/api.py
 	$(BIN)/python bench/latency.py
+	$(BIN)/python bench/durable_write.py
 	$(BIN)/python bench/cancel_latency.py
 	$(BIN)/python bench/fire_precision.py
 	$(BIN)/python bench/memory.py
