@@ -243,3 +243,29 @@ async def test_a_worker_stops_even_if_a_driver_call_absorbs_cancellation(
     done, _ = await asyncio.wait([task], timeout=4)
     give_up.set()
     assert done, "the worker did not stop: its heartbeat loop swallowed the cancel"
+
+
+async def test_a_running_run_holds_its_redis_lock_until_it_ends(
+    backends: Backends, settings: Settings, register: Register
+) -> None:
+    """SPEC rule 3: the lock mirrors the lease as `<workerId>:<leaseToken>`. The claim loop
+    writes it with its next pop; the heartbeat, which would restore a missing one, beats here
+    only when the worker starts."""
+    await register(steps=SLEEPY)
+    service = RunService(backends.store, backends.queue)
+    slow_beat = settings.model_copy(update={"heartbeat_seconds": 60, "lease_seconds": 120})
+    async with running(backends, slow_beat):
+        await asyncio.sleep(0.3)  # past the first beat, which found nothing held
+        request = RunRequest("t_noop", "user", "u", {"sleepSeconds": 1})
+        run, _ = await service.create(request, "user:a")
+        await wait_status(backends, run.id, RunStatus.RUNNING)
+        held = await backends.store.get_run(run.id)
+        assert held is not None
+        lock = backends.queue.keys.lock(run.id)
+        async with asyncio.timeout(5):
+            while (owner := await backends.queue.redis.get(lock)) is None:  # noqa: ASYNC110
+                await asyncio.sleep(0.02)
+        assert owner.decode() == f"{held.locked_by}:{held.lease_token}"
+        [done] = await settled(backends.store, [run.id], within=10)
+    assert done.status == RunStatus.SUCCEEDED
+    assert await backends.queue.redis.get(lock) is None, "released at the run's end"
