@@ -18,13 +18,17 @@ A window runs from the first call until the client is closed after the last retu
 mode closing waits for the store's deferred writes, the event copies); after it the
 script checks that MongoDB holds every run. CPU seconds of this process (`bench`), the API
 process, mongod and redis are printed per window with the machine's total: "others" is CPU that
-processes this benchmark did not start took meanwhile, so a busy neighbour shows.
+processes this benchmark did not start took meanwhile, so a busy neighbour shows. The seconds
+this process spent in Python's collector are printed too: this process is the application's,
+on asyncio with Python's collector settings, unless `--tuned-collector` applies what
+docs/operations.md suggests to a busy producer (`jobplane.process.tune_collector()`).
 
 MongoDB and Redis are started from the `local` extra's binaries in a temporary directory unless
 URLs are given.
 
     .venv/bin/python bench/producer.py [--runs N] [--batch-runs B] [--sequential-runs S]
                                        [--callers C] [--transport direct|http|both] [--repeat K]
+                                       [--tuned-collector]
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import contextlib
+import gc
 import secrets
 import statistics
 import time
@@ -41,6 +46,7 @@ from typing import Any
 
 import httpx
 
+import jobplane.process
 from jobplane import Client, CreateRequest
 from jobplane.backends import open_backends
 from jobplane.devstack.servers import free_port
@@ -112,6 +118,23 @@ class Bench:
                 await asyncio.sleep(0.05)
 
 
+@dataclass
+class CollectorTime:
+    """Seconds this process spent in Python's collector (a `gc.callbacks` entry)."""
+
+    seconds: float = 0.0
+    began: float = 0.0
+
+    def observe(self, phase: str, info: dict[str, int]) -> None:
+        if phase == "start":
+            self.began = time.perf_counter()
+        else:
+            self.seconds += time.perf_counter() - self.began
+
+
+collector_time = CollectorTime()
+
+
 async def callers(client: Client, runs: int, concurrency: int) -> None:
     left = runs
 
@@ -148,6 +171,7 @@ async def window(
         # One call first: connections and the template cache are warm, as in a running app.
         await client.create("bench_noop", scope="system", scope_id="warm-up")
         before, start = bench.procs.cpu(), time.perf_counter()
+        collected = collector_time.seconds
         await work(client)
         # Closing waits for this process's deferred writes (direct: the event copies the
         # creates caused), so the window holds all the work they cost.
@@ -162,16 +186,25 @@ async def window(
     ours = sum(v for k, v in used.items() if k != "machine")
     used["others"] = max(0.0, used.pop("machine") - ours)
     cpu = " ".join(f"{k} {v:.1f}" for k, v in sorted(used.items()) if v >= 0.05)
-    print(f"  {runs / seconds:9,.0f} runs/s  {runs} runs in {seconds:.2f} s  cpu s: {cpu}")
+    gc_seconds = collector_time.seconds - collected
+    print(
+        f"  {runs / seconds:9,.0f} runs/s  {runs} runs in {seconds:.2f} s  cpu s: {cpu}"
+        f" (of which this process's collector {gc_seconds:.2f})"
+    )
     return runs / seconds
 
 
 async def main_async(bench: Bench) -> None:
     a = bench.args
+    if a.tuned_collector:
+        jobplane.process.tune_collector()
+    gc.callbacks.append(collector_time.observe)
     print(machine())
+    setting = "tuned (jobplane.process.tune_collector)" if a.tuned_collector else "Python's"
     print(
         f"runs {a.runs} (callers {a.callers}), batch runs {a.batch_runs}, sequential "
-        f"{a.sequential_runs}, write concern {a.write_concern}, repeat {a.repeat}\n"
+        f"{a.sequential_runs}, write concern {a.write_concern}, repeat {a.repeat}, "
+        f"collector {setting}\n"
         f"mongodb {bench.mongo_url}, redis {bench.redis_url}\n",
         flush=True,
     )
@@ -208,6 +241,11 @@ def parse() -> argparse.Namespace:
     parser.add_argument("--write-concern", default="majority")
     parser.add_argument("--mongodb-url", help="a MongoDB of your own (default: a throwaway one)")
     parser.add_argument("--redis-url", help="a Redis of your own (default: a throwaway one)")
+    parser.add_argument(
+        "--tuned-collector",
+        action="store_true",
+        help="set this process's collector as docs/operations.md suggests for busy producers",
+    )
     return parser.parse_args()
 
 
@@ -217,7 +255,7 @@ def main() -> None:
     def start(mongo: str, redis: str, procs: Processes) -> Coroutine[Any, Any, None]:
         return main_async(Bench(args, mongo, redis, procs))
 
-    # This process is an application's, with its own event loop and collector: asyncio's.
+    # This process is an application's, on asyncio's event loop.
     run_main(args, start, asyncio.run)
 
 

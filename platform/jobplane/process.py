@@ -28,15 +28,21 @@ _context: ContextVar[Mapping[str, str]] = ContextVar(
 )
 
 
+def tune_collector() -> None:
+    """Set Python's collector for a process that moves many runs; call it after start-up.
+
+    Everything alive by then (modules, pydantic's and PyMongo's tables: ~100,000 objects)
+    lives as long as the process. Frozen, full collections stop walking it: they took about a
+    tenth of a busy worker's CPU. A young generation of 10,000 objects instead of 700 lets most
+    of a run's objects die before a collection looks at them."""
+    gc.freeze()
+    gc.set_threshold(10_000, 10, 10)
+
+
 def run(main: Coroutine[Any, Any, T]) -> T:
     """Run a process's main coroutine, on uvloop where it is installed (a dependency wherever
     uvloop builds): its event loop costs less CPU per network call than asyncio's own."""
-    # Everything alive by now (modules, pydantic's and PyMongo's tables: ~100,000 objects)
-    # lives as long as the process. Frozen, full collections stop walking it: they took about
-    # a tenth of a busy worker's CPU. A young generation of 10,000 objects instead of 700 lets
-    # most of a run's objects die before a collection looks at them.
-    gc.freeze()
-    gc.set_threshold(10_000, 10, 10)
+    tune_collector()
     try:
         import uvloop
     except ImportError:
