@@ -1,5 +1,6 @@
 """Who may do what: API keys, roles and scopes, table-driven over every route."""
 
+import secrets
 from typing import Any
 
 import httpx
@@ -159,17 +160,22 @@ async def test_bad_keys_are_refused(
 
 
 async def test_key_names_are_unique_and_secrets_are_stored_hashed(
-    client_for: Client, settings: Settings, backends: Backends
+    client_for: Client, settings: Settings, backends: Backends, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    # A secret is URL-safe base64, which may hold `_`, the key's separator: here every one does.
+    urlsafe = secrets.token_urlsafe
+    monkeypatch.setattr(secrets, "token_urlsafe", lambda n: f"_{urlsafe(n)}__")
     assert settings.admin_key is not None
     admin = client_for(settings.admin_key)
     made = (await admin.post("/v1/api-keys", json={"name": "ci", "role": "auditor"})).json()
     again = await admin.post("/v1/api-keys", json={"name": "ci", "role": "admin"})
     error_of(again, 409, "ResourceInvalidState")
     [stored] = await backends.store.api_keys.find().to_list()
-    assert made["key"] not in str(stored) and made["key"].split("_")[2] not in str(stored)
+    secret = made["key"].split("_", 2)[2]
+    assert secret.startswith("_")
+    assert made["key"] not in str(stored) and secret not in str(stored)
     # A key with the right id but a wrong secret is not a key.
-    forged = made["key"][:-4] + "AAAA"
+    forged = made["key"][:-1] + ("B" if made["key"].endswith("A") else "A")
     error_of(await client_for(forged).get("/v1/runs"), 401, "Unauthorized")
     error_of(await client_for("jp_nothex_secret").get("/v1/runs"), 401, "Unauthorized")
     assert (await client_for(made["key"]).get("/v1/runs")).status_code == 200
