@@ -1,7 +1,13 @@
 """Real MongoDB and Redis for the whole test session, and per-test isolation inside them.
 
-Set JOBPLANE_TEST_MONGODB_URL / JOBPLANE_TEST_REDIS_URL to test against servers of your own;
-otherwise the session starts both from the binaries of the `local` extra.
+Set JOBPLANE_TEST_MONGODB_URL / JOBPLANE_TEST_REDIS_URL to test against servers of your own
+(any form JOBPLANE_REDIS_URL takes: the whole suite then runs on that Redis); otherwise the
+session starts both from the binaries of the `local` extra.
+
+The Redis contract suite (`REDIS_TOPOLOGIES`) runs its tests once per topology: one server, a
+Redis Cluster of three masters and Sentinel with a master and a replica, each started when a
+test first asks for it, or named by JOBPLANE_TEST_REDIS_CLUSTER_URL /
+JOBPLANE_TEST_REDIS_SENTINEL_URL.
 """
 
 from __future__ import annotations
@@ -16,6 +22,13 @@ import redis
 from pymongo import MongoClient
 
 from jobplane.devstack import MongoServer, RedisServer, free_port
+from jobplane.devstack.topologies import RedisClusterNodes, SentinelGroup
+from jobplane.queue.connect import parse_redis_url
+
+# Mark a module `pytestmark = REDIS_TOPOLOGIES` to run each of its tests on every topology.
+REDIS_TOPOLOGIES = pytest.mark.parametrize(
+    "redis_url", ["single", "cluster", "sentinel"], indirect=True
+)
 
 
 @pytest.fixture(scope="session")
@@ -34,8 +47,16 @@ def mongo_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
-    """URL of a Redis server shared by the session."""
+def redis_url(request: pytest.FixtureRequest) -> str:
+    """URL of the Redis the session's tests use: one server, unless the test runs on each
+    topology (`REDIS_TOPOLOGIES`)."""
+    topology = getattr(request, "param", "single")
+    url: str = request.getfixturevalue(f"redis_{topology}_url")
+    return url
+
+
+@pytest.fixture(scope="session")
+def redis_single_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     if url := os.environ.get("JOBPLANE_TEST_REDIS_URL"):
         yield url
         return
@@ -46,6 +67,55 @@ def redis_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield server.url
     finally:
         server.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterNodes]:
+    cluster = RedisClusterNodes(tmp_path_factory.mktemp("redis-cluster"))
+    cluster.start()
+    try:
+        yield cluster
+    finally:
+        cluster.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_cluster_url(request: pytest.FixtureRequest) -> str:
+    if url := os.environ.get("JOBPLANE_TEST_REDIS_CLUSTER_URL"):
+        return url
+    cluster: RedisClusterNodes = request.getfixturevalue("redis_cluster")
+    return cluster.url
+
+
+@pytest.fixture(scope="session")
+def redis_sentinels(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SentinelGroup]:
+    group = SentinelGroup(tmp_path_factory.mktemp("redis-sentinel"))
+    group.start()
+    try:
+        yield group
+    finally:
+        group.stop()
+
+
+@pytest.fixture(scope="session")
+def redis_sentinel_url(request: pytest.FixtureRequest) -> str:
+    if url := os.environ.get("JOBPLANE_TEST_REDIS_SENTINEL_URL"):
+        return url
+    group: SentinelGroup = request.getfixturevalue("redis_sentinels")
+    return group.url
+
+
+def sync_redis(url: str) -> redis.Redis | redis.RedisCluster:
+    """A blocking client of any JOBPLANE_REDIS_URL form, for tests' set-up and clean-up."""
+    target = parse_redis_url(url)
+    if target.kind == "cluster":
+        nodes = [redis.cluster.ClusterNode(host, port) for host, port in target.nodes]
+        return redis.RedisCluster(startup_nodes=nodes, **target.options)
+    if target.kind == "sentinel":
+        assert target.master is not None
+        sentinel = redis.Sentinel(list(target.nodes), **target.options)
+        return sentinel.master_for(target.master, db=target.db)
+    return redis.Redis.from_url(url)
 
 
 @pytest.fixture
@@ -63,7 +133,7 @@ def redis_prefix(redis_url: str) -> Iterator[str]:
     """A key prefix of this test's own; its keys are deleted afterwards."""
     prefix = f"t{uuid4().hex[:8]}:"
     yield prefix
-    with redis.Redis.from_url(redis_url) as client:
+    with sync_redis(redis_url) as client:
         # SCAN rather than KEYS: a shared server may hold many other tests' keys.
         batch: list[bytes] = []
         for key in client.scan_iter(match=f"{prefix}*", count=500):

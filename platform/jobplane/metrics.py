@@ -10,7 +10,6 @@ lock) are counted nowhere: the API reads them from Redis and MongoDB when it is 
 (`read_state`), so every API process reports the same truth and a restart loses nothing.
 """
 
-import re
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
@@ -31,7 +30,6 @@ from pymongo.errors import PyMongoError
 from redis.exceptions import RedisError
 
 from jobplane.model import TERMINAL, Run, RunStatus
-from jobplane.queue.keys import Keys
 from jobplane.queue.redis import RedisQueue, epoch_ms
 from jobplane.settings import Settings
 from jobplane.store import Lost, MongoStore, Moved
@@ -166,8 +164,7 @@ class _Read:
 async def read_state(store: MongoStore, queue: RedisQueue, queues: Sequence[str]) -> list[Metric]:
     """The platform's state as gauges, read now. Redis is asked for counts and the head of
     each priority, never whole sets, and MongoDB only for the queues templates name (a small
-    collection the scheduler reads every tick too). Live workers are the exception: Redis has
-    no index of them, so their keys are found by `SCAN`.
+    collection the scheduler reads every tick too). Live workers are one read of the registry.
 
     A backend that does not answer is reported by `jobplane_backend_up`, and the figures read
     from it are left out rather than shown as zeros.
@@ -252,22 +249,18 @@ async def _queue_state(
 
 
 async def _workers_state(queue: RedisQueue) -> list[Metric]:
-    """Workers whose liveness key is alive (each refreshes it every heartbeat, TTL three
-    heartbeats) and the runs they hold, the key's value."""
-    # SCAN walks the keyspace in pages; a glob character in the prefix must match itself.
-    pattern = Keys(re.sub(r"([*?\[\]\\])", r"\\\1", queue.keys.prefix)).worker("*")
-    keys = {key async for key in queue.redis.scan_iter(match=pattern, count=1000)}
-    values = [v for v in await queue.redis.mget(list(keys)) if v is not None] if keys else []
+    """Workers that heartbeated within three heartbeats, and the runs they hold."""
+    held = await queue.live_workers()
     return [
         GaugeMetricFamily(
             "jobplane_workers_alive",
             "Workers that heartbeated within three heartbeats",
-            len(values),
+            len(held),
         ),
         GaugeMetricFamily(
             "jobplane_worker_runs_held",
             "Runs the live workers hold, as of their last heartbeat",
-            sum(int(v) for v in values),
+            sum(held.values()),
         ),
     ]
 

@@ -3,8 +3,11 @@
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BeforeValidator, Field
+from pydantic import BeforeValidator, Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
+
+from jobplane.queue.connect import parse_redis_url
+from jobplane.queue.keys import Keys
 
 
 def _split(value: object) -> object:
@@ -18,7 +21,10 @@ CommaList = Annotated[list[str], NoDecode, BeforeValidator(_split)]
 
 
 class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="JOBPLANE_", extra="ignore")
+    # Inputs stay out of error messages: a URL may hold a password.
+    model_config = SettingsConfigDict(
+        env_prefix="JOBPLANE_", extra="ignore", hide_input_in_errors=True
+    )
 
     # Unset URLs make `jobplane dev` start local servers from the `local` extra.
     mongodb_url: str | None = None
@@ -59,3 +65,16 @@ class Settings(BaseSettings):
     # Terminal runs older than this move to `job_runs_archive` (still found by id).
     run_retention_days: Annotated[float, Field(gt=0)] = 30
     scheduler_lock_seconds: Annotated[float, Field(gt=0)] = 15
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_url(cls, url: str | None) -> str | None:
+        if url is not None:
+            parse_redis_url(url)  # raises, saying what is wrong
+        return url
+
+    @field_validator("redis_prefix")
+    @classmethod
+    def _redis_prefix(cls, prefix: str) -> str:
+        Keys(prefix)  # raises, saying what is wrong
+        return prefix

@@ -2,16 +2,23 @@
 
 import asyncio
 import time
+from collections import Counter
 from datetime import UTC, datetime, timedelta
+
+from redis.asyncio import RedisCluster
 
 from jobplane.backends import Backends
 from jobplane.clock import ManualClock
+from jobplane.queue.connect import RedisClient
 from jobplane.queue.redis import Locks, QueueEntry, RedisQueue
 from jobplane.runs import RunRequest, RunService
 from jobplane.scheduler import Scheduler
 from jobplane.settings import Settings
 from jobplane.store import MongoStore
+from tests.conftest import REDIS_TOPOLOGIES
 from tests.integration.conftest import Register
+
+pytestmark = REDIS_TOPOLOGIES
 
 
 async def test_lock_refresh_and_release_need_the_owner(queue: RedisQueue) -> None:
@@ -45,13 +52,23 @@ async def test_pipelined_scripts_cost_no_extra_round_trip(queue: RedisQueue) -> 
     their source, so a batch of releases or refreshes is one round trip, even after a flush."""
     await queue.lock_runs(Locks({"a": "w1:t1", "b": "w1:t1"}, 10))
     await queue.redis.script_flush()
-    before = await queue.redis.info("commandstats")
+    before = await _command_calls(queue.redis)
     assert await queue.refresh_runs({"a": "w1:t1", "b": "w1:t1"}, 10) == {"a": True, "b": True}
     assert await queue.release_run("a", "w1:t1")
-    after = await queue.redis.info("commandstats")
-    calls = {k: after[k]["calls"] - before.get(k, {"calls": 0})["calls"] for k in after}
+    after = await _command_calls(queue.redis)
+    calls = {k: n - before.get(k, 0) for k, n in after.items()}
     assert calls.get("cmdstat_script", 0) == 0 and calls.get("cmdstat_evalsha", 0) == 0
     assert calls["cmdstat_eval"] == 3
+
+
+async def _command_calls(redis: RedisClient) -> Counter[str]:
+    """Calls of each command so far, summed over a cluster's nodes."""
+    if isinstance(redis, RedisCluster):
+        per_node = await redis.info("commandstats", target_nodes=RedisCluster.PRIMARIES)
+        stats = list(per_node.values())
+    else:
+        stats = [await redis.info("commandstats")]
+    return sum((Counter({k: v["calls"] for k, v in s.items()}) for s in stats), Counter())
 
 
 async def test_pop_orders_by_priority_then_age_and_promotes_due_delayed(

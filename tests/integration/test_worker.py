@@ -13,8 +13,11 @@ from jobplane.model import Run, RunStatus, StepStatus
 from jobplane.runs import RunRequest, RunService
 from jobplane.settings import Settings
 from jobplane.worker import StepContext, Worker, registry
+from tests.conftest import REDIS_TOPOLOGIES
 from tests.integration.conftest import Register
 from tests.integration.workers import running, settled
+
+pytestmark = REDIS_TOPOLOGIES
 
 SLEEPY = [
     {"id": "nap", "handler": "builtin.sleep"},

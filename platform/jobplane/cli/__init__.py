@@ -12,7 +12,8 @@ from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 from urllib.parse import quote
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ValidationError
+from pydantic_core import ErrorDetails
 
 from jobplane.cli.client import APIClient, CLIError
 from jobplane.cli.render import (
@@ -49,7 +50,18 @@ def _settings(args: argparse.Namespace) -> Settings:
     overrides = {
         k: v for k, v in vars(args).items() if k in Settings.model_fields and v is not None
     }
-    return Settings(**overrides)
+    try:
+        return Settings(**overrides)
+    except ValidationError as exc:
+        raise CLIError("InvalidSettings", "; ".join(map(_setting_error, exc.errors()))) from None
+
+
+def _setting_error(error: ErrorDetails) -> str:
+    # A validator's own message names its variable already; pydantic's own ones do not.
+    if cause := error.get("ctx", {}).get("error"):
+        return str(cause)
+    name = "_".join(str(part) for part in error["loc"]).upper()
+    return f"JOBPLANE_{name}: {error['msg']}"
 
 
 def _endpoint(args: argparse.Namespace) -> tuple[str, str | None]:

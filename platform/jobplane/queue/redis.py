@@ -10,20 +10,21 @@ from datetime import datetime
 from importlib import resources
 from typing import Any, cast
 
-from redis.asyncio import Redis
-from redis.asyncio.client import Pipeline
 from redis.commands.core import AsyncScript
 
 from jobplane.groupcommit import GroupCommit
+from jobplane.queue.connect import RedisClient, RedisPipeline
 from jobplane.queue.keys import Keys, delayed_member
 
 
-def _script(redis: "Redis", name: str) -> AsyncScript:
+def _script(redis: RedisClient, name: str) -> AsyncScript:
     source = (resources.files("jobplane.queue") / "lua" / f"{name}.lua").read_text()
     return redis.register_script(source)
 
 
-def _eval(pipe: Pipeline, script: AsyncScript, keys: Sequence[str], args: Sequence[Any]) -> None:
+def _eval(
+    pipe: RedisPipeline, script: AsyncScript, keys: Sequence[str], args: Sequence[Any]
+) -> None:
     # A script called by its hash in a pipeline makes redis-py ask SCRIPT EXISTS first, a round
     # trip of its own for every pipeline. EVAL carries the source instead: Redis hashes it and
     # runs its cached copy, and never answers NOSCRIPT after a restart or a SCRIPT FLUSH.
@@ -65,14 +66,14 @@ class Locks:
     ttl_seconds: float
     only_if_free: bool = False
 
-    def write(self, pipe: Pipeline, keys: Keys) -> None:
+    def write(self, pipe: RedisPipeline, keys: Keys) -> None:
         px = int(self.ttl_seconds * 1000)
         for run_id, owner in self.owners.items():
             pipe.set(keys.lock(run_id), owner, px=px, nx=self.only_if_free)
 
 
 class RedisQueue:
-    def __init__(self, redis: "Redis", keys: Keys) -> None:
+    def __init__(self, redis: RedisClient, keys: Keys) -> None:
         self.redis = redis
         self.keys = keys
         self._claim = _script(redis, "claim")
@@ -80,6 +81,8 @@ class RedisQueue:
         self._refresh = _script(redis, "refresh")
         self._release = _script(redis, "release")
         self._acquire = _script(redis, "acquire")
+        self._alive = _script(redis, "alive")
+        self._workers = _script(redis, "workers")
         self._pushes = GroupCommit(self._push_many)
         self._releases = GroupCommit(self._release_many)
 
@@ -215,14 +218,27 @@ class RedisQueue:
 
     # -- signals and liveness ------------------------------------------------------------------
 
-    async def signal_cancel(self, run_id: str, ttl_seconds: float = 86400) -> None:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.set(self.keys.cancel(run_id), "1", ex=int(ttl_seconds))
-            pipe.publish(self.keys.cancel_channel, run_id)
-            await pipe.execute()
+    async def signal_cancel(self, run_id: str) -> None:
+        """Tell every worker listening that `run_id`'s cancel was requested. Only a hint: a
+        worker that misses it hears of the cancel from MongoDB at its next heartbeat."""
+        await self.redis.publish(self.keys.cancel_channel, run_id)
 
     async def mark_alive(self, worker_id: str, ttl_seconds: float, running: int) -> None:
-        await self.redis.set(self.keys.worker(worker_id), str(running), px=int(ttl_seconds * 1000))
+        """Count the worker as alive for `ttl_seconds` more, holding `running` runs."""
+        keys = [self.keys.workers, self.keys.workers_held]
+        await self._alive(keys=keys, args=[worker_id, int(ttl_seconds * 1000), running])
+
+    async def withdraw(self, worker_id: str) -> None:
+        """Take a stopping worker out of the live ones at once, rather than when its time ends."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zrem(self.keys.workers, worker_id)
+            pipe.hdel(self.keys.workers_held, worker_id)
+            await pipe.execute()
+
+    async def live_workers(self) -> dict[str, int]:
+        """Each live worker's id and the runs it held at its last heartbeat, in one read."""
+        flat = await self._workers(keys=[self.keys.workers, self.keys.workers_held])
+        return {_text(flat[i]): int(_text(flat[i + 1])) for i in range(0, len(flat), 2)}
 
 
 def _text(value: bytes | str | float) -> str:

@@ -156,7 +156,7 @@ class Worker:
             self._threads.shutdown(wait=False)
             # Gone at once from the live workers, rather than when the key's TTL runs out.
             with contextlib.suppress(Exception):
-                await self.queue.redis.delete(self.queue.keys.worker(self.id))
+                await self.queue.withdraw(self.id)
         log.info("worker %s stopped", self.id)
 
     def _tasks(self) -> list[asyncio.Task[None]]:

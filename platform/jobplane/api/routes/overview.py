@@ -100,7 +100,7 @@ class HeldRunPublic(ResponseBody):
 
 
 class WorkerFigures(ResponseBody):
-    """A worker holding leases, and whether its liveness key is there (None: Redis did not
+    """A worker holding leases, and whether it is among the live workers (None: Redis did not
     answer). A held run whose worker is not alive is recovered when its lease runs out."""
 
     worker_id: str
@@ -224,12 +224,12 @@ async def _leader(queue: RedisQueue) -> str | None:
 
 
 async def _alive(queue: RedisQueue, held: list[HeldRun]) -> dict[str, bool]:
-    """Whether each worker holding a run still has its liveness key."""
-    workers = sorted({h.locked_by for h in held if h.locked_by})
+    """Whether each worker holding a run is still in the live workers' registry."""
+    workers = {h.locked_by for h in held if h.locked_by}
     if not workers:
         return {}
-    values = await queue.redis.mget([queue.keys.worker(w) for w in workers])
-    return {w: v is not None for w, v in zip(workers, values, strict=True)}
+    alive = await queue.live_workers()
+    return {w: w in alive for w in sorted(workers)}
 
 
 def _runs(figures: overview.RunFigures) -> RunFigures:

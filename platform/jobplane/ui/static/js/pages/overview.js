@@ -134,7 +134,7 @@ function workersCard(data) {
     const others = data.caller.role === "user" ? "idle or working outside your scopes" : "idle";
     summary = `${w.alive} alive, holding ${w.runsHeld} run${w.runsHeld === 1 ? "" : "s"}` + (rest > 0 ? `; ${rest} ${others}` : "");
   }
-  const gone = "No liveness key in Redis: the worker stopped (its lease will run out and the run be recovered), or it is an external worker, which reports through the API.";
+  const gone = "Not among the live workers in Redis: the worker stopped (its lease will run out and the run be recovered), or it is an external worker, which reports through the API.";
   return card(
     ["Workers", summary],
     table(
