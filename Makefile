@@ -55,6 +55,7 @@ chaos: $(STAMP)
 # virtual environments of their own (.bench-venvs/).
 bench: $(STAMP)
 	$(BIN)/python bench/throughput.py --repeat 3
+	$(BIN)/python bench/redis_topologies.py --repeat 3
 	$(BIN)/python bench/producer.py
 	$(BIN)/python bench/api.py
 	$(BIN)/python bench/latency.py

@@ -53,12 +53,15 @@ from typing import Any, ClassVar, Protocol
 
 import pymongo
 import redis
+import redis.asyncio as aioredis
 from bson import ObjectId
 
 import jobplane.process
 from jobplane.backends import Backends, open_backends
 from jobplane.devstack.servers import MongoServer, RedisServer, free_port
+from jobplane.devstack.topologies import RedisClusterNodes, SentinelGroup
 from jobplane.model import RunStatus, TemplateSpec
+from jobplane.queue.connect import RedisClient
 from jobplane.runs import RunService
 from jobplane.runs.service import RunRequest
 from jobplane.settings import Settings
@@ -173,7 +176,9 @@ class Processes:
         """CPU seconds used so far by each kind of process, and by the whole machine."""
         times = os.times()
         cpu = {"machine": machine_cpu_seconds(), "bench": times.user + times.system}
-        cpu |= {name: cpu_seconds(pid) for name, pid in self.servers.items()}
+        for name, pid in self.servers.items():
+            kind = name.partition("#")[0]  # the servers of a Redis Cluster count as one
+            cpu[kind] = cpu.get(kind, 0) + cpu_seconds(pid)
         for child in self.children:
             name = f"{child.command}s"
             cpu[name] = cpu.get(name, 0) + cpu_seconds(child.proc.pid)
@@ -194,11 +199,31 @@ def servers(args: argparse.Namespace) -> Iterator[tuple[str, str, Processes]]:
             st.callback(mongo.stop)
             mongo_url, procs.servers["mongod"] = mongo.url, mongo.pid or 0
         if not redis_url:
-            rds = RedisServer(root / "redis", free_port(), root / "redis.log")
-            rds.start()
-            st.callback(rds.stop)
-            redis_url, procs.servers["redis"] = rds.url, rds.pid or 0
+            redis_url = start_redis(args.redis_topology, root, procs, st)
         yield mongo_url, redis_url, procs
+
+
+def start_redis(topology: str, root: Path, procs: Processes, stack: contextlib.ExitStack) -> str:
+    """Start throwaway Redis servers of a topology; their CPU counts as `redis`."""
+    servers: list[RedisServer]
+    if topology == "cluster":
+        cluster = RedisClusterNodes(root / "redis-cluster")
+        cluster.start()
+        stack.callback(cluster.stop)
+        url, servers = cluster.url, cluster.nodes
+    elif topology == "sentinel":
+        group = SentinelGroup(root / "redis-sentinel")
+        group.start()
+        stack.callback(group.stop)
+        url, servers = group.url, [group.master, group.replica, *group.sentinels]
+    else:
+        rds = RedisServer(root / "redis", free_port(), root / "redis.log")
+        rds.start()
+        stack.callback(rds.stop)
+        url, servers = rds.url, [rds]
+    for i, server in enumerate(servers):
+        procs.servers[f"redis#{topology}{i}"] = server.pid or 0
+    return url
 
 
 # -- counters --------------------------------------------------------------------------------------
@@ -230,8 +255,11 @@ class Counters:
                 for kind in TOP_KINDS:
                     key = f"{ns.split('.', 1)[1]}.{kind}"
                     top_count[key], top_time[key] = kinds[kind]["count"], kinds[kind]["time"]
-        stats = await backends.queue.redis.info("commandstats")
-        calls = {k.removeprefix("cmdstat_"): float(v["calls"]) for k, v in stats.items()}
+        calls: dict[str, float] = {}
+        for stats in await redis_info(backends.queue.redis, "commandstats"):
+            for k, v in stats.items():
+                name = k.removeprefix("cmdstat_")
+                calls[name] = calls.get(name, 0) + float(v["calls"])
         return Counters(mongo, top_count, top_time, calls, procs.cpu())
 
     def per_run(self, later: Counters, runs: int, seconds: float) -> list[str]:
@@ -257,6 +285,14 @@ class Counters:
             + _fmt(cpu, "{:.2f}")
             + f"; {cores:.2f} of {os.cpu_count()} cores busy",
         ]
+
+
+async def redis_info(client: RedisClient, section: str) -> list[dict[str, Any]]:
+    """INFO `section` of the server, or of each master of a cluster."""
+    if isinstance(client, aioredis.RedisCluster):
+        per_node = await client.info(section, target_nodes=aioredis.RedisCluster.PRIMARIES)
+        return list(per_node.values())
+    return [await client.info(section)]
 
 
 def _fmt(values: dict[str, float], spec: str, top: int = 12) -> str:
@@ -501,7 +537,7 @@ async def software(settings: Settings) -> str:
     """The versions of Python, the servers and their clients, and this process's event loop."""
     async with open_backends(settings) as backends:
         mongod = (await backends.store.client.admin.command("buildInfo"))["version"]
-        server = await backends.queue.redis.info("server")
+        [server, *_] = await redis_info(backends.queue.redis, "server")
         await backends.store.client.drop_database(settings.db)
     hiredis = "yes" if redis.utils.HIREDIS_AVAILABLE else "no"
     loop = type(asyncio.get_running_loop()).__module__.split(".")[0]
@@ -592,6 +628,12 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=32, help="JOBPLANE_WORKER_CONCURRENCY")
     parser.add_argument("--mongodb-url")
     parser.add_argument("--redis-url")
+    parser.add_argument(
+        "--redis-topology",
+        choices=["single", "cluster", "sentinel"],
+        default="single",
+        help="the throwaway Redis to start when no --redis-url is given",
+    )
     parser.add_argument("--write-concern", choices=["majority", "1"], default="majority")
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="end with the medians as JSON")

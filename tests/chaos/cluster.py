@@ -24,6 +24,7 @@ from pymongo import AsyncMongoClient
 from pymongo.asynchronous.database import AsyncDatabase
 
 from jobplane.devstack import RedisServer, free_port
+from jobplane.devstack.topologies import RedisClusterNodes, SentinelGroup
 from jobplane.model import ACTIVE
 from jobplane.settings import Settings
 from tests.integration.processes import spawn, terminate
@@ -31,6 +32,8 @@ from tests.integration.processes import spawn, terminate
 ROOT = Path(__file__).resolve().parents[2]
 ADMIN = "chaos-admin-key"
 Doc = dict[str, Any]
+# The Redis a scenario's processes use: one server, a Redis Cluster, or Sentinel's master.
+Redis = RedisServer | RedisClusterNodes | SentinelGroup
 
 RETRY = {"maxAttempts": 6, "backoffSeconds": [0]}
 TEMPLATES: list[Doc] = [
@@ -262,7 +265,7 @@ class Stage:
     cluster: Cluster
     load: Load
     db: AsyncDatabase[Doc]
-    redis: RedisServer
+    redis: Redis
     began: datetime = field(default_factory=lambda: datetime.now(UTC))
 
     async def unfinished(self) -> int:
@@ -296,11 +299,13 @@ async def staged(
     schedulers: int = 1,
     slots: int = 16,
     seed: int = 0,
+    redis: Redis | None = None,
     **load: Any,
 ) -> AsyncIterator[Stage]:
-    """Start a Redis of the scenario's own, then the cluster (each worker running up to
-    `slots` runs at once); register the templates."""
-    redis = RedisServer(folder / "redis", free_port(), folder / "redis.log")
+    """Start a Redis of the scenario's own (one server unless `redis` names another topology),
+    then the cluster (each worker running up to `slots` runs at once); register the
+    templates."""
+    redis = redis or RedisServer(folder / "redis", free_port(), folder / "redis.log")
     redis.start()
     settings = quick(
         Settings(

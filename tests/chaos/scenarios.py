@@ -22,7 +22,8 @@ from bson import ObjectId
 from pymongo import AsyncMongoClient
 from pymongo.errors import ConnectionFailure
 
-from jobplane.devstack import ReplicaSet, free_port
+from jobplane.devstack import RedisServer, ReplicaSet, free_port
+from jobplane.devstack.topologies import RedisClusterNodes, SentinelGroup
 from jobplane.queue.keys import Keys
 from tests.chaos.cluster import Stage, staged
 from tests.chaos.invariants import Audit, audit
@@ -159,6 +160,7 @@ async def redis_dies(where: Where, scale: Scale) -> Outcome:
         async def fault() -> None:
             nonlocal turn
             turn += 1
+            assert isinstance(stage.redis, RedisServer)
             if turn % 2:
                 stage.redis.kill()
                 await asyncio.sleep(1)
@@ -169,6 +171,51 @@ async def redis_dies(where: Where, scale: Scale) -> Outcome:
 
         faults = await faulting(stage, scale, fault)
         return await outcome(stage, "Redis dies", faults, scale, began, [])
+
+
+async def sentinel_fails_over(where: Where, scale: Scale) -> Outcome:
+    """Redis behind Sentinel: SIGKILL the master under load, so that the Sentinels promote its
+    replica, then start the killed server again for them to make it the new replica. Whatever
+    the failover lost of Redis (a replica lags its master) the reconciler and the heartbeat
+    rebuild."""
+    began = time.monotonic()
+    group = SentinelGroup(where.folder / "sentinel")
+    async with staged(where.folder, where.mongodb_url, where.db, workers=3, redis=group) as stage:
+        failovers: list[float] = []
+
+        async def fault() -> None:
+            master, t0 = group.current_master(), time.monotonic()
+            master.kill()
+            while group.current_master() is master:  # noqa: ASYNC110
+                await asyncio.sleep(0.05)
+            failovers.append(time.monotonic() - t0)
+            master.start()  # empty; the Sentinels turn it into the new master's replica
+            await asyncio.to_thread(group.wait_ready)
+
+        # A failover takes seconds (a second to call the master down, then an election).
+        spaced = replace(scale, every=scale.every * 3)
+        faults = await faulting(stage, spaced, fault)
+        result = await outcome(stage, "Sentinel fails over", faults, scale, began, [])
+        result.notes.append("new master after " + ", ".join(f"{s:.1f}" for s in failovers) + " s")
+        return result
+
+
+async def cluster_node_restarts(where: Where, scale: Scale) -> Outcome:
+    """A Redis Cluster of three masters: SIGKILL one node in turn under load and start it
+    again a second later, empty. While it is down its slots answer nothing; the queues' slot
+    is among them one time in three."""
+    began = time.monotonic()
+    nodes = RedisClusterNodes(where.folder / "redis-cluster")
+    async with staged(where.folder, where.mongodb_url, where.db, workers=3, redis=nodes) as stage:
+        turn = 0
+
+        async def fault() -> None:
+            nonlocal turn
+            await asyncio.to_thread(nodes.restart, turn % len(nodes.nodes), 1.0)
+            turn += 1
+
+        faults = await faulting(stage, replace(scale, every=scale.every * 2), fault)
+        return await outcome(stage, "Redis Cluster node restarts", faults, scale, began, [])
 
 
 async def mongodb_fails_over(where: Where, scale: Scale) -> Outcome:
@@ -361,6 +408,8 @@ SCENARIOS: dict[str, Scenario] = {
     "workers_die": workers_die,
     "zombies": zombies,
     "redis_dies": redis_dies,
+    "sentinel_fails_over": sentinel_fails_over,
+    "cluster_node_restarts": cluster_node_restarts,
     "mongodb_fails_over": mongodb_fails_over,
     "schedulers_fight": schedulers_fight,
     "cancel_storm": cancel_storm,

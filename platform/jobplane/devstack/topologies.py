@@ -51,9 +51,9 @@ class RedisClusterNodes:
             for node in self.nodes:
                 node.start()
             addresses = [f"{_HOST}:{n.port}" for n in self.nodes]
+            create = ["--cluster", "create", *addresses, "--cluster-replicas", "0"]
             subprocess.run(
-                [str(redis_binary("redis-cli")), "--cluster", "create", *addresses]
-                + ["--cluster-replicas", "0", "--cluster-yes"],
+                [str(redis_binary("redis-cli")), *create, "--cluster-yes"],
                 check=True,
                 capture_output=True,
                 timeout=timeout,
@@ -119,26 +119,32 @@ class SentinelGroup:
         return f"redis+sentinel://{hosts}/{self.MASTER_NAME}/0"
 
     def start(self, timeout: float = 60) -> None:
-        """Start them all; return once the replica is in sync and every Sentinel knows the
-        others and the replica, so that a failover can happen."""
+        """Start them all; return once a failover can happen (`wait_ready`)."""
         try:
             self.master.start()
             self.replica.start()
             for sentinel in self.sentinels:
                 sentinel.start()
-            deadline = time.monotonic() + timeout
-            while not self._ready():
-                if time.monotonic() > deadline:
-                    raise RuntimeError("the Sentinel setup did not become ready in time")
-                time.sleep(_POLL_INTERVAL)
+            self.wait_ready(timeout)
         except BaseException:
             self.stop()
             raise
 
+    def wait_ready(self, timeout: float = 60) -> None:
+        """Return once a replica is in sync with the master and every Sentinel knows the others
+        and the replica: then a failover can happen."""
+        deadline = time.monotonic() + timeout
+        while not self._ready():
+            if time.monotonic() > deadline:
+                raise RuntimeError("the Sentinel setup did not become ready in time")
+            time.sleep(_POLL_INTERVAL)
+
     def _ready(self) -> bool:
         try:
-            with redis.Redis(_HOST, self.replica.port, socket_timeout=1) as replica:
-                if replica.info("replication").get("master_link_status") != "up":
+            master = self.current_master()
+            replica = self.replica if master is self.master else self.master
+            with redis.Redis(_HOST, replica.port, socket_timeout=1) as client:
+                if client.info("replication").get("master_link_status") != "up":
                     return False
             for sentinel in self.sentinels:
                 with redis.Redis(_HOST, sentinel.port, socket_timeout=1) as client:
