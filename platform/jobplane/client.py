@@ -27,7 +27,6 @@ from urllib.parse import quote
 import httpx
 from pydantic import BaseModel, ValidationError
 from pymongo.errors import ConnectionFailure
-from redis.exceptions import RedisError
 
 from jobplane.backends import open_backends
 from jobplane.errors import (
@@ -43,6 +42,7 @@ from jobplane.errors import (
     ValidationFailed,
 )
 from jobplane.model import TERMINAL, Run, Scope
+from jobplane.queue.connect import REDIS_DOWN
 from jobplane.runs import RunRequest, RunService
 from jobplane.settings import Settings
 
@@ -436,7 +436,7 @@ def _reachable() -> Iterator[None]:
         yield
     except ConnectionFailure as exc:
         raise Unavailable(f"MongoDB unavailable: {exc}") from exc
-    except RedisError as exc:
+    except REDIS_DOWN as exc:
         raise Unavailable(f"Redis unavailable: {exc}") from exc
 
 

@@ -27,9 +27,9 @@ from prometheus_client import (
 )
 from prometheus_client.core import GaugeMetricFamily, Metric
 from pymongo.errors import PyMongoError
-from redis.exceptions import RedisError
 
 from jobplane.model import TERMINAL, Run, RunStatus
+from jobplane.queue.connect import REDIS_DOWN
 from jobplane.queue.redis import RedisQueue, epoch_ms
 from jobplane.settings import Settings
 from jobplane.store import Lost, MongoStore, Moved
@@ -187,7 +187,7 @@ async def read_state(store: MongoStore, queue: RedisQueue, queues: Sequence[str]
             *await _scheduler_state(queue),
         ]
         up.add_metric(["redis"], 1)
-    except (RedisError, OSError):
+    except REDIS_DOWN:
         up.add_metric(["redis"], 0)
     return families
 

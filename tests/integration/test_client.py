@@ -28,6 +28,7 @@ from jobplane.errors import (
 from jobplane.model import CLAIMABLE, Run, RunStatus
 from jobplane.queue.redis import QueueEntry
 from jobplane.settings import Settings
+from tests.conftest import REDIS_TOPOLOGIES
 from tests.integration.conftest import Register
 from tests.integration.workers import running
 
@@ -282,3 +283,15 @@ def test_creating_a_client_checks_its_arguments() -> None:
         Client("http://127.0.0.1:8000", mongodb_url="mongodb://127.0.0.1")
     with pytest.raises(ValueError, match="either url"):
         Client(mongodb_url="mongodb://127.0.0.1")
+
+
+@REDIS_TOPOLOGIES
+async def test_direct_mode_on_every_redis_topology(
+    redis_url: str, backends: Backends, settings: Settings, register: Register
+) -> None:
+    await register()
+    async with Client(**options("direct", "", settings)) as client:
+        run = await client.create("t_noop", scope="user", scope_id="u1")
+        async with running(backends, settings):
+            done = await client.wait(run.id, timeout=30)
+    assert done.status == RunStatus.SUCCEEDED

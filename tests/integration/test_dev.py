@@ -125,3 +125,23 @@ def test_cli_against_a_running_dev_stack(tmp_path: Path) -> None:
     assert code == 0, log.read_text()
     assert "Ctrl-C stops jobplane" in log.read_text()
     assert not any(pid_alive(p) for p in recorded_pids(data))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("topology", ["cluster", "sentinel"])
+def test_dev_demo_on_a_redis_cluster_and_behind_sentinel(
+    topology: str, mongo_url: str, db_name: str, request: pytest.FixtureRequest, tmp_path: Path
+) -> None:
+    redis_url: str = request.getfixturevalue(f"redis_{topology}_url")
+    args = ["dev", "--demo", "--exit-after-demo", "--port", str(free_port())]
+    args += ["--templates", str(ROOT / "templates"), "--data-dir", str(tmp_path / "data")]
+    env = clean_env(
+        JOBPLANE_MONGODB_URL=mongo_url,
+        JOBPLANE_REDIS_URL=redis_url,
+        JOBPLANE_DB=db_name,
+        JOBPLANE_REDIS_PREFIX=f"dev{os.getpid()}:",
+    )
+    done = jobplane(*args, env=env, timeout=120, cwd=tmp_path)
+    assert done.returncode == 0, done.stdout + done.stderr
+    assert f"Redis:   {redis_url}" in done.stdout
+    assert "succeeded" in done.stdout

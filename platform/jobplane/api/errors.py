@@ -8,7 +8,7 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from pydantic import BaseModel
 from pymongo.errors import ConnectionFailure
-from redis.exceptions import RedisError
+from redis.exceptions import RedisClusterException, RedisError
 from starlette.exceptions import HTTPException
 
 from jobplane.errors import JobplaneError
@@ -71,9 +71,12 @@ def install(app: FastAPI) -> None:
     async def http(_: Request, exc: HTTPException) -> JSONResponse:
         return http_error(exc)
 
-    @app.exception_handler(RedisError)
-    async def redis_down(_: Request, exc: RedisError) -> JSONResponse:
+    async def redis_down(_: Request, exc: Exception) -> JSONResponse:
         return error_response(503, "Unavailable", f"Redis unavailable: {exc}", {})
+
+    # Not OSError, which may be anything's: it stays a 500.
+    for redis_error in (RedisError, RedisClusterException):
+        app.add_exception_handler(redis_error, redis_down)
 
     @app.exception_handler(ConnectionFailure)
     async def mongo_down(_: Request, exc: ConnectionFailure) -> JSONResponse:

@@ -25,11 +25,16 @@ from redis.asyncio.client import Pipeline
 from redis.asyncio.cluster import ClusterNode, ClusterPipeline
 from redis.asyncio.connection import URL_QUERY_ARGUMENT_PARSERS, to_bool
 from redis.asyncio.sentinel import Sentinel
+from redis.exceptions import RedisClusterException, RedisError
 
 RedisClient = Redis | RedisCluster
 RedisPipeline = Pipeline | ClusterPipeline
 
 Kind = Literal["single", "cluster", "sentinel"]
+
+# What a call raises when Redis does not answer. redis-py's cluster client raises some of its
+# own outside `RedisError` (a slot no node serves while one is down: `SlotNotCoveredError`).
+REDIS_DOWN: tuple[type[Exception], ...] = (RedisError, RedisClusterException, OSError)
 
 _SCHEMES: dict[str, Kind] = {
     "redis": "single",

@@ -9,8 +9,6 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
-from redis.exceptions import RedisError
-
 from jobplane import metrics
 from jobplane.clock import as_stored
 from jobplane.errors import (
@@ -23,6 +21,7 @@ from jobplane.errors import (
 )
 from jobplane.model import CLAIMABLE, TERMINAL, Run, RunStatus, Template
 from jobplane.model.storable import unstorable
+from jobplane.queue.connect import REDIS_DOWN
 from jobplane.queue.redis import QueueEntry, RedisQueue
 from jobplane.store import DuplicateRun, KeyHeld, Lost, MongoStore, NewRun
 
@@ -219,7 +218,7 @@ class RunService:
         entries = [QueueEntry(r.id, r.queue, r.priority, r.not_before) for r in runs]
         try:
             await self.queue.push(entries, self.store.clock.now())
-        except (RedisError, OSError) as exc:
+        except REDIS_DOWN as exc:
             log.warning(
                 "%d queued runs wait for the reconciler, Redis push failed: %s", len(runs), exc
             )
@@ -241,7 +240,7 @@ class RunService:
                 cancelled = await self.store.cancel(run.id, actor, reason)
                 metrics.observe(run, cancelled, self.store.clock.now())
                 if not isinstance(cancelled, Lost):
-                    with contextlib.suppress(RedisError, OSError):  # a popped id is skipped
+                    with contextlib.suppress(*REDIS_DOWN):  # a popped id is skipped
                         await self.queue.remove(run.id, run.queue, run.priority)
                     # The run may have taken the key it waited for since it was read.
                     if key := run.dedupe_key or run.dedupe_wait:
@@ -259,7 +258,7 @@ class RunService:
                 Lost,
             ):
                 # Heartbeats bring the cancel from MongoDB too, should the signal be lost.
-                with contextlib.suppress(RedisError, OSError):
+                with contextlib.suppress(*REDIS_DOWN):
                     await self.queue.signal_cancel(run.id)
                 return await self.get(run_id)
         raise ResourceInvalidState(f"run {run_id} kept changing; try again")

@@ -12,7 +12,6 @@ from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
 from prometheus_client.core import Metric
-from redis.exceptions import RedisError
 
 from jobplane.api.auth import PERMISSIONS, Caller, Permission, authenticate
 from jobplane.api.deps import SettingsDep, StoreDep
@@ -21,6 +20,7 @@ from jobplane.api.schema import ResponseBody
 from jobplane.metrics import read_state
 from jobplane.model import RunStatus
 from jobplane.model.documents import Role
+from jobplane.queue.connect import REDIS_DOWN
 from jobplane.queue.redis import RedisQueue
 from jobplane.settings import Settings
 from jobplane.store import overview
@@ -162,7 +162,7 @@ async def read_overview(
     if redis_up:
         try:
             leader, alive = await _leader(queue), await _alive(queue, held)
-        except (RedisError, OSError):
+        except REDIS_DOWN:
             redis_up = False
     return Overview(
         generated_at=now,
