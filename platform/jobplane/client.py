@@ -44,7 +44,7 @@ from jobplane.errors import (
 from jobplane.model import TERMINAL, Run, Scope
 from jobplane.queue.connect import REDIS_DOWN
 from jobplane.runs import RunRequest, RunService
-from jobplane.settings import Settings
+from jobplane.settings import Settings, refusal
 
 if TYPE_CHECKING:
     from jobplane.api.routes.runs import RunCreate
@@ -147,7 +147,10 @@ class Client:
         else:
             given: dict[str, Any] = {"mongodb_url": mongodb_url, "redis_url": redis_url}
             given |= {"db": db, "redis_prefix": redis_prefix}
-            settings = Settings(**{k: v for k, v in given.items() if v is not None})
+            try:
+                settings = Settings(**{k: v for k, v in given.items() if v is not None})
+            except ValidationError as exc:
+                raise ValueError(refusal(exc)) from None
             actor = actor or f"client:{socket.gethostname()}"
             self._transport = DirectTransport(settings, actor)
         self._opened = self._closed = False

@@ -3,7 +3,8 @@
 from pathlib import Path
 from typing import Annotated, Literal
 
-from pydantic import BeforeValidator, Field, field_validator
+from pydantic import BeforeValidator, Field, ValidationError, field_validator
+from pydantic_core import ErrorDetails
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from jobplane.queue.connect import parse_redis_url
@@ -78,3 +79,16 @@ class Settings(BaseSettings):
     def _redis_prefix(cls, prefix: str) -> str:
         Keys(prefix)  # raises, saying what is wrong
         return prefix
+
+
+def refusal(exc: ValidationError) -> str:
+    """What is wrong with the settings, in one line naming each variable."""
+    return "; ".join(_refusal(error) for error in exc.errors())
+
+
+def _refusal(error: ErrorDetails) -> str:
+    # A validator's own message names its variable already; pydantic's own ones do not.
+    if cause := error.get("ctx", {}).get("error"):
+        return str(cause)
+    name = "_".join(str(part) for part in error["loc"]).upper()
+    return f"JOBPLANE_{name}: {error['msg']}"

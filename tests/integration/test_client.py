@@ -283,6 +283,12 @@ def test_creating_a_client_checks_its_arguments() -> None:
         Client("http://127.0.0.1:8000", mongodb_url="mongodb://127.0.0.1")
     with pytest.raises(ValueError, match="either url"):
         Client(mongodb_url="mongodb://127.0.0.1")
+    with pytest.raises(ValueError) as refused:
+        Client(mongodb_url="mongodb://127.0.0.1", redis_url="redis+cluster://u:pw@h1")
+    assert str(refused.value) == (
+        "JOBPLANE_REDIS_URL 'redis+cluster://u:***@h1': 'h1' is not host:port "
+        "(each node needs its port)"
+    )
 
 
 @REDIS_TOPOLOGIES

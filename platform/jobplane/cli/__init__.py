@@ -13,7 +13,6 @@ from typing import Any, NoReturn, TypeVar
 from urllib.parse import quote
 
 from pydantic import BaseModel, ValidationError
-from pydantic_core import ErrorDetails
 
 from jobplane.cli.client import APIClient, CLIError
 from jobplane.cli.render import (
@@ -25,7 +24,7 @@ from jobplane.cli.render import (
     template_line,
 )
 from jobplane.model import TERMINAL, Event, Run, RunStatus, Schedule, Template
-from jobplane.settings import Settings
+from jobplane.settings import Settings, refusal
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -53,15 +52,7 @@ def _settings(args: argparse.Namespace) -> Settings:
     try:
         return Settings(**overrides)
     except ValidationError as exc:
-        raise CLIError("InvalidSettings", "; ".join(map(_setting_error, exc.errors()))) from None
-
-
-def _setting_error(error: ErrorDetails) -> str:
-    # A validator's own message names its variable already; pydantic's own ones do not.
-    if cause := error.get("ctx", {}).get("error"):
-        return str(cause)
-    name = "_".join(str(part) for part in error["loc"]).upper()
-    return f"JOBPLANE_{name}: {error['msg']}"
+        raise CLIError("InvalidSettings", refusal(exc)) from None
 
 
 def _endpoint(args: argparse.Namespace) -> tuple[str, str | None]:
