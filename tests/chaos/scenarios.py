@@ -193,7 +193,7 @@ async def sentinel_fails_over(where: Where, scale: Scale) -> Outcome:
             await asyncio.to_thread(group.wait_ready)
 
         # A failover takes seconds (a second to call the master down, then an election).
-        spaced = replace(scale, every=scale.every * 3)
+        spaced = replace(scale, every=scale.every * 2)
         faults = await faulting(stage, spaced, fault)
         result = await outcome(stage, "Sentinel fails over", faults, scale, began, [])
         result.notes.append("new master after " + ", ".join(f"{s:.1f}" for s in failovers) + " s")
