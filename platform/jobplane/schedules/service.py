@@ -146,7 +146,7 @@ class ScheduleService:
         """The run for one fire time, unless the template is disabled or (`overlapPolicy:
         skip`) the schedule's previous run is still active; each skip is an event."""
         if schedule.overlap_policy == "skip" and (
-            active := await self.store.active_run_of(schedule.id)
+            active := await self.store.active_run_of(schedule)
         ):
             metrics.SCHEDULE_FIRES.labels("overlap").inc()
             await self._skip(schedule, at, f"overlap: run {active.id} is {active.status}")
