@@ -1873,6 +1873,15 @@ class MongoStore:
         return Lost(run_id, "status", status)
 
 
+async def shard_database(url: str, db_name: str) -> list[str]:
+    """`MongoStore.shard` for `jobplane db shard`: connects, shards, closes."""
+    store = MongoStore.connect(url, db_name)
+    try:
+        return await store.shard()
+    finally:
+        await store.close()
+
+
 # -- conversion to and from BSON: here and nowhere else ------------------------------------------
 
 
