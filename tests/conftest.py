@@ -24,6 +24,7 @@ from pymongo import MongoClient
 from jobplane.devstack import MongoServer, RedisServer, free_port
 from jobplane.devstack.topologies import RedisClusterNodes, SentinelGroup
 from jobplane.queue.connect import parse_redis_url
+from jobplane.store.mongo import SHARD_KEYS
 
 # Mark a module `pytestmark = REDIS_TOPOLOGIES` to run each of its tests on every topology.
 REDIS_TOPOLOGIES = pytest.mark.parametrize(
@@ -118,13 +119,27 @@ def sync_redis(url: str) -> redis.Redis | redis.RedisCluster:
     return redis.Redis.from_url(url)
 
 
-@pytest.fixture
-def db_name(mongo_url: str) -> Iterator[str]:
-    """A database name of this test's own, dropped afterwards."""
-    name = f"t_{uuid4().hex[:12]}"
-    yield name
+@pytest.fixture(scope="session")
+def mongos(mongo_url: str) -> bool:
+    """Whether the session's MongoDB is a sharded cluster's mongos (the local one never is)."""
     client: MongoClient[dict[str, Any]] = MongoClient(mongo_url)
     with client:
+        return client.admin.command("hello").get("msg") == "isdbgrid"
+
+
+@pytest.fixture
+def db_name(mongo_url: str, mongos: bool) -> Iterator[str]:
+    """A database name of this test's own, dropped afterwards; on a mongos, its large
+    collections are sharded as `jobplane db shard` shards them, before any test writes."""
+    name = f"t_{uuid4().hex[:12]}"
+    client: MongoClient[dict[str, Any]] = MongoClient(mongo_url)
+    with client:
+        if mongos:
+            client.admin.command("enableSharding", name)
+            for collection, key in SHARD_KEYS.items():
+                # Empty: MongoDB creates the collection and its shard key index itself.
+                client.admin.command("shardCollection", f"{name}.{collection}", key=dict(key))
+        yield name
         client.drop_database(name)
 
 

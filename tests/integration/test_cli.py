@@ -452,3 +452,22 @@ async def test_schedules_create_list_preview_pause_trigger(cli: CLI, register: R
     bad = await cli("schedules", "create", "t_report", "--cron", "0 9 * *")
     assert "/cron" in failed(bad, "ValidationFailed")
     failed(await cli("schedules", "pause", "0123456789abcdef01234567"), "NotFound")
+
+
+async def test_db_shard_needs_a_sharded_cluster(mongo_url: str, db_name: str, mongos: bool) -> None:
+    """`jobplane db shard` against a replica set says so in one line and fails; against a
+    mongos it shards each large collection (idempotently: the test database already is)."""
+    env = clean_env(JOBPLANE_MONGODB_URL=mongo_url, JOBPLANE_DB=db_name)
+    result = await jobplane("db", "shard", env=env)
+    if mongos:
+        assert ok(result).lines == [
+            f"sharded {db_name}.{c}" for c in ("job_runs", "job_events", "job_runs_archive")
+        ]
+        return
+    line = failed(result, "InvalidArgument")
+    assert "not a sharded cluster" in line and db_name in line
+    unset = await jobplane("db", "shard", env=clean_env())
+    assert (
+        failed(unset, "InvalidArgument")
+        == "error: InvalidArgument: JOBPLANE_MONGODB_URL is not set"
+    )

@@ -704,7 +704,7 @@ async def test_schedules_never_scan(store: MongoStore, queue: RedisQueue, seeded
         assert await store.next_fire_time() is not None
         for schedule in seeded.schedules[:4]:
             await service.get(schedule.id)
-            await store.active_run_of(schedule.id)
+            await store.active_run_of(schedule)
             await service.update(schedule.id, {"cron": "*/10 * * * *"})
             await service.trigger(schedule.id, "user:qp")
         await service.update(first.id, {"enabled": False})

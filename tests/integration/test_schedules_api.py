@@ -150,6 +150,22 @@ async def test_bad_changes_leave_the_schedule_as_it_was(api: httpx.AsyncClient) 
     assert (await api.get(f"/v1/schedules/{sid}")).json() == schedule
 
 
+async def test_a_schedule_keeps_its_scope(api: httpx.AsyncClient) -> None:
+    """One run per fire time is kept by a unique index within the runs' scope (the shard key),
+    so a schedule's scope never changes: even an admin's change of it is refused."""
+    schedule = await created(api)
+    sid = schedule["id"]
+    for changes, moved in (
+        ({"scopeId": "globex"}, ["/scopeId"]),
+        ({"scope": "user", "scopeId": "u1"}, ["/scope", "/scopeId"]),
+    ):
+        response = await api.patch(f"/v1/schedules/{sid}", json=changes)
+        assert pointers(error_of(response, 422, "ValidationFailed")) == moved
+    assert (await api.get(f"/v1/schedules/{sid}")).json() == schedule
+    same = await api.patch(f"/v1/schedules/{sid}", json={"scope": "account", "scopeId": "acme"})
+    assert same.status_code == 200, same.text
+
+
 async def test_scopes_apply_to_schedules(
     api: httpx.AsyncClient, client_for: Client, backends: Backends
 ) -> None:

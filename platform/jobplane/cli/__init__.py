@@ -135,6 +135,24 @@ def _dev(args: argparse.Namespace) -> None:
     sys.exit(code)
 
 
+def _db_shard(args: argparse.Namespace) -> None:
+    from pymongo.errors import PyMongoError
+
+    from jobplane.store.mongo import NotSharded, shard_database
+
+    settings = _settings(args)
+    if not settings.mongodb_url:
+        raise CLIError("InvalidArgument", "JOBPLANE_MONGODB_URL is not set")
+    try:
+        sharded = _run(shard_database(settings.mongodb_url, settings.db))
+    except NotSharded as exc:
+        raise CLIError("InvalidArgument", str(exc)) from exc
+    except PyMongoError as exc:
+        raise CLIError("Unavailable", f"MongoDB: {exc}") from exc
+    for namespace in sharded:
+        print(f"sharded {namespace}")
+
+
 # -- API commands --------------------------------------------------------------------------------
 
 APICommand = Callable[[argparse.Namespace, APIClient], None]
@@ -403,6 +421,11 @@ def _parser() -> argparse.ArgumentParser:
     dev.add_argument("--demo", action="store_true", help="register templates and watch a demo run")
     dev.add_argument("--exit-after-demo", action="store_true", help=argparse.SUPPRESS)
     dev.set_defaults(command=_dev)
+
+    db = sub.add_parser("db", help="the MongoDB database (JOBPLANE_MONGODB_URL, JOBPLANE_DB)")
+    dbsub = db.add_subparsers(required=True, metavar="ACTION")
+    shard = dbsub.add_parser("shard", help="shard the large collections (a mongos only)")
+    shard.set_defaults(command=_db_shard)
 
     def client_command(
         group: "argparse._SubParsersAction[_Parser]", name: str, command: APICommand, help: str

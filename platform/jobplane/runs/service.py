@@ -200,12 +200,12 @@ class RunService:
                     return  # an active run has it; its end admits the next
                 assert held.holder is not None
                 reason = f"run {held.holder.id} already succeeded for this key"
-                cancelled = await self.store.cancel(waiting.id, actor, reason)
+                cancelled = await self.store.cancel(waiting.id, actor, reason, _scope(waiting))
                 metrics.observe(waiting, cancelled, self.store.clock.now())
                 continue
             if isinstance(taken, Lost):
                 continue  # cancelled meanwhile; look at the next
-            if isinstance(await self.store.enqueue(waiting.id, actor), Lost):
+            if isinstance(await self.store.enqueue(waiting.id, actor, _scope(waiting)), Lost):
                 continue  # cancelled since it took the key; the cancel admits the next
             await self._push([waiting])
             return
@@ -237,7 +237,7 @@ class RunService:
             if run.status == RunStatus.CANCEL_REQUESTED:
                 return run
             if run.status in CLAIMABLE:
-                cancelled = await self.store.cancel(run.id, actor, reason)
+                cancelled = await self.store.cancel(run.id, actor, reason, _scope(run))
                 metrics.observe(run, cancelled, self.store.clock.now())
                 if not isinstance(cancelled, Lost):
                     with contextlib.suppress(*REDIS_DOWN):  # a popped id is skipped
@@ -254,6 +254,7 @@ class RunService:
                     actor,
                     reason,
                     0 if run.status == RunStatus.WAITING_WORKER else run.cancel_grace_seconds,
+                    _scope(run),
                 ),
                 Lost,
             ):
@@ -268,6 +269,11 @@ class RunService:
         if run is None:
             raise NotFound(f"run {run_id!r} not found")
         return run
+
+
+def _scope(run: Run) -> tuple[str, str]:
+    """The run's scope, which its writes carry so that they go to its shard alone."""
+    return run.scope, run.scope_id
 
 
 def validate_payload(template: Template, payload: dict[str, Any]) -> None:

@@ -173,4 +173,4 @@ class Scheduler:
             # that died before queueing it, or was created by an earlier version.
             for run in runs:
                 if run.status == RunStatus.PENDING:
-                    await self.store.enqueue(run.id, "scheduler")
+                    await self.store.enqueue(run.id, "scheduler", (run.scope, run.scope_id))

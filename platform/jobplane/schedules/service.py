@@ -61,6 +61,7 @@ class ScheduleService:
         """Apply `changes` (camelCase fields of the spec) and recompute `nextRunAt` from now.
 
         Two changes at once: the second re-reads and applies itself to the first's result.
+        The scope cannot change (`_check_scope`).
         """
         for _ in range(5):
             current = await self.get(schedule_id)
@@ -69,6 +70,7 @@ class ScheduleService:
                 spec = ScheduleSpec.model_validate({**fields, **changes})
             except ValidationError as exc:
                 raise ValidationFailed("invalid schedule", pydantic_errors(exc)) from exc
+            _check_scope(current, fields, spec)
             cron = await self._check(spec, schedule_id)
             changed = current.model_copy(
                 update={**spec.model_dump(), "next_run_at": cron.next_after(self.store.clock.now())}
@@ -146,7 +148,7 @@ class ScheduleService:
         """The run for one fire time, unless the template is disabled or (`overlapPolicy:
         skip`) the schedule's previous run is still active; each skip is an event."""
         if schedule.overlap_policy == "skip" and (
-            active := await self.store.active_run_of(schedule.id)
+            active := await self.store.active_run_of(schedule)
         ):
             metrics.SCHEDULE_FIRES.labels("overlap").inc()
             await self._skip(schedule, at, f"overlap: run {active.id} is {active.status}")
@@ -203,6 +205,32 @@ class ScheduleService:
             raise ValidationFailed(why, [{"pointer": "/overlapPolicy", "message": why}])
         _check_payload(spec, schedule_id, template)
         return cron
+
+
+def _check_scope(current: Schedule, fields: dict[str, Any], spec: ScheduleSpec) -> None:
+    """A schedule keeps the scope it was created in.
+
+    Its runs carry its scope, and MongoDB keeps one run per fire time with a unique index that
+    starts with the run's scope (the shard key): a scope change racing with a fire could make
+    a second run for the same fire time in the new scope. One change is let through: the repair
+    of a scope id stored before scope ids were checked, which no valid schedule can need.
+    """
+    moved = [
+        name
+        for name, old, new in (
+            ("scope", current.scope, spec.scope),
+            ("scopeId", current.scope_id, spec.scope_id),
+        )
+        if old != new
+    ]
+    if not moved:
+        return
+    try:
+        ScheduleSpec.model_validate(fields)
+    except ValidationError:
+        return  # stored before its scope id was checked: this change repairs it
+    why = "a schedule's scope cannot change; create a schedule in the other scope"
+    raise ValidationFailed(why, [{"pointer": f"/{name}", "message": why} for name in moved])
 
 
 def render_payload(template: Any, values: dict[str, str]) -> Any:

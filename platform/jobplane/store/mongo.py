@@ -20,6 +20,7 @@ from bson import ObjectId
 from pymongo import (
     ASCENDING,
     DESCENDING,
+    HASHED,
     AsyncMongoClient,
     IndexModel,
     ReplaceOne,
@@ -74,7 +75,7 @@ _EVENT_FILTERS: list[list[tuple[str, int]]] = [
     [("actor", ASCENDING)],
 ]
 # Indexes of earlier versions, replaced by partial ones (fewer entries to keep up on every
-# write) or found unused; `ensure_indexes` drops them.
+# write), by ones that start with the shard key, or found unused; `ensure_indexes` drops them.
 _REPLACED_INDEXES = {
     "job_runs": {
         "status_1_lockedUntil_1",
@@ -82,9 +83,116 @@ _REPLACED_INDEXES = {
         "status_1_cancelDeadline_1",
         "scheduleId_1__id_-1",
         "status_1_dedupeKey_1_updateAt_1",
+        # Unique indexes that did not start with the shard key (see `SHARD_KEYS`).
+        "dedupeKey_1",
+        "scheduleId_1_scheduledFor_1",
     },
     "job_events": {"jobId_1_runVersion_1__id_1"},
 }
+# Every large collection is sharded on its runs' owner: the scope and, hashed, the scope id. Its
+# unique indexes must start with the shard key for a sharded cluster to enforce them, and the
+# guarantees are per scope anyway (see `index_models`); a run's writes know its scope, so they
+# go to one shard. `scope` first keeps the idempotency index (scope, scopeId, idempotencyKey) as
+# it was; hashing spreads scope ids evenly. One scope's runs live on one shard.
+SHARD_KEYS: dict[str, list[tuple[str, int | str]]] = {
+    collection: [("scope", ASCENDING), ("scopeId", HASHED)]
+    for collection in ("job_runs", "job_events", "job_runs_archive")
+}
+
+
+def index_models() -> dict[str, list[IndexModel]]:
+    """Every index `ensure_indexes` creates, by collection."""
+    # Every index is work for every write that changes its keys. Fields only some runs have (a
+    # lease, a deadline, a schedule) get partial indexes, so a run is in them only while it has
+    # the field; terminal runs enter the retention index only once they end.
+    runs = [
+        # Claim path: the reconciler finds claimable runs missing from Redis.
+        IndexModel([("status", ASCENDING), ("_id", ASCENDING)]),
+        # The reaper's scans: leases that ran out, deadlines and cancel graces passed.
+        _only_with(
+            "lockedUntil", [("status", ASCENDING), ("lockedUntil", ASCENDING)], name="leases"
+        ),
+        _only_with("deadline", [("status", ASCENDING), ("deadline", ASCENDING)], name="deadlines"),
+        _only_with(
+            "cancelDeadline",
+            [("status", ASCENDING), ("cancelDeadline", ASCENDING)],
+            name="cancel_deadlines",
+        ),
+        # The unique indexes start with the shard key (scope, scopeId). For dedupe that is the
+        # same guarantee as a unique `dedupeKey`: a key is `runs.service.dedupe_key`, which
+        # holds the run's scope and scope id, or a schedule's `schedule:<id>` (overlapPolicy
+        # queue), whose runs all carry the schedule's scope, which never changes.
+        _only_with(
+            "dedupeKey",
+            [("scope", ASCENDING), ("scopeId", ASCENDING), ("dedupeKey", ASCENDING)],
+            unique=True,
+        ),
+        _only_with(
+            "idempotencyKey",
+            [("scope", ASCENDING), ("scopeId", ASCENDING), ("idempotencyKey", ASCENDING)],
+            unique=True,
+        ),
+        # One run per fire time: a schedule's runs all carry its scope, which never changes
+        # (`ScheduleService.update`), so this is unique on (scheduleId, scheduledFor).
+        _only_with(
+            "scheduleId",
+            [
+                ("scope", ASCENDING),
+                ("scopeId", ASCENDING),
+                ("scheduleId", ASCENDING),
+                ("scheduledFor", ASCENDING),
+            ],
+            unique=True,
+        ),
+        IndexModel([("scope", ASCENDING), ("scopeId", ASCENDING), ("_id", DESCENDING)]),
+        IndexModel([("templateType", ASCENDING), ("_id", DESCENDING)]),
+        # Ended runs of a template by status (its dead letters): without it a list of a rare
+        # status of one template walks every run of that status. Only ended runs, which never
+        # change status again: an entry per run, written once.
+        _only_with(
+            "completedAt",
+            [("templateType", ASCENDING), ("status", ASCENDING), ("_id", DESCENDING)],
+            name="ended_by_template",
+        ),
+        _only_with(
+            "scheduleId", [("scheduleId", ASCENDING), ("_id", DESCENDING)], name="schedule_runs"
+        ),
+        # Runs waiting for a dedupe key, oldest first.
+        _only_with("dedupeWait", [("dedupeWait", ASCENDING), ("_id", ASCENDING)]),
+        # The sweep: runs written since its last pass.
+        IndexModel([("updateAt", ASCENDING)]),
+        # Retention: terminal runs (those with `completedAt`) by age. Runs holding a spent
+        # dedupe key never move (the key must stay under the unique index); a null `dedupeKey`
+        # bound keeps the pass from even reading them.
+        _only_with(
+            "completedAt",
+            [("status", ASCENDING), ("dedupeKey", ASCENDING), ("updateAt", ASCENDING)],
+            name="ended",
+        ),
+    ]
+    return {
+        "job_templates": [
+            IndexModel([("type", ASCENDING), ("version", ASCENDING)], unique=True),
+            # The latest version of each type, and every queue templates name.
+            IndexModel([("type", ASCENDING), ("version", DESCENDING)]),
+            IndexModel([("queue", ASCENDING)]),
+        ],
+        "job_runs": runs,
+        "job_schedules": [
+            IndexModel([("enabled", ASCENDING), ("nextRunAt", ASCENDING)]),
+            IndexModel([("scope", ASCENDING), ("scopeId", ASCENDING), ("_id", DESCENDING)]),
+        ],
+        # The audit query pages by (createAt, _id) under at most one equality filter, and each
+        # such filter has its index, so no query scans the collection. A run's own events are
+        # found by the `jobId` one.
+        "job_events": [
+            IndexModel([*fields, ("createAt", ASCENDING), ("_id", ASCENDING)])
+            for fields in _EVENT_FILTERS
+        ],
+        "api_keys": [IndexModel([("name", ASCENDING)], unique=True)],
+    }
+
+
 # Fields a write's events need from the run it changes, and `_lost` needs to explain a miss.
 _STATE_FIELDS = {
     "status": 1,
@@ -94,6 +202,8 @@ _STATE_FIELDS = {
     "lockedBy": 1,
     "version": 1,
 }
+# The shard key of a run (see `SHARD_KEYS`).
+_OWNER_FIELDS = {"scope": 1, "scopeId": 1}
 # A run holds these only while a worker owns it.
 _LEASE_FIELDS = ("lockedBy", "leaseToken", "lockedUntil")
 # Array filters: the step a worker was in, and steps that will not run now (a step that failed
@@ -116,6 +226,11 @@ class Known:
     scope: str
     scope_id: str
 
+    @property
+    def owner(self) -> Doc:
+        """The run's shard key fields, which never change."""
+        return _owner(self.scope, self.scope_id)
+
 
 @dataclass(frozen=True)
 class _Update:
@@ -134,9 +249,10 @@ class _Update:
         trail: list[Doc],
         array_filters: list[Doc] | None = None,
     ) -> "_Update":
-        """An update filtered on `state`, the exact status and version its `trail` moves from."""
+        """An update filtered on `state`, the exact status and version its `trail` moves from,
+        and on the run's scope: the shard key, so a sharded cluster sends it to one shard."""
         return cls(
-            {**query, "status": state.status, "version": state.version},
+            {**query, **state.owner, "status": state.status, "version": state.version},
             {**update, "$push": {"trail": {"$each": trail}}},
             list(array_filters) if array_filters else None,
         )
@@ -255,12 +371,21 @@ class KeyHeld(Exception):
         self.holder = holder
 
 
+class NotSharded(Exception):
+    """`MongoStore.shard` was asked of a server that is not a sharded cluster's mongos."""
+
+
 class DuplicateRun(Exception):
     """A run with this idempotency key (or schedule fire time) already exists."""
 
     def __init__(self, run: Run) -> None:
         super().__init__(f"run {run.id} already exists")
         self.run = run
+
+
+def _owner(scope: str, scope_id: str) -> Doc:
+    """A filter on the shard key of `SHARD_KEYS`: a run's (or an event's) scope."""
+    return {"scope": scope, "scopeId": scope_id}
 
 
 def object_id(run_id: str) -> ObjectId | None:
@@ -316,101 +441,45 @@ class MongoStore:
         await self.db.command("ping")
 
     async def ensure_indexes(self) -> None:
-        """Create every index; safe to run at each start-up and from several processes.
+        """Create every index of `index_models`; safe to run at each start-up and from several
+        processes.
 
         Indexes an earlier version made and this one replaced are dropped after their
-        replacements exist, so no query is left without an index meanwhile.
+        replacements exist, so no query is left without an index, and no guarantee without its
+        unique index, meanwhile.
         """
-        await self.templates.create_indexes(
-            [
-                IndexModel([("type", ASCENDING), ("version", ASCENDING)], unique=True),
-                # The latest version of each type, and every queue templates name.
-                IndexModel([("type", ASCENDING), ("version", DESCENDING)]),
-                IndexModel([("queue", ASCENDING)]),
-            ]
-        )
-        # Every index is work for every write that changes its keys. Fields only some runs
-        # have (a lease, a deadline, a schedule) get partial indexes, so a run is in them only
-        # while it has the field; terminal runs enter the retention index only once they end.
-        await self.runs.create_indexes(
-            [
-                # Claim path: the reconciler finds claimable runs missing from Redis.
-                IndexModel([("status", ASCENDING), ("_id", ASCENDING)]),
-                # The reaper's scans: leases that ran out, deadlines and cancel graces passed.
-                _only_with(
-                    "lockedUntil",
-                    [("status", ASCENDING), ("lockedUntil", ASCENDING)],
-                    name="leases",
-                ),
-                _only_with(
-                    "deadline", [("status", ASCENDING), ("deadline", ASCENDING)], name="deadlines"
-                ),
-                _only_with(
-                    "cancelDeadline",
-                    [("status", ASCENDING), ("cancelDeadline", ASCENDING)],
-                    name="cancel_deadlines",
-                ),
-                _only_with("dedupeKey", [("dedupeKey", ASCENDING)], unique=True),
-                _only_with(
-                    "idempotencyKey",
-                    [("scope", ASCENDING), ("scopeId", ASCENDING), ("idempotencyKey", ASCENDING)],
-                    unique=True,
-                ),
-                _only_with(
-                    "scheduleId",
-                    [("scheduleId", ASCENDING), ("scheduledFor", ASCENDING)],
-                    unique=True,
-                ),
-                IndexModel([("scope", ASCENDING), ("scopeId", ASCENDING), ("_id", DESCENDING)]),
-                IndexModel([("templateType", ASCENDING), ("_id", DESCENDING)]),
-                # Ended runs of a template by status (its dead letters): without it a list of a
-                # rare status of one template walks every run of that status. Only ended runs,
-                # which never change status again: an entry per run, written once.
-                _only_with(
-                    "completedAt",
-                    [("templateType", ASCENDING), ("status", ASCENDING), ("_id", DESCENDING)],
-                    name="ended_by_template",
-                ),
-                _only_with(
-                    "scheduleId",
-                    [("scheduleId", ASCENDING), ("_id", DESCENDING)],
-                    name="schedule_runs",
-                ),
-                # Runs waiting for a dedupe key, oldest first.
-                _only_with("dedupeWait", [("dedupeWait", ASCENDING), ("_id", ASCENDING)]),
-                # The sweep: runs written since its last pass.
-                IndexModel([("updateAt", ASCENDING)]),
-                # Retention: terminal runs (those with `completedAt`) by age. Runs holding a
-                # spent dedupe key never move (the key must stay under the unique index); a null
-                # `dedupeKey` bound keeps the pass from even reading them.
-                _only_with(
-                    "completedAt",
-                    [("status", ASCENDING), ("dedupeKey", ASCENDING), ("updateAt", ASCENDING)],
-                    name="ended",
-                ),
-            ]
-        )
-        await self.schedules.create_indexes(
-            [
-                IndexModel([("enabled", ASCENDING), ("nextRunAt", ASCENDING)]),
-                IndexModel([("scope", ASCENDING), ("scopeId", ASCENDING), ("_id", DESCENDING)]),
-            ]
-        )
-        # The audit query pages by (createAt, _id) under at most one equality filter, and each
-        # such filter has its index, so no query scans the collection. A run's own events are
-        # found by the `jobId` one.
-        await self.events.create_indexes(
-            [
-                IndexModel([*fields, ("createAt", ASCENDING), ("_id", ASCENDING)])
-                for fields in _EVENT_FILTERS
-            ]
-        )
-        await self.api_keys.create_indexes([IndexModel([("name", ASCENDING)], unique=True)])
+        for collection, models in index_models().items():
+            await self.db[collection].create_indexes(models)
         for collection, names in _REPLACED_INDEXES.items():
             existing = await self.db[collection].index_information()
             for name in names & existing.keys():
                 with contextlib.suppress(OperationFailure):  # another process dropped it first
                     await self.db[collection].drop_index(name)
+
+    async def shard(self) -> list[str]:
+        """Shard the large collections of this database on `SHARD_KEYS` (a mongos only).
+
+        Indexes are brought up to date first: a collection with data can be sharded only once
+        each of its unique indexes starts with the shard key. Safe to run again. Returns the
+        namespaces sharded; raises `NotSharded` if the server is not a mongos.
+        """
+        hello = await self.client.admin.command("hello")
+        if hello.get("msg") != "isdbgrid":
+            raise NotSharded(
+                f"the MongoDB server is not a sharded cluster's mongos: {self.db.name} stays "
+                "unsharded"
+            )
+        await self.ensure_indexes()
+        await self.client.admin.command("enableSharding", self.db.name)
+        sharded = []
+        for collection, key in SHARD_KEYS.items():
+            # A collection with data needs the hashed index before it is sharded (MongoDB
+            # builds it itself only for an empty one).
+            await self.db[collection].create_index(key)
+            namespace = f"{self.db.name}.{collection}"
+            await self.client.admin.command("shardCollection", namespace, key=dict(key))
+            sharded.append(namespace)
+        return sharded
 
     # -- templates -----------------------------------------------------------------------------
 
@@ -566,10 +635,11 @@ class MongoStore:
         )
         return result.modified_count == 1
 
-    async def active_run_of(self, schedule_id: str) -> Run | None:
-        doc = await self.runs.find_one(
-            {"scheduleId": schedule_id, "status": {"$in": sorted(ACTIVE)}}, _NO_TRAIL
-        )
+    async def active_run_of(self, schedule: Schedule) -> Run | None:
+        # The schedule's runs carry its scope: the read goes to one shard.
+        active = {"scheduleId": schedule.id, "status": {"$in": sorted(ACTIVE)}}
+        active |= _owner(schedule.scope, schedule.scope_id)
+        doc = await self.runs.find_one(active, _NO_TRAIL)
         return _run(doc) if doc else None
 
     async def schedule_event(
@@ -708,17 +778,19 @@ class MongoStore:
         pattern = (exc.details or {}).get("keyPattern", {})
         if "dedupeKey" in pattern:
             assert new.dedupe_key is not None
-            return await self._key_held(new.dedupe_key)
+            return await self._key_held(new.dedupe_key, new.scope, new.scope_id)
         if "scheduleId" in pattern:
             fire = {"scheduleId": new.schedule_id, "scheduledFor": new.scheduled_for}
+            fire |= _owner(new.scope, new.scope_id)
             existing = await self.runs.find_one(fire, _NO_TRAIL)
             if existing is not None:
                 return DuplicateRun(_run(existing))
         # The run collided with was removed before this read; report the collision as it was.
         return exc
 
-    async def _key_held(self, key: str) -> KeyHeld:
-        holder = await self.runs.find_one({"dedupeKey": key}, _NO_TRAIL)
+    async def _key_held(self, key: str, scope: str, scope_id: str) -> KeyHeld:
+        """The run holding `key`: one of `scope` (the unique index is per scope)."""
+        holder = await self.runs.find_one({**_owner(scope, scope_id), "dedupeKey": key}, _NO_TRAIL)
         return KeyHeld(key, _run(holder) if holder else None)
 
     async def take_key(self, run: Run, actor: str) -> Moved | Lost:
@@ -730,7 +802,8 @@ class MongoStore:
         oid = object_id(run.id)
         if key is None or oid is None:
             return Lost(run.id, "status", run.status)
-        query = {"_id": oid, "status": RunStatus.PENDING, "dedupeWait": key}
+        query = {"_id": oid, **_owner(run.scope, run.scope_id)}
+        query |= {"status": RunStatus.PENDING, "dedupeWait": key}
         now = self.clock.now()
         update: Doc = {
             "$set": {"dedupeKey": key, "updateAt": now},
@@ -755,9 +828,9 @@ class MongoStore:
         try:
             written = await self._write(query, update, None, CLAIMABLE, None, events)
         except DuplicateKeyError:
-            raise await self._key_held(key) from None
+            raise await self._key_held(key, run.scope, run.scope_id) from None
         if written is None:
-            return await self._lost(run.id, None, "take_key")
+            return await self._lost(run.id, None, "take_key", _owner(run.scope, run.scope_id))
         await self._copier.hand(written[1])
         return Moved(run.id, RunStatus.PENDING, RunStatus.PENDING)
 
@@ -774,14 +847,35 @@ class MongoStore:
         cursor = await self.runs.aggregate(
             [
                 {"$match": {"dedupeWait": {"$exists": True}, "status": RunStatus.PENDING}},
-                {"$group": {"_id": "$dedupeWait"}},
+                # A key's runs are all of one scope (see `index_models`), so the holder is
+                # looked up under the unique index, which starts with the scope.
+                {
+                    "$group": {
+                        "_id": "$dedupeWait",
+                        "scope": {"$first": "$scope"},
+                        "scopeId": {"$first": "$scopeId"},
+                    }
+                },
                 {
                     "$lookup": {
                         "from": self.runs.name,
                         "localField": "_id",
                         "foreignField": "dedupeKey",
+                        "let": {"scope": "$scope", "scopeId": "$scopeId"},
                         "as": "holder",
-                        "pipeline": [{"$match": {"status": {"$nin": sorted(TERMINAL)}}}],
+                        "pipeline": [
+                            {
+                                "$match": {
+                                    "$expr": {
+                                        "$and": [
+                                            {"$eq": ["$scope", "$$scope"]},
+                                            {"$eq": ["$scopeId", "$$scopeId"]},
+                                        ]
+                                    },
+                                    "status": {"$nin": sorted(TERMINAL)},
+                                }
+                            }
+                        ],
                     }
                 },
                 {"$match": {"holder": {"$size": 0}}},
@@ -807,8 +901,10 @@ class MongoStore:
     async def events_of(self, run_id: str) -> list[Event]:
         """The run's whole trail, whether or not its events were copied to `job_events` yet
         (plus `stale_write_rejected` events, which are not a write to the run)."""
-        run = await self._find_run(run_id, {"trail": 1})
-        copied = await self.events.find({"jobId": run_id}).to_list()
+        run = await self._find_run(run_id, {"trail": 1, **_OWNER_FIELDS})
+        # A run's events carry its scope: read from its shard alone.
+        of_run = {"jobId": run_id, **(_owner(run["scope"], run["scopeId"]) if run else {})}
+        copied = await self.events.find(of_run).to_list()
         trail = {d["_id"]: d for d in [*(run or {}).get("trail", []), *copied]}
         # The run's version orders its trail: MongoDB serialized the writes that made it, while
         # clocks of two processes (or two writes in one millisecond) cannot.
@@ -950,11 +1046,13 @@ class MongoStore:
         docs = await self.runs.find(archivable(before)).limit(limit).to_list()
         if not docs:
             return 0
+        # Both by shard key too: a sharded cluster refuses an upsert without it, and sends
+        # the delete only to the shards of the runs' scopes.
         await self.archive.bulk_write(
-            [ReplaceOne({"_id": d["_id"]}, d, upsert=True) for d in docs], ordered=False
+            [ReplaceOne(_run_key(d), d, upsert=True) for d in docs], ordered=False
         )
         moved = await self.runs.delete_many(
-            {"$or": [{"_id": d["_id"], "version": d["version"]} for d in docs]}
+            {"$or": [{**_run_key(d), "version": d["version"]} for d in docs]}
         )
         return moved.deleted_count
 
@@ -973,12 +1071,24 @@ class MongoStore:
 
     # -- transitions without a lease -----------------------------------------------------------
 
-    async def enqueue(self, run_id: str, actor: str) -> Moved | Lost:
+    async def enqueue(
+        self, run_id: str, actor: str, scope: tuple[str, str] | None = None
+    ) -> Moved | Lost:
         """pending → queued: a run that took the dedupe key it waited for, or one the
-        reconciler found `pending` (its process died before it could queue it)."""
-        return await self._transition("enqueue", run_id, actor, extra=_NOT_WAITING)
+        reconciler found `pending` (its process died before it could queue it).
 
-    async def cancel(self, run_id: str, actor: str, reason: str | None) -> Moved | Lost:
+        Here and in the other writes by run id, `scope` is the run's scope, when the caller
+        knows it: the write then goes to the run's shard alone (see `SHARD_KEYS`).
+        """
+        return await self._transition("enqueue", run_id, actor, extra=_NOT_WAITING, scope=scope)
+
+    async def cancel(
+        self,
+        run_id: str,
+        actor: str,
+        reason: str | None,
+        scope: tuple[str, str] | None = None,
+    ) -> Moved | Lost:
         """A run no worker holds yet ends at once; its pending steps are skipped."""
         now = self.clock.now()
         return await self._transition(
@@ -995,10 +1105,16 @@ class MongoStore:
             unset=["dedupeKey", "dedupeWait"],
             array_filters=[_UNDONE_STEP],
             message=reason,
+            scope=scope,
         )
 
     async def request_cancel(
-        self, run_id: str, actor: str, reason: str | None, grace_seconds: float = 30
+        self,
+        run_id: str,
+        actor: str,
+        reason: str | None,
+        grace_seconds: float = 30,
+        scope: tuple[str, str] | None = None,
     ) -> Moved | Lost:
         """Ask the worker holding the run to stop; it converges via `acknowledge_cancel`, or
         the reaper overrules it once `grace_seconds` have passed (`cancel_timeout`)."""
@@ -1015,6 +1131,7 @@ class MongoStore:
             },
             also=[("cancel_requested", reason, {})],
             message=reason,
+            scope=scope,
         )
 
     async def claim(
@@ -1022,9 +1139,11 @@ class MongoStore:
     ) -> list[tuple[Run, Lease]]:
         """Lease every claimable run among `run_ids` to `worker_id` under a fresh token.
 
-        One conditional `update_many` and one read-back take the leases (one
-        `find_one_and_update` for a single id); ids whose runs are no longer claimable
-        (cancelled, claimed by another worker, not yet due) are not returned.
+        One conditional `update_many` and one read-back take the leases; ids whose runs are no
+        longer claimable (cancelled, claimed by another worker, not yet due) are not returned.
+        Ids popped from Redis come without their runs' scopes, so on a sharded cluster both go
+        to every shard: a `find_one_and_update` would need the shard key (MongoDB 6.0), while
+        a multi-document update and a read may go by `_id` alone.
         """
         oids = [oid for oid in map(object_id, run_ids) if oid]
         if not oids:
@@ -1094,28 +1213,17 @@ class MongoStore:
                 }
             }
         ]
-        if len(oids) == 1:
-            # One run (an idle worker woken for it): one round trip, which returns the run with
-            # just the last event of its trail, the one this claim appended.
-            doc = await self.runs.find_one_and_update(
-                claimable,
-                take,
-                {"trail": {"$slice": -1}},
-                return_document=ReturnDocument.AFTER,
-            )
-            docs = [doc] if doc is not None else []
-        else:
-            await self.runs.update_many(claimable, take)
-            # The runs this token won, each with only this claim's event of its trail: the rest
-            # is not the worker's to copy.
-            mine = {"$in": ["$$this._id", {"$literal": event_ids}]}
-            cursor = await self.runs.aggregate(
-                [
-                    {"$match": {"_id": {"$in": oids}, "lockedBy": worker_id, "leaseToken": token}},
-                    {"$set": {"trail": {"$filter": {"input": "$trail", "cond": mine}}}},
-                ]
-            )
-            docs = await cursor.to_list()
+        await self.runs.update_many(claimable, take)
+        # The runs this token won, each with only this claim's event of its trail: the rest is
+        # not the worker's to copy.
+        mine = {"$in": ["$$this._id", {"$literal": event_ids}]}
+        cursor = await self.runs.aggregate(
+            [
+                {"$match": {"_id": {"$in": oids}, "lockedBy": worker_id, "leaseToken": token}},
+                {"$set": {"trail": {"$filter": {"input": "$trail", "cond": mine}}}},
+            ]
+        )
+        docs = await cursor.to_list()
         claimed: list[tuple[Run, Lease]] = []
         for doc in docs:
             run = _run(doc)
@@ -1165,6 +1273,7 @@ class MongoStore:
             unset=[*_LEASE_FIELDS, "dedupeKey"],
             array_filters=[_RUNNING_STEP, _UNDONE_STEP],
             message=error.message,
+            scope=(run.scope, run.scope_id),
         )
 
     async def time_out_cancel(self, run: Run) -> Moved | Lost:
@@ -1185,6 +1294,7 @@ class MongoStore:
             array_filters=[_RUNNING_STEP, _UNDONE_STEP],
             message=f"cancel not acknowledged within {run.cancel_grace_seconds}s",
             also=[("cancel_timeout", None, {"graceSeconds": run.cancel_grace_seconds})],
+            scope=(run.scope, run.scope_id),
         )
 
     async def reap(self, run: Run) -> Moved | Lost:
@@ -1222,6 +1332,7 @@ class MongoStore:
                 unset=[*_LEASE_FIELDS, "dedupeKey"],
                 array_filters=running,
                 also=[lease_event],
+                scope=(run.scope, run.scope_id),
             )
         if run.attempt < run.max_attempts:
             return await self._transition(
@@ -1233,6 +1344,7 @@ class MongoStore:
                 unset=list(_LEASE_FIELDS),
                 array_filters=running,
                 also=[lease_event],
+                scope=(run.scope, run.scope_id),
             )
         return await self._transition(
             "reap_expire",
@@ -1243,6 +1355,7 @@ class MongoStore:
             unset=[*_LEASE_FIELDS, "dedupeKey"],
             array_filters=running,
             also=[lease_event],
+            scope=(run.scope, run.scope_id),
         )
 
     # -- worker writes: fenced by lockedBy + leaseToken ----------------------------------------
@@ -1256,16 +1369,27 @@ class MongoStore:
         each held lease's `known` state current. Only the worker can tell a lease lost from a
         run it finished meanwhile, so nothing is recorded.
         """
-        by_token: dict[str, list[ObjectId]] = {}
+        # Grouped by token and by scope where the lease knows it: on a sharded cluster each
+        # group goes only to the shard of its scope.
+        groups: dict[tuple[str, str | None, str | None], list[ObjectId]] = {}
         for lease in leases:
-            by_token.setdefault(lease.token, []).append(ObjectId(lease.run_id))
-        if not by_token:
+            known = lease.known
+            group = (lease.token, *((known.scope, known.scope_id) if known else (None, None)))
+            groups.setdefault(group, []).append(ObjectId(lease.run_id))
+        if not groups:
             return set(), set()
         now = self.clock.now()
         held_filter = {
             "lockedBy": worker_id,
             "status": {"$in": sorted(LEASED)},
-            "$or": [{"leaseToken": t, "_id": {"$in": ids}} for t, ids in by_token.items()],
+            "$or": [
+                {
+                    "leaseToken": token,
+                    **(_owner(scope, scope_id) if scope and scope_id else {}),
+                    "_id": {"$in": ids},
+                }
+                for (token, scope, scope_id), ids in groups.items()
+            ],
         }
         until = now + timedelta(seconds=lease_seconds)
         await self.runs.update_many(
@@ -1475,7 +1599,7 @@ class MongoStore:
         """
         waiting = {"status": RunStatus.WAITING_WORKER, "externalType": worker_type}
         for _ in range(5):
-            doc = await self.runs.find_one(waiting, {"_id": 1}, sort=[("_id", 1)])
+            doc = await self.runs.find_one(waiting, _OWNER_FIELDS, sort=[("_id", 1)])
             if doc is None:
                 return None
             now = self.clock.now()
@@ -1494,6 +1618,7 @@ class MongoStore:
                     "heartbeatAt": now,
                 },
                 unset=["externalType"],
+                scope=(doc["scope"], doc["scopeId"]),
             )
             if isinstance(moved, Moved):
                 run = await self.get_run(lease.run_id)
@@ -1518,15 +1643,20 @@ class MongoStore:
         before: Sequence[tuple[str, str | None, Doc]] = (),
         also: Sequence[tuple[str, str | None, Doc]] = (),
         message: str | None = None,
+        scope: tuple[str, str] | None = None,
     ) -> Moved | Lost:
         """Apply the named transition as one conditional write, then record its events.
 
         `before` events are written ahead of the `status_changed` event, `also` after it.
+        `scope` is the run's (the lease's known state has it too): given, even the read of a
+        run's state goes to its one shard.
         """
         t = TRANSITIONS[name]
         if object_id(run_id) is None:
             return Lost(run_id, "missing")
         query: Doc = {"_id": ObjectId(run_id), "status": {"$in": sorted(t.sources)}}
+        owner = _known_owner(lease, scope)
+        query |= owner
         if t.fenced:
             assert lease is not None, f"{name} is a worker write and needs a lease"
             query |= {"lockedBy": lease.worker_id, "leaseToken": lease.token}
@@ -1568,7 +1698,7 @@ class MongoStore:
         if written is None:
             # Only a fenced write can come from a superseded lease: a lease offered to an
             # unfenced move (an external worker's `resume` that lost the race) was never granted.
-            return await self._lost(run_id, lease if t.fenced else None, name)
+            return await self._lost(run_id, lease if t.fenced else None, name, owner)
         state, trail = written
         if lease is not None:
             lease.known = Known(t.target, state.version + 1, state.scope, state.scope_id)
@@ -1585,8 +1715,10 @@ class MongoStore:
     ) -> Lost | None:
         """A worker write that changes no status, allowed while the lease is held."""
         oid = ObjectId(lease.run_id)
+        owner = _known_owner(lease, None)
         query = {
             "_id": oid,
+            **owner,
             "status": {"$in": sorted(LEASED)},
             "lockedBy": lease.worker_id,
             "leaseToken": lease.token,
@@ -1597,7 +1729,7 @@ class MongoStore:
             # Without events the write names no state it moves the run from, so the lease is
             # its whole condition: a heartbeat that moved the version cannot make it miss.
             if not await self._updates.submit(_Update(query, update)):
-                return await self._lost(lease.run_id, lease, what)
+                return await self._lost(lease.run_id, lease, what, owner)
             if lease.known is not None:
                 # Exact unless another write landed meanwhile; then the next write that needs
                 # the version misses once and reads it.
@@ -1622,7 +1754,7 @@ class MongoStore:
 
         written = await self._write(query, update, lease.known, LEASED, None, trail)
         if written is None:
-            return await self._lost(lease.run_id, lease, what)
+            return await self._lost(lease.run_id, lease, what, owner)
         state, recorded = written
         lease.known = Known(state.status, state.version + 1, state.scope, state.scope_id)
         await self._copier.hand(recorded)
@@ -1684,10 +1816,10 @@ class MongoStore:
         firsts = [u.first_event for u in updates]
         applied: set[ObjectId] = set()
         if events := [f for f in firsts if f is not None]:
-            ids = [u.query["_id"] for u, f in zip(updates, firsts, strict=True) if f is not None]
+            runs = [_identity(u.query) for u, f in zip(updates, firsts, strict=True) if f]
             cursor = await self.runs.aggregate(
                 [
-                    {"$match": {"_id": {"$in": ids}}},
+                    {"$match": {"$or": runs}},
                     {
                         "$project": {
                             "hit": {"$setIntersection": ["$trail._id", {"$literal": events}]}
@@ -1707,12 +1839,17 @@ class MongoStore:
 
     async def lease_lost(self, lease: Lease, what: str) -> Lost:
         """Record why `lease` no longer holds its run (for a loss the worker found itself)."""
-        return await self._lost(lease.run_id, lease, what)
+        return await self._lost(lease.run_id, lease, what, _known_owner(lease, None))
 
-    async def _lost(self, run_id: str, lease: Lease | None, what: str) -> Lost:
-        """Say why a write matched nothing; a superseded lease is put on the record."""
+    async def _lost(
+        self, run_id: str, lease: Lease | None, what: str, owner: Doc | None = None
+    ) -> Lost:
+        """Say why a write matched nothing; a superseded lease is put on the record. `owner`
+        is the run's scope, if the caller knows it."""
         oid = object_id(run_id)
-        doc = await self.runs.find_one({"_id": oid}, _STATE_FIELDS) if oid else None
+        if oid is None:
+            return Lost(run_id, "missing")
+        doc = await self.runs.find_one({"_id": oid, **(owner or {})}, _STATE_FIELDS)
         if doc is None:
             return Lost(run_id, "missing")
         status = RunStatus(doc["status"])
@@ -1736,7 +1873,36 @@ class MongoStore:
         return Lost(run_id, "status", status)
 
 
+async def shard_database(url: str, db_name: str) -> list[str]:
+    """`MongoStore.shard` for `jobplane db shard`: connects, shards, closes."""
+    store = MongoStore.connect(url, db_name)
+    try:
+        return await store.shard()
+    finally:
+        await store.close()
+
+
 # -- conversion to and from BSON: here and nowhere else ------------------------------------------
+
+
+def _known_owner(lease: Lease | None, scope: tuple[str, str] | None) -> Doc:
+    """The shard key filter of a run, from `scope` or the lease's known state; empty if
+    neither is known (then the write goes by `_id` alone, which MongoDB allows)."""
+    if scope is not None:
+        return _owner(*scope)
+    if lease is not None and lease.known is not None:
+        return lease.known.owner
+    return {}
+
+
+def _run_key(doc: Doc) -> Doc:
+    """A stored run's `_id` and shard key."""
+    return {"_id": doc["_id"], **_owner(doc["scope"], doc["scopeId"])}
+
+
+def _identity(query: Doc) -> Doc:
+    """What names one run in an update's filter: its `_id` and, when there, its shard key."""
+    return {k: query[k] for k in ("_id", "scope", "scopeId") if k in query}
 
 
 def _only_with(field: str, keys: list[tuple[str, int]], **options: Any) -> IndexModel:

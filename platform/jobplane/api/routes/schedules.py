@@ -73,8 +73,8 @@ async def change(
     caller: ScheduleWriter,
     changes: Annotated[dict[str, Any], Body()],
 ) -> Schedule:
-    """Change any field of the schedule (camelCase, as at create); `nextRunAt` is computed
-    again from now. Scope changes must stay within the caller's scopes."""
+    """Change any field of the schedule (camelCase, as at create) but its scope (422: one run
+    per fire time is kept within a scope); `nextRunAt` is computed again from now."""
     service = _service(request)
     caller.sees_schedule(await service.get(schedule_id))
     if "scope" in changes or "scopeId" in changes:

@@ -1,0 +1,280 @@
+"""jobplane on a sharded cluster, proven as far as a replica set can prove it.
+
+mongos does not run here, so these tests check what a sharded cluster would refuse or scatter:
+every unique index of a sharded collection starts with its shard key (else MongoDB could not
+enforce it across shards), and every write the platform sends to one run names the run's shard
+key (a `findAndModify` must; an `update` or `delete` of one document by `_id` alone is allowed but
+goes to every shard). Earlier deployments' unique indexes are replaced with no guarantee lost.
+"""
+
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime, timedelta
+from typing import Any
+
+import pytest
+from bson import ObjectId
+from pymongo import AsyncMongoClient
+from pymongo.monitoring import CommandFailedEvent, CommandListener, CommandStartedEvent
+from pymongo.monitoring import CommandSucceededEvent as Succeeded
+
+from jobplane.clock import ManualClock
+from jobplane.model import RunError, RunStatus
+from jobplane.queue.redis import RedisQueue
+from jobplane.runs import RunRequest, RunService
+from jobplane.scheduler import Scheduler
+from jobplane.settings import Settings
+from jobplane.store import DuplicateRun, KeyHeld, Lease, Lost, MongoStore, NewRun
+from jobplane.store.mongo import SHARD_KEYS, index_models
+from tests.integration.conftest import Register, template_spec
+
+Doc = dict[str, Any]
+
+STEPS = [{"id": "first", "handler": "builtin.noop"}, {"id": "second", "handler": "builtin.noop"}]
+LEASE = 30.0
+
+
+def shard_fields(collection: str) -> list[str]:
+    return [name for name, _ in SHARD_KEYS[collection]]
+
+
+def test_every_unique_index_of_a_sharded_collection_starts_with_its_shard_key() -> None:
+    models = index_models()
+    assert set(SHARD_KEYS) == {"job_runs", "job_events", "job_runs_archive"}
+    unique = 0
+    for collection in SHARD_KEYS:
+        for model in models.get(collection, []):
+            doc = model.document
+            if doc.get("unique"):
+                unique += 1
+                fields = list(doc["key"])
+                prefix = shard_fields(collection)
+                assert fields[: len(prefix)] == prefix, f"{collection} {doc['name']}"
+    assert unique == 3  # dedupe, idempotency, one run per fire time
+
+
+async def test_the_indexes_made_follow_the_shard_keys(store: MongoStore) -> None:
+    """What `ensure_indexes` leaves in a database, not only what it asks for."""
+    for collection in SHARD_KEYS:
+        indexes = await store.db[collection].index_information()
+        for name, index in indexes.items():
+            if index.get("unique") and name != "_id_":
+                fields = [field for field, _ in index["key"]]
+                prefix = shard_fields(collection)
+                assert fields[: len(prefix)] == prefix, f"{collection} {name}"
+
+
+# -- the commands the store sends ----------------------------------------------------------------
+
+
+class Commands(CommandListener):
+    """Every command a client starts."""
+
+    def __init__(self) -> None:
+        self.sent: list[CommandStartedEvent] = []
+
+    def started(self, event: CommandStartedEvent) -> None:
+        self.sent.append(event)
+
+    def succeeded(self, event: Succeeded) -> None:
+        pass
+
+    def failed(self, event: CommandFailedEvent) -> None:
+        pass
+
+
+def targeted(query: Doc, fields: list[str]) -> bool:
+    """The query names one value of each shard key field, itself or in each of its `$or`s."""
+    if all(isinstance(query.get(f), str) for f in fields):
+        return True
+    branches = query.get("$or")
+    return bool(branches) and all(targeted(b, fields) for b in branches)
+
+
+def is_claim(update: Any) -> bool:
+    """The claim's pipeline update: the one write a worker makes with run ids alone."""
+    return isinstance(update, list) and "leaseToken" in update[0]["$set"]
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock(datetime(2026, 3, 7, tzinfo=UTC))
+
+
+@pytest.fixture
+async def watched(
+    mongo_url: str, db_name: str, clock: ManualClock
+) -> AsyncIterator[tuple[MongoStore, Commands]]:
+    """A store on a client of its own, whose commands are recorded."""
+    commands = Commands()
+    client: AsyncMongoClient[Doc] = AsyncMongoClient(
+        mongo_url, tz_aware=True, event_listeners=[commands]
+    )
+    store = MongoStore(client, db_name, clock=clock)
+    await store.ensure_indexes()
+    try:
+        yield store, commands
+    finally:
+        await store.close()
+
+
+async def test_every_write_to_a_run_names_its_shard_key(
+    watched: tuple[MongoStore, Commands],
+    queue: RedisQueue,
+    settings: Settings,
+    clock: ManualClock,
+) -> None:
+    """A run's life as the services live it (create, claim one and many, heartbeat, steps,
+    progress, complete, fail, retry, release, cancel either way, a dedupe key handed on, the
+    reaper, a stale write, retention): each write to a sharded collection names the shard key,
+    except the claim, whose run ids come from Redis alone and which is a multi-document
+    update, allowed by `_id` alone (listed in docs/operations.md as scatter-gather)."""
+    store, commands = watched
+    plain, _ = await store.register_template(
+        template_spec("t_plain", steps=STEPS, retryPolicy={"maxAttempts": 2})
+    )
+    timed, _ = await store.register_template(template_spec("t_timed", timeoutSeconds=20))
+    keyed, _ = await store.register_template(
+        template_spec("t_keyed", concurrencyPolicy="queue_same_scope")
+    )
+    service = RunService(store, queue)
+
+    async def create(template: str = plain.type, scope_id: str = "u1") -> str:
+        run, _ = await service.create(RunRequest(template, "user", scope_id), "user:a")
+        return run.id
+
+    async def claim(*run_ids: str) -> list[Lease]:
+        claimed = {run.id: lease for run, lease in await store.claim(list(run_ids), "w1", LEASE)}
+        assert claimed.keys() == set(run_ids)
+        return [claimed[run_id] for run_id in run_ids]
+
+    commands.sent.clear()
+    done, failed, retried, released = [await create(scope_id=f"u{i}") for i in range(4)]
+    [lease] = await claim(done)
+    await store.heartbeat("w1", [lease], LEASE)
+    await store.start_step(lease, 0, "first")
+    await store.report_progress(lease, 0, 50, 25, "half way")
+    await store.finish_step(lease, 0, "first", {"ok": True}, 50)
+    assert not isinstance(await store.complete(lease, 1, "second", None, None, clock.now()), Lost)
+    leases = await claim(failed, retried, released)
+    await store.heartbeat("w1", leases, LEASE)
+    error = RunError(code="boom", message="boom", step="first", attempt=1)
+    await store.fail(leases[0], 0, error)
+    await store.retry(leases[1], 0, error, clock.now())
+    await store.release(leases[2])
+
+    waiting, requested = await create(), await create()
+    await service.cancel(waiting, "user:a", "not needed")
+    [held] = await claim(requested)
+    await service.cancel(requested, "user:a", "stop")
+    await store.heartbeat("w1", [held], LEASE)
+    await store.acknowledge_cancel(held, interrupted=True)
+
+    first, second = await create(keyed.type), await create(keyed.type)
+    assert (await service.get(second)).status == RunStatus.PENDING
+    [key_lease] = await claim(first)
+    await store.complete(key_lease, 0, "only", None, None)
+    await service.admit_next((await service.get(second)).dedupe_wait or "", "worker:w1")
+    assert (await service.get(second)).status == RunStatus.QUEUED
+
+    lost, slow, late = await create(), await create(), await create(timed.type)
+    [lost_lease, *_] = await claim(lost, slow, late)
+    await service.cancel(slow, "user:a", "stop")
+    scheduler = Scheduler(store, queue, settings, clock)
+    clock.advance(LEASE - 1)  # past the deadline, within the lease
+    assert await scheduler.reap() == 1
+    clock.advance(LEASE * 2)  # past the lease and the cancel's grace
+    assert await scheduler.reap() == 2
+    assert isinstance(await store.finish_step(lost_lease, 0, "first", None, 50), Lost)
+    outcomes = [(await service.get(r)).status for r in (lost, slow, late)]
+    assert outcomes == [RunStatus.QUEUED, RunStatus.CANCELLED, RunStatus.EXPIRED]
+
+    clock.advance(timedelta(days=settings.run_retention_days + 1).total_seconds())
+    assert await store.archive_runs(clock.now(), 100) > 0
+    await store.flush()
+
+    seen: dict[str, int] = {}
+    for event in commands.sent:
+        name = event.command_name
+        command = event.command
+        collection = command.get(name)
+        if collection not in SHARD_KEYS:
+            continue
+        fields = shard_fields(collection)
+        if name == "insert":
+            for doc in command["documents"]:
+                assert all(isinstance(doc.get(f), str) for f in fields), doc
+        elif name == "findAndModify":
+            assert targeted(command["query"], fields), command["query"]
+        elif name == "update":
+            for statement in command["updates"]:
+                query, multi = statement["q"], statement.get("multi", False)
+                if targeted(query, fields):
+                    kind = "targeted"
+                else:
+                    # What MongoDB 6.0 allows without the shard key, all of it the claim's.
+                    assert not statement.get("upsert"), statement
+                    assert multi or isinstance(query.get("_id"), ObjectId), statement
+                    assert is_claim(statement["u"]), statement
+                    kind = "claim"
+                key = f"update {collection} {kind}"
+                seen[key] = seen.get(key, 0) + 1
+        elif name == "delete":
+            for statement in command["deletes"]:
+                assert targeted(statement["q"], fields), statement
+                seen[f"delete {collection}"] = seen.get(f"delete {collection}", 0) + 1
+    # The life above made each kind of write at least once.
+    assert seen.keys() >= {
+        "update job_runs targeted",
+        "update job_runs claim",
+        "update job_runs_archive targeted",
+        "delete job_runs",
+    }, seen
+
+
+# -- indexes of earlier versions -----------------------------------------------------------------
+
+OLD_UNIQUE = {
+    "dedupeKey_1": ("dedupeKey", [("dedupeKey", 1)]),
+    "scheduleId_1_scheduledFor_1": ("scheduleId", [("scheduleId", 1), ("scheduledFor", 1)]),
+}
+NEW_UNIQUE = {
+    "scope_1_scopeId_1_dedupeKey_1": "dedupeKey",
+    "scope_1_scopeId_1_scheduleId_1_scheduledFor_1": "scheduleId",
+}
+
+
+async def test_unique_indexes_of_an_unsharded_deployment_are_replaced(
+    store: MongoStore, register: Register, mongos: bool
+) -> None:
+    """A deployment of an earlier version has unique indexes that do not start with the shard
+    key: starting up creates the new ones first, then drops the old, and dedupe and one run
+    per fire time still hold."""
+    if mongos:
+        pytest.skip("such indexes cannot exist on a sharded collection")
+    for name in NEW_UNIQUE:
+        await store.runs.drop_index(name)
+    for name, (field, keys) in OLD_UNIQUE.items():
+        partial = {field: {"$exists": True}}
+        made = await store.runs.create_index(keys, unique=True, partialFilterExpression=partial)
+        assert made == name
+    template = await register("t_keyed", concurrencyPolicy="reject_same_scope")
+    holder = await store.insert_run(NewRun(template, "user", "u1", dedupe_key="k1"), "user:a")
+    fire = datetime(2026, 3, 7, 2, 30, tzinfo=UTC)
+    schedule_id = str(ObjectId())
+    fired = NewRun(template, "user", "u1", schedule_id=schedule_id, scheduled_for=fire)
+    first_fire = await store.insert_run(fired, "scheduler")
+
+    await store.ensure_indexes()
+    await store.ensure_indexes()
+
+    indexes = await store.runs.index_information()
+    assert not OLD_UNIQUE.keys() & indexes.keys()
+    for name, field in NEW_UNIQUE.items():
+        assert indexes[name]["unique"]
+        assert indexes[name]["partialFilterExpression"] == {field: {"$exists": True}}
+    with pytest.raises(KeyHeld) as held:
+        await store.insert_run(NewRun(template, "user", "u1", dedupe_key="k1"), "user:a")
+    assert held.value.holder is not None and held.value.holder.id == holder.id
+    with pytest.raises(DuplicateRun) as duplicate:
+        await store.insert_run(fired, "scheduler")
+    assert duplicate.value.run.id == first_fire.id
