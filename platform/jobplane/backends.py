@@ -1,5 +1,7 @@
 """Opening MongoDB and Redis from settings, the same way for every process."""
 
+import asyncio
+import contextlib
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -7,6 +9,7 @@ from dataclasses import dataclass
 from redis.asyncio import Redis
 
 from jobplane.clock import Clock
+from jobplane.process import unless_stopped
 from jobplane.queue.keys import Keys
 from jobplane.queue.redis import RedisQueue
 from jobplane.settings import Settings
@@ -20,15 +23,37 @@ class Backends:
 
 
 @asynccontextmanager
-async def open_backends(settings: Settings, clock: Clock | None = None) -> AsyncIterator[Backends]:
-    """Connect to both and make sure the indexes exist; close both on exit."""
+async def open_backends(
+    settings: Settings, clock: Clock | None = None, stop: asyncio.Event | None = None
+) -> AsyncIterator[Backends]:
+    """Connect to both and make sure the indexes exist; close both on exit, within
+    `settings.close_seconds` however the engines answer.
+
+    With `stop`, a stop during start-up (MongoDB may not answer yet) raises `Stopped`.
+    """
     if not settings.mongodb_url or not settings.redis_url:
         raise RuntimeError("JOBPLANE_MONGODB_URL and JOBPLANE_REDIS_URL must be set")
-    store = MongoStore.connect(settings.mongodb_url, settings.db, settings.write_concern, clock)
-    redis = Redis.from_url(settings.redis_url, health_check_interval=30)
+    store = MongoStore.connect(
+        settings.mongodb_url,
+        settings.db,
+        settings.write_concern,
+        clock,
+        connect_timeout_seconds=settings.connect_timeout_seconds,
+    )
+    redis = Redis.from_url(
+        settings.redis_url,
+        health_check_interval=30,
+        socket_connect_timeout=settings.connect_timeout_seconds,
+        # A blocking pop waits up to `poll_seconds` for its reply by design.
+        socket_timeout=settings.poll_seconds + settings.connect_timeout_seconds,
+    )
     try:
-        await store.ensure_indexes()
+        indexed = store.ensure_indexes()
+        await (indexed if stop is None else unless_stopped(indexed, stop))
         yield Backends(store, RedisQueue(redis, Keys(settings.redis_prefix)))
     finally:
-        await redis.aclose()
-        await store.close()
+        closing = asyncio.get_running_loop().time() + settings.close_seconds
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout_at(closing):
+                await redis.aclose()
+        await store.close(closing - asyncio.get_running_loop().time())
