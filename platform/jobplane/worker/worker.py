@@ -145,7 +145,6 @@ class Worker:
             self._closing.set()
             for held in list(self.held.values()):
                 held.interrupt("shutdown")  # each run then releases itself
-            closing = asyncio.get_running_loop().time() + self.settings.close_seconds
             ending = [*self._tasks(), *loops]
             _, late = await asyncio.wait(ending, timeout=self.settings.close_seconds)
             if late:
@@ -154,11 +153,10 @@ class Worker:
                     task.cancel()
                 await asyncio.wait(late, timeout=CANCEL_SECONDS)
             self._threads.shutdown(wait=False)
-            # Gone at once from the live workers, rather than when the key's TTL runs out.
+            # Gone at once from the live workers, rather than when the key's TTL runs out; a
+            # courtesy, so a Redis that does not answer gets a second for it.
             with contextlib.suppress(Exception):
-                async with asyncio.timeout_at(
-                    max(closing, asyncio.get_running_loop().time() + CANCEL_SECONDS)
-                ):
+                async with asyncio.timeout(CANCEL_SECONDS):
                     await self.queue.redis.delete(self.queue.keys.worker(self.id))
         log.info("worker %s stopped", self.id)
 
