@@ -6,7 +6,8 @@ import json
 import logging
 import os
 import signal
-from collections.abc import Coroutine, Generator, Mapping
+import threading
+from collections.abc import Awaitable, Coroutine, Generator, Mapping
 from contextlib import contextmanager
 from contextvars import ContextVar
 from datetime import UTC, datetime
@@ -17,6 +18,14 @@ import uvicorn
 
 LogFormat = Literal["json", "text"]
 T = TypeVar("T")
+
+log = logging.getLogger("jobplane")
+
+# How long a cancelled task is waited for: one whose cancel a driver absorbs is left behind.
+CANCEL_SECONDS = 1.0
+# What a stopping process may take beyond its drain and its two close budgets (see
+# `stop_on_signals`): cancelled tasks unwinding, the event loop closing, the interpreter exiting.
+EXIT_SLACK_SECONDS = 5.0
 
 # What a log line says about the work it comes from, when the code that logs knows it.
 LOG_FIELDS = ("run_id", "step", "worker_id", "lease_token")
@@ -50,21 +59,76 @@ def run(main: Coroutine[Any, Any, T]) -> T:
     return uvloop.run(main)
 
 
-def stop_on_signals(stop: asyncio.Event) -> None:
+def stop_on_signals(stop: asyncio.Event, within: float | None = None) -> None:
     """SIGTERM or SIGINT asks for a graceful stop; a second one exits at once.
+
+    With `within`, a process still running that many seconds (plus EXIT_SLACK_SECONDS) after
+    the first signal exits then, with code 1. Its own bounds should have ended it long before;
+    this one also holds when something unforeseen waits (a step's thread that never returns
+    keeps the interpreter from exiting). A timer thread, so it fires even after the loop ended.
 
     After a hard exit, leases held by a worker simply expire and the reaper recovers them.
     """
 
     def handle(signum: int) -> None:
         if stop.is_set():
-            logging.getLogger("jobplane").warning("second signal: exiting now")
+            log.warning("second signal: exiting now")
             os._exit(128 + signum)
         stop.set()
+        if within is not None:
+            timer = threading.Timer(within + EXIT_SLACK_SECONDS, _overdue, (within,))
+            timer.daemon = True
+            timer.start()
 
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(signum, handle, signum)
+
+
+def _overdue(within: float) -> None:
+    log.error("still stopping %.0f s after the signal: exiting now", within + EXIT_SLACK_SECONDS)
+    logging.shutdown()  # the line above is the last word: make sure it is written
+    os._exit(1)
+
+
+class Stopped(Exception):
+    """The process was asked to stop before it had started."""
+
+
+async def unless_stopped(work: Awaitable[T], stop: asyncio.Event) -> T:
+    """`work`'s result, or `Stopped` once `stop` is set first (`work` is then cancelled).
+
+    Start-up waits for an engine that does not answer yet (PyMongo's server selection, 30 s);
+    a signal must not have to wait for it too.
+    """
+    task = asyncio.ensure_future(work)
+    stopped = asyncio.ensure_future(stop.wait())
+    try:
+        await asyncio.wait([task, stopped], return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        stopped.cancel()
+        if not task.done():
+            task.cancel()
+    if not task.done():
+        await asyncio.wait([task], timeout=CANCEL_SECONDS)
+        raise Stopped
+    return task.result()
+
+
+async def finish_within(task: asyncio.Future[Any], seconds: float, what: str) -> bool:
+    """Give `task` up to `seconds` to end by itself, then cancel it: True if it ended by itself.
+
+    For the last steps of a stop, whose engine may not answer. The cancel is waited for only
+    briefly: one landing inside a driver's network call can be absorbed there, and the
+    process must not wait on it.
+    """
+    done, _ = await asyncio.wait([task], timeout=max(0.0, seconds))
+    if done:
+        return True
+    log.warning("%s did not end within %.1f s: cancelled", what, seconds)
+    task.cancel()
+    await asyncio.wait([task], timeout=CANCEL_SECONDS)
+    return False
 
 
 @contextmanager
@@ -153,6 +217,8 @@ class HTTPServer(uvicorn.Server):
 
 
 async def serve_http(server: HTTPServer, stop: asyncio.Event) -> None:
+    """Serve until `stop`; uvicorn then waits for requests in flight up to the config's
+    `timeout_graceful_shutdown` (its default waits for ever) and cancels the rest."""
     task = asyncio.create_task(server.serve())
     await asyncio.wait([task, asyncio.create_task(stop.wait())], return_when="FIRST_COMPLETED")
     server.should_exit = True

@@ -35,6 +35,14 @@ class Settings(BaseSettings):
     redis_prefix: str = ""
     # "majority" keeps an acknowledged write through a failover; "1" trades that for speed.
     write_concern: str = "majority"
+    # How long opening a connection to MongoDB or Redis may take, and a Redis reply (beyond a
+    # blocking pop's own wait): a server that stopped answering fails a call instead of
+    # holding it. MongoDB's server selection keeps its 30 s, long enough to ride out an election.
+    connect_timeout_seconds: Annotated[float, Field(gt=0)] = 5
+    # A stopping process gives its last writes (leases released, the scheduler lock let go,
+    # requests in flight) this long after its drain, and as long again to copy its events and
+    # close its connections; an engine that does not answer is given up on (docs/operations.md).
+    close_seconds: Annotated[float, Field(gt=0)] = 5
     admin_key: str | None = None
     # A run's payload, as compact JSON, may not be larger (413 `PayloadTooLarge`).
     max_payload_bytes: Annotated[int, Field(ge=1)] = 256 * 1024

@@ -4,7 +4,10 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from pathlib import Path
+
+import pytest
 
 from jobplane.settings import Settings
 
@@ -42,3 +45,39 @@ def terminate(proc: subprocess.Popen[bytes], timeout: float = 30) -> int:
         except subprocess.TimeoutExpired:
             proc.kill()
     return proc.wait()
+
+
+def handles_sigterm(pid: int) -> bool:
+    """Whether the process has its SIGTERM handler installed (its event loop is up): before
+    that, a SIGTERM kills it outright and tells nothing about its shutdown."""
+    try:
+        status = Path(f"/proc/{pid}/status").read_text()
+    except OSError:
+        return False
+    caught = next(line for line in status.splitlines() if line.startswith("SigCgt:"))
+    return bool(int(caught.split()[1], 16) & (1 << (signal.SIGTERM - 1)))
+
+
+def stop_within(
+    proc: subprocess.Popen[bytes], bound: float, log: Path, after: float = 0
+) -> tuple[int, float]:
+    """SIGTERM `after` seconds past the moment the process handles it; returns its exit code
+    and the seconds it took to exit. Fails the test (after a SIGKILL) when it is still running
+    `bound` seconds after the signal."""
+    deadline = time.monotonic() + 60
+    while not handles_sigterm(proc.pid):
+        if proc.poll() is not None:
+            pytest.fail(f"exited with {proc.returncode} before the signal:\n{log.read_text()}")
+        if time.monotonic() > deadline:
+            pytest.fail(f"no SIGTERM handler after 60 s:\n{log.read_text()}")
+        time.sleep(0.05)
+    time.sleep(after)
+    signalled = time.monotonic()
+    proc.send_signal(signal.SIGTERM)
+    try:
+        code = proc.wait(bound)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+        pytest.fail(f"still running {bound} s after SIGTERM:\n{log.read_text()}")
+    return code, time.monotonic() - signalled

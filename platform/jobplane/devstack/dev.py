@@ -1,6 +1,7 @@
 """`jobplane dev`: local servers unless URLs are set; then API, worker and scheduler together."""
 
 import asyncio
+import math
 import secrets
 import sys
 from pathlib import Path
@@ -12,7 +13,14 @@ from jobplane.backends import Backends, open_backends
 from jobplane.cli.render import LiveView
 from jobplane.devstack.servers import LocalStack
 from jobplane.model import TERMINAL
-from jobplane.process import HTTPServer, configure_logging, serve_http, stop_on_signals
+from jobplane.process import (
+    HTTPServer,
+    Stopped,
+    configure_logging,
+    serve_http,
+    stop_on_signals,
+    unless_stopped,
+)
 from jobplane.runs import RunRequest, RunService
 from jobplane.scheduler import Scheduler
 from jobplane.settings import Settings
@@ -21,6 +29,10 @@ from jobplane.worker import Worker
 from jobplane.worker.handlers import load_modules
 
 DEMO_PAYLOAD = {"target": "demo", "sleepSeconds": 3}
+# The worker's drain: a laptop's runs are handed back soon rather than waited for.
+DRAIN_SECONDS = 5.0
+# How long each local server gets to shut down cleanly before it is killed.
+SERVER_STOP_SECONDS = 10.0
 
 
 async def run_dev(settings: Settings, templates: Path, demo: bool, exit_after_demo: bool) -> int:
@@ -29,7 +41,8 @@ async def run_dev(settings: Settings, templates: Path, demo: bool, exit_after_de
     configure_logging(settings.log_format or "text", "WARNING")
     load_modules(settings.handlers)
     stop = asyncio.Event()
-    stop_on_signals(stop)
+    # The parts' drain and close budgets, then stopping the servers it started.
+    stop_on_signals(stop, DRAIN_SECONDS + 2 * settings.close_seconds + 2 * SERVER_STOP_SECONDS)
     stack = None
     if not settings.mongodb_url or not settings.redis_url:
         stack = LocalStack(settings.data_dir)
@@ -42,13 +55,15 @@ async def run_dev(settings: Settings, templates: Path, demo: bool, exit_after_de
         )
     settings = settings.model_copy(update={"admin_key": settings.admin_key or _admin_key(settings)})
     try:
-        async with open_backends(settings) as backends:
+        async with open_backends(settings, stop=stop) as backends:
             return await _serve(
                 settings, backends, stop, templates if demo else None, exit_after_demo
             )
+    except Stopped:  # before it was up: a stop as asked for
+        return 0
     finally:
         if stack is not None:
-            await asyncio.to_thread(stack.stop)
+            await asyncio.to_thread(stack.stop, SERVER_STOP_SECONDS)
 
 
 async def _serve(
@@ -63,13 +78,14 @@ async def _serve(
         host=settings.host,
         port=settings.port,
         log_level="warning",
+        timeout_graceful_shutdown=math.ceil(settings.close_seconds),
     )
     server = HTTPServer(config)
     worker = Worker(backends.store, backends.queue, settings)
     scheduler = Scheduler(backends.store, backends.queue, settings)
     parts = [
         asyncio.create_task(serve_http(server, stop)),
-        asyncio.create_task(worker.run(stop, drain_seconds=5)),
+        asyncio.create_task(worker.run(stop, DRAIN_SECONDS)),
         asyncio.create_task(scheduler.run(stop)),
     ]
     # uvicorn exposes readiness only as a flag.
@@ -87,7 +103,10 @@ async def _serve(
     print(f"  data:    {settings.data_dir.resolve()}")
     code = 0
     if demo_templates is not None:
-        code = await _demo(backends, demo_templates, stop)
+        try:
+            code = await unless_stopped(_demo(backends, demo_templates, stop), stop)
+        except Stopped:  # a stop while MongoDB does not answer must not wait for it
+            code = 1
         if exit_after_demo:
             stop.set()
     if not stop.is_set():

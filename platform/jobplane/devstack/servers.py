@@ -486,11 +486,12 @@ class LocalStack:
                 self.stop()
                 raise
 
-    def stop(self) -> None:
-        """Stop the servers this instance started; reused ones are left running."""
+    def stop(self, timeout: float = 30) -> None:
+        """Stop the servers this instance started; reused ones are left running. Each gets
+        `timeout` seconds to shut down cleanly before it is killed."""
         for server in (self._redis, self._mongo):
             if server is not None:
-                server.stop()
+                server.stop(timeout)
         self._mongo = self._redis = None
 
     def _start_mongo(self, recorded: Any) -> dict[str, int]:

@@ -18,6 +18,7 @@ from datetime import timedelta
 from jobplane import metrics
 from jobplane.clock import Clock, SystemClock
 from jobplane.model import RunStatus
+from jobplane.process import finish_within
 from jobplane.queue.redis import QueueEntry, RedisQueue
 from jobplane.runs import RunService
 from jobplane.schedules import ScheduleService
@@ -49,39 +50,55 @@ class Scheduler:
         self._swept = -SWEEP_SECONDS
 
     async def run(self, stop: asyncio.Event) -> None:
-        """Hold the singleton lock and tick: schedules fire the moment they are due (the loop
-        sleeps until the earliest `nextRunAt`), the rest of the tick runs every interval."""
+        """Hold the singleton lock and tick until `stop`: a tick in flight then gets
+        `settings.close_seconds` to finish, and so does letting go of the lock.
+
+        A tick cut short is safe: each of its writes is a whole transition, and the next active
+        scheduler does the rest. A lock not let go expires after its TTL."""
+        lock = self.queue.keys.scheduler_lock
+        log.info("scheduler %s started", self.owner)
+        ticking = asyncio.create_task(self._tick_loop(stop))
+        stopping = asyncio.create_task(stop.wait())
+        try:
+            await asyncio.wait([ticking, stopping], return_when=asyncio.FIRST_COMPLETED)
+            await finish_within(ticking, self.settings.close_seconds, "the scheduler's tick")
+        finally:
+            stopping.cancel()
+            if not ticking.done():
+                ticking.cancel()
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(self.settings.close_seconds):
+                    await self.queue.release_lock(lock, self.owner)
+
+    async def _tick_loop(self, stop: asyncio.Event) -> None:
+        """Schedules fire the moment they are due (the loop sleeps until the earliest
+        `nextRunAt`), the rest of the tick runs every interval."""
         lock = self.queue.keys.scheduler_lock
         ttl = self.settings.scheduler_lock_seconds
         interval = min(self.settings.reconcile_seconds, ttl / 3)
         loop = asyncio.get_running_loop()
         maintained = -interval
         active = False
-        log.info("scheduler %s started", self.owner)
-        try:
-            while not stop.is_set():
-                wait = interval
-                try:
-                    holds = await self.queue.acquire_lock(lock, self.owner, ttl)
-                    if holds != active:  # say when this one takes over or is taken over from
-                        active = holds
-                        log.info("scheduler %s %s", self.owner, "active" if holds else "stands by")
-                    if holds:
-                        if loop.time() - maintained >= interval:
-                            maintained = loop.time()
-                            await self.tick()
-                        else:
-                            await self.fire()
-                        wait = min(interval - (loop.time() - maintained), ttl / 3)
-                        if (due := await self.store.next_fire_time()) is not None:
-                            wait = min(wait, (due - self.clock.now()).total_seconds())
-                except Exception:
-                    log.exception("scheduler tick failed; retrying")
-                with contextlib.suppress(TimeoutError):
-                    await asyncio.wait_for(stop.wait(), max(0.0, wait))
-        finally:
-            with contextlib.suppress(Exception):
-                await self.queue.release_lock(lock, self.owner)
+        while not stop.is_set():
+            wait = interval
+            try:
+                holds = await self.queue.acquire_lock(lock, self.owner, ttl)
+                if holds != active:  # say when this one takes over or is taken over from
+                    active = holds
+                    log.info("scheduler %s %s", self.owner, "active" if holds else "stands by")
+                if holds:
+                    if loop.time() - maintained >= interval:
+                        maintained = loop.time()
+                        await self.tick()
+                    else:
+                        await self.fire()
+                    wait = min(interval - (loop.time() - maintained), ttl / 3)
+                    if (due := await self.store.next_fire_time()) is not None:
+                        wait = min(wait, (due - self.clock.now()).total_seconds())
+            except Exception:
+                log.exception("scheduler tick failed; retrying")
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), max(0.0, wait))
 
     async def fire(self) -> int:
         """Fire the schedules that are due; returns how many runs were created."""

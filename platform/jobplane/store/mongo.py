@@ -7,6 +7,7 @@ update whose filter names the source statuses from `TRANSITIONS` (plus `lockedBy
 race; it comes back as `Lost` and is never retried here.
 """
 
+import asyncio
 import contextlib
 import logging
 import secrets
@@ -16,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any, Literal
 
+import pymongo
 from bson import ObjectId
 from pymongo import (
     ASCENDING,
@@ -424,14 +426,38 @@ class MongoStore:
 
     @classmethod
     def connect(
-        cls, url: str, db_name: str, write_concern: str = "majority", clock: Clock | None = None
+        cls,
+        url: str,
+        db_name: str,
+        write_concern: str = "majority",
+        clock: Clock | None = None,
+        connect_timeout_seconds: float = 20,
     ) -> "MongoStore":
-        client: AsyncMongoClient[Doc] = AsyncMongoClient(url, tz_aware=True, retryWrites=True)
+        client: AsyncMongoClient[Doc] = AsyncMongoClient(
+            url,
+            tz_aware=True,
+            retryWrites=True,
+            connectTimeoutMS=int(connect_timeout_seconds * 1000),
+        )
         return cls(client, db_name, write_concern, clock)
 
-    async def close(self) -> None:
-        await self.flush()
-        await self.client.close()
+    async def close(self, within: float | None = None) -> None:
+        """Copy the events still waiting to `job_events`, then disconnect; with `within`, a
+        MongoDB that does not answer is given up on after that many seconds. The events stay in
+        their runs' trails, where the scheduler's sweep finds them."""
+        loop = asyncio.get_running_loop()
+        by = None if within is None else loop.time() + within
+        try:
+            async with asyncio.timeout_at(by):
+                await self.flush()
+        except TimeoutError:
+            log.warning("events not copied to job_events within %.1f s; the sweep will", within)
+        # Closing ends the client's sessions with a command that waits for a server as any
+        # other does (30 s). It only spares the server memory (it drops idle sessions after 30
+        # minutes), so it gets a second at most; PyMongo then closes the sockets anyway.
+        ending = 1.0 if by is None else min(1.0, max(by - loop.time(), 0.1))
+        with pymongo.timeout(ending):
+            await self.client.close()
 
     async def flush(self) -> None:
         """Wait until this process's copies of its events to `job_events` are written."""

@@ -22,7 +22,7 @@ from typing import Any, Literal
 from jobplane import metrics
 from jobplane.clock import Clock, SystemClock
 from jobplane.model import Run, RunError, RunStatus, StepStatus, Template
-from jobplane.process import log_context
+from jobplane.process import CANCEL_SECONDS, finish_within, log_context
 from jobplane.queue.redis import Locks, QueueEntry, RedisQueue
 from jobplane.runs import RunService
 from jobplane.settings import Settings
@@ -39,8 +39,6 @@ from jobplane.worker.handlers import HandlerRegistry, registry
 
 log = logging.getLogger("jobplane.worker")
 
-# How long the heartbeat and cancel loops get to end by themselves when the worker stops.
-LOOPS_CLOSE_SECONDS = 5.0
 # A step still running after this long gets its start written on its own; a quicker one has
 # its start written together with its end, saving a MongoDB write per step.
 START_WRITE_AFTER = 0.05
@@ -124,7 +122,11 @@ class Worker:
 
     async def run(self, stop: asyncio.Event, drain_seconds: float = 30) -> None:
         """Work until `stop` is set, then drain: running steps get `drain_seconds` to finish,
-        and runs still unfinished are released back to `queued` without spending an attempt."""
+        and runs still unfinished are released back to `queued` without spending an attempt.
+
+        The releases and the loops' ends get `settings.close_seconds` after the drain: past
+        that, whatever waits on an engine that does not answer is cancelled. Those runs' leases
+        expire and the reaper recovers them, as after a crash."""
         log.info("worker %s started, queues %s", self.id, self.settings.queues)
         # Tasks copy the context as they are created: the loops', and so the runs', log lines
         # name this worker.
@@ -136,28 +138,39 @@ class Worker:
             ]
         try:
             await stop.wait()
-            self._slot_free.set()  # a claim loop waiting for a free slot sees the stop
-            await loops[0]
-            if self.held:
-                await asyncio.wait(self._tasks(), timeout=drain_seconds)
-            for held in list(self.held.values()):
-                held.interrupt("shutdown")  # each run then releases itself
-            if self.held:
-                await asyncio.wait(self._tasks())
+            await self._drain(loops[0], drain_seconds)
         finally:
             # The loops end on `_closing`. Cancellation is only a backstop: a cancel that lands
             # inside a driver's network call can be absorbed there and never reach the loop.
             self._closing.set()
-            _, late = await asyncio.wait(loops, timeout=LOOPS_CLOSE_SECONDS)
-            for task in late:
-                task.cancel()
+            for held in list(self.held.values()):
+                held.interrupt("shutdown")  # each run then releases itself
+            ending = [*self._tasks(), *loops]
+            _, late = await asyncio.wait(ending, timeout=self.settings.close_seconds)
             if late:
-                await asyncio.wait(late, timeout=LOOPS_CLOSE_SECONDS)
+                log.warning("%d tasks did not end within the close budget: cancelled", len(late))
+                for task in late:
+                    task.cancel()
+                await asyncio.wait(late, timeout=CANCEL_SECONDS)
             self._threads.shutdown(wait=False)
-            # Gone at once from the live workers, rather than when the key's TTL runs out.
+            # Gone at once from the live workers, rather than when the key's TTL runs out; a
+            # courtesy, so a Redis that does not answer gets a second for it.
             with contextlib.suppress(Exception):
-                await self.queue.withdraw(self.id)
+                async with asyncio.timeout(CANCEL_SECONDS):
+                    await self.queue.withdraw(self.id)
         log.info("worker %s stopped", self.id)
+
+    async def _drain(self, claiming: asyncio.Task[None], seconds: float) -> None:
+        """Let the claim loop end and running steps finish, within `seconds`."""
+        loop = asyncio.get_running_loop()
+        drained = loop.time() + seconds
+        self._slot_free.set()  # a claim loop waiting for a free slot sees the stop
+        # A pop in flight may block for `poll_seconds`, and is let finish (the ids it took
+        # would otherwise wait for the reconciler). A claim MongoDB does not answer is cut
+        # short: a lease it may have granted expires.
+        await finish_within(claiming, max(seconds, self.settings.poll_seconds), "the claim loop")
+        if self.held:
+            await asyncio.wait(self._tasks(), timeout=max(0.0, drained - loop.time()))
 
     def _tasks(self) -> list[asyncio.Task[None]]:
         return [h.task for h in self.held.values() if h.task]
