@@ -27,7 +27,7 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
-pytest: $(STAMP) chromium
+pytest: $(STAMP) chromium docker-compose
 	$(BIN)/pytest
 
 # The dashboard's browser tests (tests/ui) drive Debian's Chromium. Installed when missing and
@@ -44,6 +44,23 @@ chromium:
 	else \
 		echo "make: /usr/bin/chromium is missing and apt-get cannot install it here (needs root);" \
 			"the dashboard's browser tests (tests/ui) will be SKIPPED"; \
+	fi
+
+# The compose files' tests (tests/deploy) check them with a real compose implementation's
+# `config`: Debian's docker-compose, installed like Chromium (without the Docker engine it
+# recommends, which `config` does not need); otherwise those tests skip, saying why.
+.PHONY: docker-compose
+docker-compose:
+	@if command -v docker-compose >/dev/null; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "Installing docker-compose for the compose files' tests (apt-get install docker-compose)"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get install -y --no-install-recommends docker-compose >/dev/null 2>&1 \
+		|| { apt-get update -qq && apt-get install -y --no-install-recommends docker-compose >/dev/null; } \
+		|| echo "make: could not install docker-compose; the compose files' tests (tests/deploy) will be SKIPPED"; \
+	else \
+		echo "make: docker-compose is missing and apt-get cannot install it here (needs root);" \
+			"the compose files' tests (tests/deploy) will be SKIPPED"; \
 	fi
 
 # The chaos scenarios at full length (make test runs them shortened); prints their table.

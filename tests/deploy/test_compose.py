@@ -1,0 +1,131 @@
+"""Every compose file, alone or with its override, through `docker-compose config`: the files
+parse, merge and interpolate as a real compose implementation does it, and the merged model
+has the services, the dependencies and the JOBPLANE_REDIS_URL each variant promises."""
+
+import os
+import re
+import shutil
+import subprocess
+from pathlib import Path
+from typing import Any
+from urllib.parse import urlsplit
+
+import pytest
+import yaml
+
+from tests.deploy.conftest import COMPOSE_MISSING
+
+ROOT = Path(__file__).parents[2]
+BASE = "compose/docker-compose.yml"
+JOBPLANE = ("api", "worker", "scheduler")
+SENTINEL_URL = "redis+sentinel://sentinel-1:26379,sentinel-2:26379,sentinel-3:26379/mymaster/0"
+CLUSTER_URL = "redis+cluster://redis-1:6379,redis-2:6379,redis-3:6379"
+
+# files given with -f, in order -> (the services, JOBPLANE_REDIS_URL, the condition on `redis`)
+VARIANTS: dict[tuple[str, ...], tuple[set[str], str, str]] = {
+    (BASE,): ({"mongo", "redis", *JOBPLANE}, "redis://redis:6379/0", "service_healthy"),
+    (BASE, "compose/redis-sentinel.yml"): (
+        {"mongo", "redis", "redis-replica", "sentinel-1", "sentinel-2", "sentinel-3", *JOBPLANE},
+        SENTINEL_URL,
+        "service_healthy",
+    ),
+    (BASE, "compose/redis-cluster.yml"): (
+        {"mongo", "redis", "redis-1", "redis-2", "redis-3", *JOBPLANE},
+        CLUSTER_URL,
+        "service_completed_successfully",
+    ),
+}
+
+needs_compose = pytest.mark.skipif(shutil.which("docker-compose") is None, reason=COMPOSE_MISSING)
+
+
+def compose(files: tuple[str, ...], admin_key: str | None) -> subprocess.CompletedProcess[str]:
+    # Nothing from the caller's environment steers compose (COMPOSE_FILE, a set admin key...).
+    env = {
+        k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "JOBPLANE_", "DOCKER"))
+    }
+    if admin_key is not None:
+        env["JOBPLANE_ADMIN_KEY"] = admin_key
+    args = ["docker-compose", *(a for f in files for a in ("-f", f)), "config"]
+    return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
+
+
+def merged(files: tuple[str, ...]) -> dict[str, Any]:
+    done = compose(files, admin_key="a-key-of-the-test")
+    assert done.returncode == 0, done.stderr
+    model: dict[str, Any] = yaml.safe_load(done.stdout)
+    return model
+
+
+def test_every_compose_file_is_checked() -> None:
+    shipped = {f"compose/{p.name}" for p in (ROOT / "compose").glob("*.y*ml")}
+    assert shipped == {f for files in VARIANTS for f in files}
+
+
+@needs_compose
+@pytest.mark.parametrize("files", list(VARIANTS), ids=lambda f: "+".join(Path(p).stem for p in f))
+def test_variant_merges_into_the_promised_services(files: tuple[str, ...]) -> None:
+    services_wanted, redis_url, redis_condition = VARIANTS[files]
+    services = merged(files)["services"]
+    assert set(services) == services_wanted
+    for name in JOBPLANE:
+        service = services[name]
+        assert service["environment"]["JOBPLANE_REDIS_URL"] == redis_url
+        assert service["environment"]["JOBPLANE_ADMIN_KEY"] == "a-key-of-the-test"
+        assert service["depends_on"]["mongo"] == {"condition": "service_healthy"}
+        assert service["depends_on"]["redis"] == {"condition": redis_condition}
+        assert service["command"] == [name]
+    for name, service in services.items():
+        for needed in service.get("depends_on", {}):
+            assert needed in services, f"{name} depends on {needed}, which is not a service"
+
+
+@needs_compose
+@pytest.mark.parametrize("files", list(VARIANTS), ids=lambda f: "+".join(Path(p).stem for p in f))
+def test_variant_refuses_to_start_without_an_admin_key(files: tuple[str, ...]) -> None:
+    done = compose(files, admin_key=None)
+    assert done.returncode != 0
+    assert "set JOBPLANE_ADMIN_KEY" in done.stderr
+
+
+def hosts(url: str) -> list[tuple[str, int]]:
+    netloc = urlsplit(url).netloc.rpartition("@")[2]
+    return [(h, int(p)) for h, _, p in (node.rpartition(":") for node in netloc.split(","))]
+
+
+@needs_compose
+def test_sentinel_url_names_the_sentinels_and_their_master() -> None:
+    services = merged((BASE, "compose/redis-sentinel.yml"))["services"]
+    master = urlsplit(SENTINEL_URL).path.split("/")[1]
+    for host, port in hosts(SENTINEL_URL):
+        script = services[host]["command"][-1]
+        assert services[host]["environment"]["SENTINEL_NAME"] == host
+        assert f"port {port}" in script
+        # `sentinel monitor <name> <host> <port> <quorum>`: the master is the `redis` service.
+        assert re.search(rf"sentinel monitor {master} redis 6379 2\b", script)
+        assert "--sentinel" in script
+    replica = services["redis-replica"]["command"]
+    assert replica[replica.index("--replicaof") + 1 :][:2] == ["redis", "6379"]
+    # Each server announces its service name to its master (what the sentinels then hand out).
+    for name in ("redis", "redis-replica"):
+        command = services[name]["command"]
+        assert command[command.index("--replica-announce-ip") + 1] == name
+
+
+@needs_compose
+def test_cluster_url_names_the_nodes_that_announce_themselves() -> None:
+    services = merged((BASE, "compose/redis-cluster.yml"))["services"]
+    nodes = hosts(CLUSTER_URL)
+    for host, port in nodes:
+        command = services[host]["command"]
+        assert command[0] == "redis-server"
+        assert command[command.index("--cluster-enabled") + 1] == "yes"
+        assert command[command.index("--cluster-announce-hostname") + 1] == host
+        assert command[command.index("--cluster-preferred-endpoint-type") + 1] == "hostname"
+        assert port == 6379
+    # The one-off forms the cluster of exactly those nodes, after each is up.
+    form = services["redis"]
+    assert set(form["depends_on"]) == {host for host, _ in nodes}
+    create = " ".join(f"{host}:{port}" for host, port in nodes)
+    assert f"redis-cli --cluster create {create} --cluster-yes" in form["command"][-1]
+    assert form["restart"] == "no"
