@@ -199,7 +199,7 @@ def servers(args: argparse.Namespace) -> Iterator[tuple[str, str, Processes]]:
             st.callback(mongo.stop)
             mongo_url, procs.servers["mongod"] = mongo.url, mongo.pid or 0
         if not redis_url:
-            redis_url = start_redis(args.redis_topology, root, procs, st)
+            redis_url = start_redis("single", root, procs, st)
         yield mongo_url, redis_url, procs
 
 
@@ -628,12 +628,6 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--concurrency", type=int, default=32, help="JOBPLANE_WORKER_CONCURRENCY")
     parser.add_argument("--mongodb-url")
     parser.add_argument("--redis-url")
-    parser.add_argument(
-        "--redis-topology",
-        choices=["single", "cluster", "sentinel"],
-        default="single",
-        help="the throwaway Redis to start when no --redis-url is given",
-    )
     parser.add_argument("--write-concern", choices=["majority", "1"], default="majority")
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="end with the medians as JSON")
