@@ -153,7 +153,7 @@ class Worker:
                     task.cancel()
                 await asyncio.wait(late, timeout=CANCEL_SECONDS)
             self._threads.shutdown(wait=False)
-            # Gone at once from the live workers, rather than when the key's TTL runs out; a
+            # Gone at once from the live workers, rather than when its time runs out; a
             # courtesy, so a Redis that does not answer gets a second for it.
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(CANCEL_SECONDS):
