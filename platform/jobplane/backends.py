@@ -58,7 +58,9 @@ async def open_backends(
         redis = await redis_closing.enter_async_context(open_redis(target, **options))
         indexed = store.ensure_indexes()
         await (indexed if stop is None else unless_stopped(indexed, stop))
-        yield Backends(store, RedisQueue(redis, Keys(settings.redis_prefix)))
+        # A call may retry twice, each try bounded by the socket timeouts.
+        bound = 3 * settings.connect_timeout_seconds
+        yield Backends(store, RedisQueue(redis, Keys(settings.redis_prefix), bound))
     finally:
         closing = asyncio.get_running_loop().time() + settings.close_seconds
         with contextlib.suppress(TimeoutError):

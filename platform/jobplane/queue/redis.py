@@ -4,17 +4,59 @@ Nothing here is the truth about a run; MongoDB is. A popped id is only a hint th
 claimable, and everything in Redis can be rebuilt from MongoDB by the reconciler.
 """
 
-from collections.abc import Iterable, Mapping, Sequence
+import asyncio
+import contextlib
+from collections.abc import (
+    AsyncIterator,
+    Awaitable,
+    Callable,
+    Coroutine,
+    Iterable,
+    Mapping,
+    Sequence,
+)
 from dataclasses import dataclass
 from datetime import datetime
 from importlib import resources
-from typing import Any, cast
+from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
 from redis.commands.core import AsyncScript
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from jobplane.groupcommit import GroupCommit
 from jobplane.queue.connect import RedisClient, RedisPipeline
 from jobplane.queue.keys import Keys, delayed_member
+
+P = ParamSpec("P")
+R = TypeVar("R")
+
+
+@contextlib.asynccontextmanager
+async def _answered_within(seconds: float, what: str) -> AsyncIterator[None]:
+    """Fail with redis-py's `TimeoutError` (a `RedisError`) past `seconds`.
+
+    Socket timeouts bound each read and write, but a call can still wait without end inside
+    the driver: under a Redis Cluster node's restart, redis-py's cluster client was seen to
+    leave a call waiting for good. Every caller already treats a Redis error as "Redis did not
+    answer" and carries on (the reconciler and the heartbeat repair what was not written), so
+    the bound turns such a wait into one of those."""
+    try:
+        async with asyncio.timeout(seconds):
+            yield
+    except TimeoutError:
+        raise RedisTimeoutError(f"Redis did not answer {what} within {seconds:g} s") from None
+
+
+def _bounded(
+    method: Callable[Concatenate["RedisQueue", P], Awaitable[R]],
+) -> Callable[Concatenate["RedisQueue", P], Coroutine[Any, Any, R]]:
+    """The call is bounded by the queue's `timeout_seconds` (see `_answered_within`)."""
+
+    async def bounded(queue: "RedisQueue", /, *args: P.args, **kwargs: P.kwargs) -> R:
+        async with _answered_within(queue.timeout_seconds, method.__name__):
+            return await method(queue, *args, **kwargs)
+
+    return bounded
 
 
 def _script(redis: RedisClient, name: str) -> AsyncScript:
@@ -73,9 +115,11 @@ class Locks:
 
 
 class RedisQueue:
-    def __init__(self, redis: RedisClient, keys: Keys) -> None:
+    def __init__(self, redis: RedisClient, keys: Keys, timeout_seconds: float = 10.0) -> None:
         self.redis = redis
         self.keys = keys
+        # The longest any call may take, beyond the wait of a blocking pop (see `_bounded`).
+        self.timeout_seconds = timeout_seconds
         self._claim = _script(redis, "claim")
         self._dequeue = _script(redis, "dequeue")
         self._refresh = _script(redis, "refresh")
@@ -103,6 +147,7 @@ class RedisQueue:
         if placed:
             await self._pushes.submit(placed)
 
+    @_bounded
     async def _push_many(self, pushes: list[list[tuple[str, str, float]]]) -> list[None]:
         by_key: dict[str, dict[str, float]] = {}
         for placed in pushes:
@@ -132,6 +177,17 @@ class RedisQueue:
         """
         if not queues:
             return Popped([], None)
+        async with _answered_within(self.timeout_seconds + max(block_seconds, 0), "pop"):
+            return await self._pop(queues, n, now, block_seconds, locks)
+
+    async def _pop(
+        self,
+        queues: Sequence[str],
+        n: int,
+        now: datetime,
+        block_seconds: float,
+        locks: Locks | None,
+    ) -> Popped:
         blocking = block_seconds > 0 and n > 0
         first = [self.keys.queue(queues[0]), self.keys.delayed(queues[0])]
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -162,10 +218,12 @@ class RedisQueue:
             dues.append(int(float(_text(reply[-1]))))
         return [_text(v) for v in reply[:-1]]
 
+    @_bounded
     async def remove(self, run_id: str, queue: str, priority: int) -> None:
         keys = [self.keys.queue(queue), self.keys.delayed(queue)]
         await self._dequeue(keys=keys, args=[run_id, delayed_member(run_id, priority)])
 
+    @_bounded
     async def missing(self, entries: Sequence[QueueEntry]) -> list[QueueEntry]:
         """The entries that are in neither their ready nor their delayed set."""
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -179,12 +237,14 @@ class RedisQueue:
 
     # -- locks ---------------------------------------------------------------------------------
 
+    @_bounded
     async def lock_runs(self, locks: Locks) -> None:
         """Mirror leases MongoDB granted (see `Locks`)."""
         async with self.redis.pipeline(transaction=False) as pipe:
             locks.write(pipe, self.keys)
             await pipe.execute()
 
+    @_bounded
     async def refresh_runs(self, owners: dict[str, str], ttl_seconds: float) -> dict[str, bool]:
         """Extend each run lock if its owner still holds it; False marks a lost lock."""
         ttl = int(ttl_seconds * 1000)
@@ -198,6 +258,7 @@ class RedisQueue:
         """Delete a run's lock if `owner` holds it; concurrent releases share a round trip."""
         return await self._releases.submit((run_id, owner))
 
+    @_bounded
     async def _release_many(self, releases: list[tuple[str, str]]) -> list[bool]:
         async with self.redis.pipeline(transaction=False) as pipe:
             for run_id, owner in releases:
@@ -205,29 +266,35 @@ class RedisQueue:
             replies = await pipe.execute()
         return [bool(r) for r in replies]
 
+    @_bounded
     async def refresh_lock(self, key: str, owner: str, ttl_seconds: float) -> bool:
         ttl = int(ttl_seconds * 1000)
         return bool(await self._refresh(keys=[key], args=[owner, ttl]))
 
+    @_bounded
     async def release_lock(self, key: str, owner: str) -> bool:
         return bool(await self._release(keys=[key], args=[owner]))
 
+    @_bounded
     async def acquire_lock(self, key: str, owner: str, ttl_seconds: float) -> bool:
         """Take `key` if free, or extend it if `owner` already holds it."""
         return bool(await self._acquire(keys=[key], args=[owner, int(ttl_seconds * 1000)]))
 
     # -- signals and liveness ------------------------------------------------------------------
 
+    @_bounded
     async def signal_cancel(self, run_id: str) -> None:
         """Tell every worker listening that `run_id`'s cancel was requested. Only a hint: a
         worker that misses it hears of the cancel from MongoDB at its next heartbeat."""
         await self.redis.publish(self.keys.cancel_channel, run_id)
 
+    @_bounded
     async def mark_alive(self, worker_id: str, ttl_seconds: float, running: int) -> None:
         """Count the worker as alive for `ttl_seconds` more, holding `running` runs."""
         keys = [self.keys.workers, self.keys.workers_held]
         await self._alive(keys=keys, args=[worker_id, int(ttl_seconds * 1000), running])
 
+    @_bounded
     async def withdraw(self, worker_id: str) -> None:
         """Take a stopping worker out of the live ones at once, rather than when its time ends."""
         async with self.redis.pipeline(transaction=False) as pipe:
@@ -235,6 +302,7 @@ class RedisQueue:
             pipe.hdel(self.keys.workers_held, worker_id)
             await pipe.execute()
 
+    @_bounded
     async def live_workers(self) -> dict[str, int]:
         """Each live worker's id and the runs it held at its last heartbeat, in one read."""
         flat = await self._workers(keys=[self.keys.workers, self.keys.workers_held])

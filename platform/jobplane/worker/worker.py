@@ -269,10 +269,12 @@ class Worker:
         except Exception:
             log.exception("run %s: worker error", held.run.id)
         finally:
+            # The slot is free before the lock's release, a courtesy (the lock expires by
+            # itself): a Redis that does not answer must not keep the slot taken.
             self.held.pop(held.run.id, None)
+            self._slot_free.set()
             with contextlib.suppress(Exception):
                 await self.queue.release_run(held.run.id, held.lease.owner)
-            self._slot_free.set()
             if held.run.dedupe_key is not None:
                 await self._admit_next(held.run.dedupe_key, held.lease.actor)
 

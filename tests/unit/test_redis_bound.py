@@ -1,0 +1,43 @@
+"""Every RedisQueue call ends within its bound, even against a server that never answers."""
+
+import asyncio
+import time
+from datetime import UTC, datetime
+
+import pytest
+from redis.asyncio import Redis
+from redis.exceptions import TimeoutError as RedisTimeoutError
+
+from jobplane.queue.connect import REDIS_DOWN
+from jobplane.queue.keys import Keys
+from jobplane.queue.redis import QueueEntry, RedisQueue
+
+
+async def test_a_call_to_a_redis_that_never_answers_fails_within_the_bound() -> None:
+    async def silent(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        await reader.read()  # takes every command, answers none
+        writer.close()
+
+    server = await asyncio.start_server(silent, "127.0.0.1", 0)
+    port = server.sockets[0].getsockname()[1]
+    # No socket timeout at all: only the queue's own bound can end the calls.
+    redis = Redis(host="127.0.0.1", port=port, socket_timeout=None)
+    queue = RedisQueue(redis, Keys("t:"), timeout_seconds=0.3)
+    calls = {
+        "push": queue.push([QueueEntry("r1", "q", 0)], datetime.now(UTC)),
+        "pop": queue.pop(["q"], 4, datetime.now(UTC), block_seconds=0.2),
+        "release_run": queue.release_run("r1", "w:t"),
+        "refresh_runs": queue.refresh_runs({"r1": "w:t"}, 10),
+        "mark_alive": queue.mark_alive("w", 10, 1),
+    }
+    try:
+        for name, call in calls.items():
+            began = time.monotonic()
+            with pytest.raises(RedisTimeoutError, match="did not answer") as refused:
+                await call
+            assert isinstance(refused.value, REDIS_DOWN)
+            # Bounded (0.3 s, and 0.2 s more for the pop's wait), with slack for a busy machine.
+            assert time.monotonic() - began < 30, name
+    finally:
+        await redis.aclose()
+        server.close()
