@@ -10,6 +10,7 @@ from bson import ObjectId
 
 from jobplane.backends import Backends
 from jobplane.model import Run, RunStatus, StepStatus
+from jobplane.queue.redis import Locks
 from jobplane.runs import RunRequest, RunService
 from jobplane.settings import Settings
 from jobplane.worker import StepContext, Worker, registry
@@ -272,3 +273,29 @@ async def test_a_running_run_holds_its_redis_lock_until_it_ends(
         [done] = await settled(backends.store, [run.id], within=10)
     assert done.status == RunStatus.SUCCEEDED
     assert await backends.queue.redis.get(lock) is None, "released at the run's end"
+
+
+async def test_runs_that_end_while_a_slow_redis_takes_their_locks_free_their_slots(
+    backends: Backends,
+    settings: Settings,
+    register: Register,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """A full worker sends its last claim's lock mirrors before it waits for a free slot. Runs
+    that end while that write is slow (a Redis failing over, a cluster node restarting) must
+    still wake the claim loop: it once cleared their wake-ups and then waited for good."""
+    await register()
+    mirror = backends.queue.lock_runs
+
+    async def slow_mirror(locks: Locks) -> None:
+        await asyncio.sleep(0.5)  # the run claimed meanwhile ends within milliseconds
+        await mirror(locks)
+
+    monkeypatch.setattr(backends.queue, "lock_runs", slow_mirror)
+    service = RunService(backends.store, backends.queue)
+    request = RunRequest("t_noop", "user", "u", {})
+    ids = [(await service.create(request, "user:a"))[0].id for _ in range(3)]
+    one_slot = settings.model_copy(update={"worker_concurrency": 1})
+    async with running(backends, one_slot):
+        done = await settled(backends.store, ids, within=30)
+    assert [r.status for r in done] == [RunStatus.SUCCEEDED] * 3

@@ -197,6 +197,10 @@ class Worker:
                 if unmirrored:
                     await self._mirror(unmirrored)
                     unmirrored = {}
+                    # Runs may have ended while the mirror was sent (for seconds, to a Redis
+                    # that does not answer): their wake-ups came before the clear below would
+                    # erase them, so look at the free slots again first.
+                    continue
                 self._slot_free.clear()
                 waited = time.monotonic()
                 with contextlib.suppress(TimeoutError):
