@@ -71,39 +71,27 @@ def redis_single_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
 
 
 @pytest.fixture(scope="session")
-def redis_cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisClusterNodes]:
+def redis_cluster_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     cluster = RedisClusterNodes(tmp_path_factory.mktemp("redis-cluster"))
-    cluster.start()
-    try:
-        yield cluster
-    finally:
-        cluster.stop()
+    yield from _started("JOBPLANE_TEST_REDIS_CLUSTER_URL", cluster)
 
 
 @pytest.fixture(scope="session")
-def redis_cluster_url(request: pytest.FixtureRequest) -> str:
-    if url := os.environ.get("JOBPLANE_TEST_REDIS_CLUSTER_URL"):
-        return url
-    cluster: RedisClusterNodes = request.getfixturevalue("redis_cluster")
-    return cluster.url
-
-
-@pytest.fixture(scope="session")
-def redis_sentinels(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SentinelGroup]:
+def redis_sentinel_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     group = SentinelGroup(tmp_path_factory.mktemp("redis-sentinel"))
-    group.start()
+    yield from _started("JOBPLANE_TEST_REDIS_SENTINEL_URL", group)
+
+
+def _started(variable: str, servers: RedisClusterNodes | SentinelGroup) -> Iterator[str]:
+    """The URL `variable` names, or `servers`' once started (and stopped afterwards)."""
+    if url := os.environ.get(variable):
+        yield url
+        return
+    servers.start()
     try:
-        yield group
+        yield servers.url
     finally:
-        group.stop()
-
-
-@pytest.fixture(scope="session")
-def redis_sentinel_url(request: pytest.FixtureRequest) -> str:
-    if url := os.environ.get("JOBPLANE_TEST_REDIS_SENTINEL_URL"):
-        return url
-    group: SentinelGroup = request.getfixturevalue("redis_sentinels")
-    return group.url
+        servers.stop()
 
 
 def sync_redis(url: str) -> redis.Redis | redis.RedisCluster:

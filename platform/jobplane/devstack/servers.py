@@ -66,7 +66,7 @@ def free_port() -> int:
         return port
 
 
-def _port_is_free(port: int) -> bool:
+def port_is_free(port: int) -> bool:
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         # Servers bind with SO_REUSEADDR, so a port held only by TIME_WAIT sockets is free to them.
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
@@ -547,6 +547,6 @@ def _running_port(recorded: Any, answers: Callable[[int], bool]) -> int | None:
 def _preferred_port(recorded: Any) -> int:
     # The same port as last time keeps URLs in users' shells and configs valid across restarts.
     port = recorded.get("port") if isinstance(recorded, dict) else None
-    if isinstance(port, int) and 0 < port < 65536 and _port_is_free(port):
+    if isinstance(port, int) and 0 < port < 65536 and port_is_free(port):
         return port
     return free_port()

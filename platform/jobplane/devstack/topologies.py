@@ -6,14 +6,13 @@ to run jobplane against the real thing; `jobplane dev` does not.
 from __future__ import annotations
 
 import random
-import socket
 import subprocess
 import time
 from pathlib import Path
 
 import redis
 
-from jobplane.devstack.servers import RedisServer, free_port, redis_binary
+from jobplane.devstack.servers import RedisServer, free_port, port_is_free, redis_binary
 
 _HOST = "127.0.0.1"
 _POLL_INTERVAL = 0.05
@@ -49,15 +48,20 @@ class RedisClusterNodes:
         """Start every node, assign the slots, and return once each node sees the cluster ok."""
         try:
             for node in self.nodes:
+                # A new cluster: a node that finds an earlier cluster's config joins no other.
+                (node.dir / "nodes.conf").unlink(missing_ok=True)
                 node.start()
             addresses = [f"{_HOST}:{n.port}" for n in self.nodes]
             create = ["--cluster", "create", *addresses, "--cluster-replicas", "0"]
-            subprocess.run(
+            created = subprocess.run(
                 [str(redis_binary("redis-cli")), *create, "--cluster-yes"],
-                check=True,
                 capture_output=True,
+                text=True,
                 timeout=timeout,
             )
+            if created.returncode:
+                said = (created.stdout + created.stderr).strip().splitlines()[-3:]
+                raise RuntimeError(f"redis-cli --cluster create failed: {' / '.join(said)}")
             self.wait_ok(timeout)
         except BaseException:
             self.stop()
@@ -171,18 +175,9 @@ def _cluster_port() -> int:
     """A free port whose cluster bus port (10000 above it, fixed in Redis 6.2) is free too."""
     for _ in range(1000):
         port = random.randrange(20_000, 50_000)
-        if all(_free(p) for p in (port, port + 10_000)):
+        if all(port_is_free(p) for p in (port, port + 10_000)):
             return port
     raise RuntimeError("found no free pair of ports for a Redis Cluster node")
-
-
-def _free(port: int) -> bool:
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        try:
-            sock.bind((_HOST, port))
-        except OSError:
-            return False
-        return True
 
 
 def _cluster_ok(port: int) -> bool:
