@@ -58,7 +58,9 @@ async def open_backends(
         redis = await redis_closing.enter_async_context(open_redis(target, **options))
         indexed = store.ensure_indexes()
         await (indexed if stop is None else unless_stopped(indexed, stop))
-        # A call may retry twice, each try bounded by the socket timeouts.
+        # Three connect timeouts, about what a call and its two retries take against a Redis
+        # that refuses or drops connections; one that takes longer waits on something no
+        # driver timeout bounds (see `RedisQueue`).
         bound = 3 * settings.connect_timeout_seconds
         yield Backends(store, RedisQueue(redis, Keys(settings.redis_prefix), bound))
     finally:
