@@ -44,6 +44,7 @@ from jobplane.errors import (
 from jobplane.model import TERMINAL, Run, Scope
 from jobplane.queue.connect import REDIS_DOWN
 from jobplane.runs import RunRequest, RunService
+from jobplane.runs.waiting import Waiting
 from jobplane.settings import Settings, refusal
 
 if TYPE_CHECKING:
@@ -381,10 +382,12 @@ class DirectTransport:
         with _reachable():
             backends = await self._stack.enter_async_context(open_backends(self.settings))
         self._service = RunService(backends.store, backends.queue)
+        self._waiting = Waiting(backends.queue)
 
     async def create(self, request: CreateRequest) -> Run:
         with _reachable():
             run, _ = await self.service.create(self._request(request), self.actor)
+            [run] = await self._waiting.explain([run])
         return run
 
     async def create_batch(self, requests: Sequence[CreateRequest]) -> list[Run | JobplaneError]:
@@ -400,13 +403,17 @@ class DirectTransport:
             accepted.append(i)
         with _reachable():
             created = await self.service.create_many(valid, self.actor)
+            runs = iter(
+                await self._waiting.explain([o[0] for o in created if isinstance(o, tuple)])
+            )
         for i, outcome in zip(accepted, created, strict=True):
-            results[i] = outcome if isinstance(outcome, JobplaneError) else outcome[0]
+            results[i] = outcome if isinstance(outcome, JobplaneError) else next(runs)
         return [r for r in results if r is not None]
 
     async def get(self, run_id: str) -> Run:
         with _reachable():
-            return await self.service.get(run_id)
+            [run] = await self._waiting.explain([await self.service.get(run_id)])
+        return run
 
     async def cancel(self, run_id: str, reason: str | None) -> Run:
         with _reachable():

@@ -30,7 +30,7 @@ from pymongo.errors import PyMongoError
 
 from jobplane.model import TERMINAL, Run, RunStatus
 from jobplane.queue.connect import REDIS_DOWN
-from jobplane.queue.redis import RedisQueue, epoch_ms
+from jobplane.queue.redis import Offer, RedisQueue, epoch_ms
 from jobplane.settings import Settings
 from jobplane.store import Lost, MongoStore, Moved
 
@@ -181,9 +181,10 @@ async def read_state(store: MongoStore, queue: RedisQueue, queues: Sequence[str]
     except PyMongoError:
         up.add_metric(["mongodb"], 0)
     try:
+        live = await queue.live_workers()
         families += [
-            *await _queues_state(queue, queues, now),
-            *await _workers_state(queue),
+            *await _queues_state(queue, queues, now, live),
+            *_workers_state(live),
             *await _scheduler_state(queue),
         ]
         up.add_metric(["redis"], 1)
@@ -197,7 +198,9 @@ def render(state: list[Metric]) -> bytes:
     return generate_latest(REGISTRY) + generate_latest(_Read(state))
 
 
-async def _queues_state(queue: RedisQueue, queues: Sequence[str], now: datetime) -> list[Metric]:
+async def _queues_state(
+    queue: RedisQueue, queues: Sequence[str], now: datetime, live: dict[str, Offer]
+) -> list[Metric]:
     depth = GaugeMetricFamily(
         "jobplane_queue_depth",
         "Runs in a queue's Redis sets: ready to claim (delayed runs now due included) or "
@@ -210,20 +213,40 @@ async def _queues_state(queue: RedisQueue, queues: Sequence[str], now: datetime)
         "notBefore while it waits in the delayed set; 0 when none is ready",
         labels=["queue"],
     )
+    waiting = GaugeMetricFamily(
+        "jobplane_runs_waiting_for_handler",
+        "Runs (ready or delayed) whose current step's handler no live worker offers on their "
+        "queue; they start once a worker that offers it does",
+        labels=["queue", "handler"],
+    )
     for name in queues:
-        ready, due, delayed, oldest_at = await _queue_state(queue, name, now)
-        depth.add_metric([name, "ready"], ready + due)
-        depth.add_metric([name, "delayed"], delayed - due)
-        oldest.add_metric([name], _seconds(now, oldest_at) if oldest_at else 0.0)
-    return [depth, oldest]
+        ready = delayed = 0
+        times: list[datetime] = []
+        for handler in [None, *await queue.lanes(name)]:
+            lane = await _lane_state(queue, name, handler, now)
+            ready, delayed = ready + lane.ready + lane.due, delayed + lane.delayed - lane.due
+            times += [lane.oldest_at] if lane.oldest_at else []
+            served = any(o.serves(name, handler) for o in live.values())
+            if handler is not None and not served and lane.ready + lane.delayed:
+                waiting.add_metric([name, handler], lane.ready + lane.delayed)
+        depth.add_metric([name, "ready"], ready)
+        depth.add_metric([name, "delayed"], delayed)
+        oldest.add_metric([name], _seconds(now, min(times)) if times else 0.0)
+    return [depth, oldest, waiting]
 
 
-async def _queue_state(
-    queue: RedisQueue, name: str, now: datetime
-) -> tuple[int, int, int, datetime | None]:
-    """Ready runs, delayed runs now due, all delayed runs, and when the oldest ready one was
-    created or fell due."""
-    ready_key, delayed_key = queue.keys.queue(name), queue.keys.delayed(name)
+@dataclass(frozen=True)
+class _Lane:
+    ready: int
+    # Delayed runs now due (a pop promotes them), and all delayed runs.
+    due: int
+    delayed: int
+    # When the oldest ready run was created or fell due.
+    oldest_at: datetime | None
+
+
+async def _lane_state(queue: RedisQueue, name: str, handler: str | None, now: datetime) -> _Lane:
+    ready_key, delayed_key = queue.keys.queue(name, handler), queue.keys.delayed(name, handler)
     async with queue.redis.pipeline(transaction=False) as pipe:
         pipe.zcard(ready_key)
         pipe.zcount(delayed_key, "-inf", epoch_ms(now))
@@ -245,22 +268,21 @@ async def _queue_state(
         if ObjectId.is_valid(run_id):
             times.append(ObjectId(run_id).generation_time)
         after = f"({score}"
-    return ready, due, delayed, min(times, default=None)
+    return _Lane(ready, due, delayed, min(times, default=None))
 
 
-async def _workers_state(queue: RedisQueue) -> list[Metric]:
+def _workers_state(live: dict[str, Offer]) -> list[Metric]:
     """Workers that heartbeated within three heartbeats, and the runs they hold."""
-    held = await queue.live_workers()
     return [
         GaugeMetricFamily(
             "jobplane_workers_alive",
             "Workers that heartbeated within three heartbeats",
-            len(held),
+            len(live),
         ),
         GaugeMetricFamily(
             "jobplane_worker_runs_held",
             "Runs the live workers hold, as of their last heartbeat",
-            sum(held.values()),
+            sum(o.held for o in live.values()),
         ),
     ]
 

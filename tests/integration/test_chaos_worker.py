@@ -19,6 +19,7 @@ from jobplane.backends import Backends
 from jobplane.model import TERMINAL, Event, Run, RunStatus, StepStatus
 from jobplane.runs import RunRequest, RunService
 from jobplane.settings import Settings
+from jobplane.worker import registry
 from tests.integration.conftest import Register
 from tests.integration.processes import spawn, terminate
 from tests.integration.workers import settled
@@ -262,7 +263,9 @@ async def test_sigterm_releases_a_run_whose_step_outlasts_the_drain(
     events = await backends.store.events_of(run.id)
     assert transitions(events)[-2:] == [("claim", "worker:drained"), ("release", "worker:drained")]
     assert "lease_expired" not in [e.type for e in events]
-    popped = await backends.queue.pop(settings.queues, 10, backends.store.clock.now())
+    popped = await backends.queue.pop(
+        settings.queues, 10, backends.store.clock.now(), handlers=registry.offered()
+    )
     assert popped.run_ids == [run.id], "the released run is back in Redis"
 
 

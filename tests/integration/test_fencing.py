@@ -35,7 +35,7 @@ async def test_zombie_writes_are_rejected_and_recorded(
     error = RunError(code="x", message="x", step="a", attempt=1)
     outcomes = [
         await store.report_progress(zombie, 0, 50, 25, "still here"),
-        await store.finish_step(zombie, 0, "a", "out", 50, (1, "b")),
+        await store.finish_step(zombie, 0, "a", "out", 50, next_handler=None),
         await store.complete(zombie, 1, "b", "out", "result"),
         await store.fail(zombie, 1, error),
         await store.retry(zombie, 1, error, clock.now() + timedelta(seconds=1)),
@@ -57,6 +57,6 @@ async def test_zombie_writes_are_rejected_and_recorded(
 
     # The healthy worker's writes still go through.
     assert await store.start_step(fresh, 0, "a") is None
-    assert await store.finish_step(fresh, 0, "a", 1, 50, (1, "b")) is None
+    assert await store.finish_step(fresh, 0, "a", 1, 50, next_handler=None) is None
     done = await store.complete(fresh, 1, "b", 2, 2)
     assert not isinstance(done, Lost) and done.to == RunStatus.SUCCEEDED

@@ -7,10 +7,12 @@ import pytest
 
 from jobplane.backends import Backends
 from jobplane.errors import NotFound, ResourceInvalidState
-from jobplane.model import RunStatus, StepStatus
+from jobplane.model import RunStatus, StepStatus, WaitingFor
 from jobplane.runs import RunRequest, RunService
+from jobplane.runs.waiting import Waiting
 from jobplane.settings import Settings
 from jobplane.templates import load_file
+from jobplane.worker import registry
 from tests.integration.conftest import Register
 from tests.integration.workers import running, settled
 
@@ -91,14 +93,15 @@ async def test_fatal_error_and_exhausted_attempts_fail(
     spent, _ = await service.create(RunRequest("failing", "user", "u", {"failTimes": 5}), "user:a")
     unknown, _ = await service.create(RunRequest("unknown", "user", "u"), "user:a")
     async with running(backends, settings):
-        runs = await settled(backends.store, [fatal.id, spent.id, unknown.id])
+        runs = await settled(backends.store, [fatal.id, spent.id])
     by_id = {r.id: r for r in runs}
     assert by_id[fatal.id].status == RunStatus.FAILED and by_id[fatal.id].attempt == 1
     assert by_id[fatal.id].error.code == "fatal"  # type: ignore[union-attr]
     assert by_id[spent.id].status == RunStatus.FAILED and by_id[spent.id].attempt == 2
-    assert by_id[unknown.id].status == RunStatus.FAILED and by_id[unknown.id].attempt == 1
-    assert "nowhere.to_be:found" in by_id[unknown.id].error.message  # type: ignore[union-attr]
-    assert by_id[unknown.id].progress.steps[0].status == StepStatus.FAILED
+    # No worker offers the unknown handler: its run waits, saying so, and spends nothing.
+    [waiting] = await Waiting(backends.queue).explain([await service.get(unknown.id)])
+    assert waiting.status == RunStatus.QUEUED and waiting.attempt == 0
+    assert waiting.waiting_for == WaitingFor(reason="handler", detail="nowhere.to_be:found")
 
 
 async def test_priority_orders_the_queue(
@@ -109,7 +112,9 @@ async def test_priority_orders_the_queue(
     low, _ = await service.create(RunRequest("t_noop", "user", "u", priority=-5), "user:a")
     mid, _ = await service.create(RunRequest("t_noop", "user", "u"), "user:a")
     high, _ = await service.create(RunRequest("t_noop", "user", "u", priority=5), "user:a")
-    popped = await backends.queue.pop(settings.queues, 10, backends.store.clock.now())
+    popped = await backends.queue.pop(
+        settings.queues, 10, backends.store.clock.now(), handlers=registry.offered()
+    )
     assert popped.run_ids == [high.id, mid.id, low.id]
 
 
@@ -137,7 +142,9 @@ async def test_cancel_follows_rule_4_in_each_state(
     done = await service.cancel(queued.id, "user:a", "changed my mind")
     assert done.status == RunStatus.CANCELLED and done.cancel_reason == "changed my mind"
     assert done.progress.steps[0].status == StepStatus.SKIPPED
-    popped = await backends.queue.pop(settings.queues, 10, backends.store.clock.now())
+    popped = await backends.queue.pop(
+        settings.queues, 10, backends.store.clock.now(), handlers=registry.offered()
+    )
     assert popped.run_ids == [], "a cancelled run leaves the Redis queue"
     with pytest.raises(ResourceInvalidState):
         await service.cancel(queued.id, "user:a", None)

@@ -469,7 +469,10 @@ async def test_claims_and_worker_writes_never_scan(
         for lease in leases[:10]:  # step by step, to success
             assert await store.start_step(lease, 0, "first") is None
             assert await store.report_progress(lease, 0, 50, 25, "half way") is None
-            assert await store.finish_step(lease, 0, "first", {"ok": True}, 50) is None
+            assert (
+                await store.finish_step(lease, 0, "first", {"ok": True}, 50, next_handler=None)
+                is None
+            )
             await store.complete(lease, 1, "second", None, None, started_at=store.clock.now())
         error = RunError(code="boom", message="boom", step="first", attempt=1)
         for lease in leases[10:15]:

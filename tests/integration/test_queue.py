@@ -98,7 +98,7 @@ async def test_missing_finds_runs_redis_lost(queue: RedisQueue, store: MongoStor
     lost = QueueEntry("00000000000000000000000c", "q", 0)
     await queue.push([ready, delayed], now)
     assert await queue.missing([ready, delayed, lost]) == [lost]
-    await queue.remove(delayed.run_id, "q", 2)
+    await queue.remove(delayed)
     assert await queue.missing([ready, delayed]) == [delayed]
 
 
@@ -156,7 +156,7 @@ async def test_the_tick_promotes_delayed_runs_of_a_queue_no_worker_polls(
     request = RunRequest("t_noop", "user", "u1", delay_seconds=60)
     run, _ = await RunService(store, backends.queue).create(request, "user:test")
     scheduler = Scheduler(store, backends.queue, settings, clock)
-    ready = backends.queue.keys.queue("reports")
+    ready = backends.queue.keys.queue("reports", run.handler)
 
     await scheduler.reconcile()
     assert await backends.queue.redis.zscore(ready, run.id) is None, "not due yet"

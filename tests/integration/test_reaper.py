@@ -19,6 +19,7 @@ from jobplane.runs import RunService
 from jobplane.scheduler import Scheduler
 from jobplane.settings import Settings
 from jobplane.store import MongoStore, NewRun
+from jobplane.worker import registry
 from tests.integration.conftest import Register
 from tests.integration.runs import run_in
 
@@ -214,7 +215,7 @@ async def test_one_pass_moves_each_run_as_the_table_says(
     # Exactly the requeued runs are back in Redis, where a worker pops them and its claim
     # counts the next attempt.
     requeued = {before[name].id for name in moving if CASES[name].becomes == S.QUEUED}
-    popped = await queue.pop(settings.queues, 100, clock.now())
+    popped = await queue.pop(settings.queues, 100, clock.now(), handlers=registry.offered())
     assert sorted(popped.run_ids) == sorted(requeued)
     claimed = await timed.claim(popped.run_ids, "w-next", LEASE)
     assert sorted((run.id, run.attempt) for run, _ in claimed) == sorted((i, 2) for i in requeued)
@@ -252,7 +253,7 @@ async def test_a_pass_moves_at_most_reap_batch_runs_of_each_kind(
         if case.transition == "reap_requeue":
             # Expired leases are taken oldest first, so none waits behind newer ones.
             assert moved == {r.id for r in runs[:done]}
-    ready = await queue.redis.zcard(queue.keys.queue("default"))
+    ready = await queue.redis.zcard(queue.keys.queue("default", template.handler_at(0)))
     assert ready == (len(runs) if case.becomes == S.QUEUED else 0)
 
 

@@ -88,7 +88,7 @@ async def test_flushall_mid_drain_of_1000_runs_loses_none_and_runs_each_once(
                 await counted_up_to(backends, {"status": RunStatus.SUCCEEDED}, len(ids) // 4)
                 # One transaction, so the count is of exactly what the flush wiped.
                 async with backends.queue.redis.pipeline(transaction=True) as pipe:
-                    pipe.zcard(backends.queue.keys.queue("default"))
+                    pipe.zcard(backends.queue.keys.queue("default", "test.recovery.counted"))
                     pipe.flushall()
                     waiting, _ = await pipe.execute()
                 assert waiting > 0, "runs were still waiting in Redis when it was flushed"

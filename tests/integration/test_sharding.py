@@ -153,7 +153,7 @@ async def test_every_write_to_a_run_names_its_shard_key(
     await store.heartbeat("w1", [lease], LEASE)
     await store.start_step(lease, 0, "first")
     await store.report_progress(lease, 0, 50, 25, "half way")
-    await store.finish_step(lease, 0, "first", {"ok": True}, 50)
+    await store.finish_step(lease, 0, "first", {"ok": True}, 50, next_handler=None)
     assert not isinstance(await store.complete(lease, 1, "second", None, None, clock.now()), Lost)
     leases = await claim(failed, retried, released)
     await store.heartbeat("w1", leases, LEASE)
@@ -184,7 +184,9 @@ async def test_every_write_to_a_run_names_its_shard_key(
     assert await scheduler.reap() == 1
     clock.advance(LEASE * 2)  # past the lease and the cancel's grace
     assert await scheduler.reap() == 2
-    assert isinstance(await store.finish_step(lost_lease, 0, "first", None, 50), Lost)
+    assert isinstance(
+        await store.finish_step(lost_lease, 0, "first", None, 50, next_handler=None), Lost
+    )
     outcomes = [(await service.get(r)).status for r in (lost, slow, late)]
     assert outcomes == [RunStatus.QUEUED, RunStatus.CANCELLED, RunStatus.EXPIRED]
 

@@ -440,7 +440,9 @@ class Work(Op):
             spend = not self.kind.repeatable
             return await store.complete(self.lease, i, step_id, i, i, began, spend_key=spend)
         if self.move == "finish":
-            return await store.finish_step(self.lease, i, step_id, i, 100 * (i + 1) / n, began)
+            return await store.finish_step(
+                self.lease, i, step_id, i, 100 * (i + 1) / n, began, next_handler=None
+            )
         if self.move == "start" and not self.started:
             return await store.start_step(self.lease, i, step_id, self.now)
         return await store.report_progress(self.lease, i, 50, 100 * (i + 0.5) / n, "half")

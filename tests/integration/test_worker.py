@@ -95,7 +95,9 @@ async def test_graceful_stop_releases_unfinished_runs_without_an_attempt(
     assert released is not None and released.status == RunStatus.QUEUED
     assert released.attempt == 0 and released.locked_by is None
     assert released.progress.steps[0].status == StepStatus.PENDING
-    popped = await backends.queue.pop(settings.queues, 10, backends.store.clock.now())
+    popped = await backends.queue.pop(
+        settings.queues, 10, backends.store.clock.now(), handlers=registry.offered()
+    )
     assert popped.run_ids == [run.id], "the released run is back in Redis"
 
 

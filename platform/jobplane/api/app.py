@@ -21,6 +21,7 @@ from jobplane.api.routes import (
     templates,
 )
 from jobplane.backends import Backends, open_backends
+from jobplane.runs.waiting import Waiting
 from jobplane.settings import Settings
 from jobplane.templates.loader import MAX_TEMPLATE_BYTES
 from jobplane.ui import Dashboard
@@ -33,12 +34,14 @@ def create_app(settings: Settings, backends: Backends | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with open_backends(settings) as opened:
             app.state.store, app.state.queue = opened.store, opened.queue
+            app.state.waiting = Waiting(opened.queue)
             yield
 
     app = FastAPI(title="jobplane", version="1", lifespan=None if backends else lifespan)
     app.state.settings = settings
     if backends is not None:
         app.state.store, app.state.queue = backends.store, backends.queue
+        app.state.waiting = Waiting(backends.queue)
     errors.install(app)
     for module in (health, metrics, keys, templates, runs, schedules, events, external, overview):
         app.include_router(module.router)

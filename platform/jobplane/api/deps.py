@@ -11,6 +11,7 @@ from fastapi import Depends, Request
 from jobplane.api.auth import Caller, Permission, require
 from jobplane.queue.redis import RedisQueue
 from jobplane.runs import RunService
+from jobplane.runs.waiting import Waiting
 from jobplane.settings import Settings
 from jobplane.store import MongoStore
 
@@ -34,7 +35,13 @@ async def get_runs(request: Request) -> RunService:
     return RunService(request.app.state.store, request.app.state.queue)
 
 
+async def get_waiting(request: Request) -> Waiting:
+    waiting: Waiting = request.app.state.waiting
+    return waiting
+
+
 StoreDep = Annotated[MongoStore, Depends(get_store)]
+WaitingDep = Annotated[Waiting, Depends(get_waiting)]
 RunsDep = Annotated[RunService, Depends(get_runs)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]
 

@@ -197,6 +197,8 @@ def _templates_apply(args: argparse.Namespace, client: APIClient) -> None:
         except CLIError as exc:  # in a directory, say which file was refused
             raise CLIError(exc.code, f"{file.name}: {exc.message}") from exc
         print(f"{file.name}: {t['type']} v{t['version']}")
+        for warning in t.get("warnings", []):
+            print(f"warning: {file.name}: {warning}", file=sys.stderr)
 
 
 def _templates_list(args: argparse.Namespace, client: APIClient) -> None:

@@ -20,6 +20,7 @@ from jobplane.model.documents import (
     Template,
     TemplateSpec,
     Version,
+    WaitingFor,
 )
 from jobplane.model.status import (
     ACTIVE,
@@ -62,4 +63,5 @@ __all__ = [
     "TemplateSpec",
     "Transition",
     "Version",
+    "WaitingFor",
 ]

@@ -145,6 +145,12 @@ class Template(TemplateSpec):
     def step_index(self, step_id: str) -> int:
         return next(i for i, s in enumerate(self.steps) if s.id == step_id)
 
+    def handler_at(self, index: int) -> str | None:
+        """The handler a worker needs to run step `index`; None for an external step, which
+        any worker hands to an external one."""
+        step = self.steps[index]
+        return step.handler if step.worker_type == "inline" else None
+
 
 class StepProgress(Document):
     id: str
@@ -169,6 +175,15 @@ class RunError(Document):
     attempt: int = 0
     # The last frames of the exception, for the person reading a dead letter.
     traceback: str | None = None
+
+
+class WaitingFor(Document):
+    """Why a run that could start does not: `handler` (no live worker on its queue offers
+    the handler of its current step; `detail` names it) or `concurrency` (a
+    `queue_same_scope` run waits for the run holding its dedupe key; `detail` is the key)."""
+
+    reason: Literal["handler", "concurrency"]
+    detail: str
 
 
 class Run(Document):
@@ -196,6 +211,9 @@ class Run(Document):
     cancel_grace_seconds: float = 30
     deadline: datetime | None = None
     cancel_deadline: datetime | None = None
+    # The handler of the current step (the first one not succeeded), which only workers that
+    # offer it claim; None while that step is external.
+    handler: str | None = None
     # While `waiting_worker`: the kind of external worker the current step waits for.
     external_type: str | None = None
     locked_by: str | None = None
@@ -218,6 +236,8 @@ class Run(Document):
     create_at: datetime
     update_at: datetime
     version: int = 1
+    # Not stored: the run service says it when it answers (`runs/waiting.py`).
+    waiting_for: WaitingFor | None = None
 
 
 class Event(Document):

@@ -4,9 +4,12 @@ On a Redis Cluster a command, pipeline step or script may touch keys of one hash
 Two groups of keys are used together and share a hash tag (the part in braces, which alone
 decides the slot):
 - every queue's ready and delayed sets, tagged `{<prefix>queues}`: a worker's blocking pop
-  waits on all its queues in one BZPOPMIN, and a claim script promotes and pops a queue's two
-  sets at once;
-- the worker registry's two keys, tagged `{<prefix>workers}`: its scripts read and prune both.
+  waits on all its lanes in one BZPOPMIN, and one claim script promotes and pops them all;
+- the worker registry's keys, tagged `{<prefix>workers}`: its scripts read and prune them.
+
+A queue is split into lanes, one per handler: a run waits in the lane of its current step's
+handler, and a worker pops only the lanes of the handlers it offers. A run whose current
+step is external (any worker hands it on) waits in the queue's own lane, `handler` None.
 Run locks and the scheduler lock carry no tag, so per-run keys spread over the
 cluster. Why one slot for all queues rather than one per queue is in docs/architecture.md.
 """
@@ -26,13 +29,19 @@ class Keys:
                 "keys use braces as Redis Cluster hash tags"
             )
 
-    def queue(self, queue: str) -> str:
-        """Ready runs of a queue: a sorted set, score `-priority`, member the run id."""
-        return f"{self.prefix}jobs:queue:{{{self.prefix}queues}}:{queue}"
+    def queue(self, queue: str, handler: str | None = None) -> str:
+        """Ready runs of a queue's lane: a sorted set, score `-priority`, member the run id.
+        (A queue name holds no colon, so the lane's part cannot be mistaken for it.)"""
+        return f"{self.prefix}jobs:queue:{{{self.prefix}queues}}:{queue}{_lane(handler)}"
 
-    def delayed(self, queue: str) -> str:
-        """Runs waiting for `notBefore`: a sorted set, score epoch ms, member `<id>|<priority>`."""
-        return f"{self.prefix}jobs:delayed:{{{self.prefix}queues}}:{queue}"
+    def delayed(self, queue: str, handler: str | None = None) -> str:
+        """Runs of a lane waiting for `notBefore`: a sorted set, score epoch ms, member
+        `<id>|<priority>`."""
+        return f"{self.prefix}jobs:delayed:{{{self.prefix}queues}}:{queue}{_lane(handler)}"
+
+    def lanes(self, queue: str) -> str:
+        """The handlers a queue's runs were ever pushed for: a set, read by the metrics."""
+        return f"{self.prefix}jobs:lanes:{{{self.prefix}queues}}:{queue}"
 
     def lock(self, run_id: str) -> str:
         """The lease mirror of a run; value `<workerId>:<leaseToken>`."""
@@ -41,9 +50,6 @@ class Keys:
     @property
     def scheduler_lock(self) -> str:
         return f"{self.prefix}jobs:scheduler:lock"
-
-    def dedupe(self, key: str) -> str:
-        return f"{self.prefix}jobs:dedupe:{key}"
 
     @property
     def cancel_channel(self) -> str:
@@ -60,6 +66,15 @@ class Keys:
     def workers_held(self) -> str:
         """Runs each live worker holds, as of its last heartbeat: a hash, worker id -> count."""
         return f"{self.prefix}jobs:workers:{{{self.prefix}workers}}:held"
+
+    @property
+    def workers_offers(self) -> str:
+        """What each live worker serves: a hash, worker id -> JSON `{queues, handlers}`."""
+        return f"{self.prefix}jobs:workers:{{{self.prefix}workers}}:offers"
+
+
+def _lane(handler: str | None) -> str:
+    return "" if handler is None else f":{handler}"
 
 
 def delayed_member(run_id: str, priority: int) -> str:

@@ -6,6 +6,7 @@ claimable, and everything in Redis can be rebuilt from MongoDB by the reconciler
 
 import asyncio
 import contextlib
+import json
 from collections.abc import (
     AsyncIterator,
     Awaitable,
@@ -24,6 +25,7 @@ from redis.commands.core import AsyncScript
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from jobplane.groupcommit import GroupCommit
+from jobplane.model import Run
 from jobplane.queue.connect import RedisClient, RedisPipeline
 from jobplane.queue.keys import Keys, delayed_member
 
@@ -83,6 +85,24 @@ class QueueEntry:
     queue: str
     priority: int
     not_before: datetime | None = None
+    # The lane: the handler of the run's current step (None: any worker may take it).
+    handler: str | None = None
+
+    @classmethod
+    def of(cls, run: Run) -> "QueueEntry":
+        return cls(run.id, run.queue, run.priority, run.not_before, run.handler)
+
+
+@dataclass(frozen=True)
+class Offer:
+    """What a live worker serves, as its last heartbeat said."""
+
+    held: int
+    queues: list[str]
+    handlers: list[str]
+
+    def serves(self, queue: str, handler: str | None) -> bool:
+        return queue in self.queues and (handler is None or handler in self.handlers)
 
 
 @dataclass(frozen=True)
@@ -114,6 +134,10 @@ class Locks:
             pipe.set(keys.lock(run_id), owner, px=px, nx=self.only_if_free)
 
 
+# Where a push puts a run: its queue and lane, the sorted set, the member and its score.
+_Placed = tuple[str, str | None, str, str, float]
+
+
 class RedisQueue:
     def __init__(self, redis: RedisClient, keys: Keys, timeout_seconds: float = 10.0) -> None:
         self.redis = redis
@@ -137,27 +161,38 @@ class RedisQueue:
 
         Concurrent pushes go out together, one ZADD per sorted set.
         """
-        placed: list[tuple[str, str, float]] = []
+        placed: list[_Placed] = []
         for e in entries:
             if e.not_before is not None and e.not_before > now:
                 member = delayed_member(e.run_id, e.priority)
-                placed.append((self.keys.delayed(e.queue), member, epoch_ms(e.not_before)))
+                key = self.keys.delayed(e.queue, e.handler)
+                placed.append((e.queue, e.handler, key, member, epoch_ms(e.not_before)))
             else:
-                placed.append((self.keys.queue(e.queue), e.run_id, -e.priority))
+                key = self.keys.queue(e.queue, e.handler)
+                placed.append((e.queue, e.handler, key, e.run_id, -e.priority))
         if placed:
             await self._pushes.submit(placed)
 
     @_bounded
-    async def _push_many(self, pushes: list[list[tuple[str, str, float]]]) -> list[None]:
+    async def _push_many(self, pushes: list[list[_Placed]]) -> list[None]:
         by_key: dict[str, dict[str, float]] = {}
+        lanes: dict[str, set[str]] = {}
         for placed in pushes:
-            for key, member, score in placed:
+            for queue, handler, key, member, score in placed:
                 by_key.setdefault(key, {})[member] = score
+                if handler is not None:
+                    lanes.setdefault(queue, set()).add(handler)
         async with self.redis.pipeline(transaction=False) as pipe:
             for key, members in by_key.items():
                 pipe.zadd(key, members)
+            for queue, handlers in lanes.items():
+                pipe.sadd(self.keys.lanes(queue), *handlers)
             await pipe.execute()
         return [None] * len(pushes)
+
+    async def lanes(self, queue: str) -> list[str]:
+        """The handlers of the lanes of `queue` that runs were ever pushed to."""
+        return sorted(_text(h) for h in await self.redis.smembers(self.keys.lanes(queue)))
 
     async def pop(
         self,
@@ -166,30 +201,38 @@ class RedisQueue:
         now: datetime,
         block_seconds: float = 0,
         locks: Locks | None = None,
+        handlers: Sequence[str] = (),
     ) -> Popped:
         """Pop up to `n` ready ids across `queues` in order, promoting due delayed runs first.
 
+        Of each queue, the lanes popped are its own and those of `handlers`; within a queue,
+        its lanes' runs come out by priority as if they were one set.
+
         With `block_seconds` (and `n` > 0) a BZPOPMIN over the ready sets goes first: it takes
-        the first ready id at once, or waits up to that long for one to be pushed. It shares a
-        round trip with the first queue's pop of the others, and `locks` (leases just granted)
-        are mirrored in that round trip too: a worker waiting for work pays one round trip a
-        wake-up, not a pop that finds nothing, a wait, and then its lock writes.
+        a ready id at once (the first non-empty lane's, so a caller that wants strict
+        priority under a backlog does not block), or waits up to that long for one to be
+        pushed. It shares a round trip with the pop of the others, and `locks` (leases just
+        granted) are mirrored in that round trip too: a worker waiting for work pays one round
+        trip a wake-up, not a pop that finds nothing, a wait, and then its lock writes.
         """
         if not queues:
             return Popped([], None)
         async with _answered_within(self.timeout_seconds + max(block_seconds, 0), "pop"):
-            return await self._pop(queues, n, now, block_seconds, locks)
+            return await self._pop(queues, handlers, n, now, block_seconds, locks)
 
     async def _pop(
         self,
         queues: Sequence[str],
+        handlers: Sequence[str],
         n: int,
         now: datetime,
         block_seconds: float,
         locks: Locks | None,
     ) -> Popped:
         blocking = block_seconds > 0 and n > 0
-        first = [self.keys.queue(queues[0]), self.keys.delayed(queues[0])]
+        lanes = [(q, h) for q in queues for h in [None, *handlers]]
+        keys = [k for q, h in lanes for k in (self.keys.queue(q, h), self.keys.delayed(q, h))]
+        counts = [len(handlers) + 1] * len(queues)
         async with self.redis.pipeline(transaction=False) as pipe:
             if locks is not None:
                 locks.write(pipe, self.keys)
@@ -197,39 +240,37 @@ class RedisQueue:
                 # Redis truncates a timeout to whole milliseconds (0.001 s can come out as
                 # 0.999 ms) and reads 0 as "forever".
                 timeout = max(block_seconds, 0.002)
-                pipe.bzpopmin([self.keys.queue(q) for q in queues], timeout=timeout)
-            _eval(pipe, self._claim, first, [epoch_ms(now), n - 1 if blocking else n, 1000])
+                pipe.bzpopmin(keys[::2], timeout=timeout)
+            wanted = n - 1 if blocking else n
+            _eval(pipe, self._claim, keys, [epoch_ms(now), wanted, 1000, *counts])
             replies = await pipe.execute()
         waited, popped = replies[-2] if blocking else None, replies[-1]
         ids = [_text(waited[1])] if waited else []
-        dues: list[int] = []
-        for queue in queues[1:]:
-            ids.extend(self._popped(popped, dues))
-            keys = [self.keys.queue(queue), self.keys.delayed(queue)]
-            popped = await self._claim(keys=keys, args=[epoch_ms(now), n - len(ids), 1000])
-        ids.extend(self._popped(popped, dues))
-        next_due = datetime.fromtimestamp(min(dues) / 1000, now.tzinfo) if dues else None
+        ids.extend(_text(v) for v in popped[:-1])
+        due = int(float(_text(popped[-1]))) if popped[-1] else None
+        next_due = datetime.fromtimestamp(due / 1000, now.tzinfo) if due is not None else None
         return Popped(ids, next_due)
 
-    @staticmethod
-    def _popped(reply: list[bytes | str], dues: list[int]) -> list[str]:
-        """The ids one queue's pop returned; its next due time, if any, goes to `dues`."""
-        if reply[-1]:
-            dues.append(int(float(_text(reply[-1]))))
-        return [_text(v) for v in reply[:-1]]
+    @_bounded
+    async def promote(self, queues: Sequence[str], now: datetime) -> None:
+        """Move the due delayed runs of every lane of `queues` to their ready sets. Workers
+        do it for their own lanes as they pop; this covers lanes no worker pops."""
+        for queue in queues:
+            await self._pop([queue], await self.lanes(queue), 0, now, 0, None)
 
     @_bounded
-    async def remove(self, run_id: str, queue: str, priority: int) -> None:
-        keys = [self.keys.queue(queue), self.keys.delayed(queue)]
-        await self._dequeue(keys=keys, args=[run_id, delayed_member(run_id, priority)])
+    async def remove(self, entry: QueueEntry) -> None:
+        keys = [self.keys.queue(entry.queue, entry.handler)]
+        keys.append(self.keys.delayed(entry.queue, entry.handler))
+        await self._dequeue(keys=keys, args=[entry.run_id, _delayed(entry)])
 
     @_bounded
     async def missing(self, entries: Sequence[QueueEntry]) -> list[QueueEntry]:
         """The entries that are in neither their ready nor their delayed set."""
         async with self.redis.pipeline(transaction=False) as pipe:
             for e in entries:
-                pipe.zscore(self.keys.queue(e.queue), e.run_id)
-                pipe.zscore(self.keys.delayed(e.queue), delayed_member(e.run_id, e.priority))
+                pipe.zscore(self.keys.queue(e.queue, e.handler), e.run_id)
+                pipe.zscore(self.keys.delayed(e.queue, e.handler), _delayed(e))
             scores = await pipe.execute()
         return [
             e for i, e in enumerate(entries) if scores[2 * i] is None and scores[2 * i + 1] is None
@@ -289,10 +330,19 @@ class RedisQueue:
         await self.redis.publish(self.keys.cancel_channel, run_id)
 
     @_bounded
-    async def mark_alive(self, worker_id: str, ttl_seconds: float, running: int) -> None:
-        """Count the worker as alive for `ttl_seconds` more, holding `running` runs."""
-        keys = [self.keys.workers, self.keys.workers_held]
-        await self._alive(keys=keys, args=[worker_id, int(ttl_seconds * 1000), running])
+    async def mark_alive(
+        self,
+        worker_id: str,
+        ttl_seconds: float,
+        running: int,
+        queues: Sequence[str] = (),
+        handlers: Sequence[str] = (),
+    ) -> None:
+        """Count the worker as alive for `ttl_seconds` more, holding `running` runs, and
+        serving the lanes of `handlers` in `queues`."""
+        offer = json.dumps({"queues": list(queues), "handlers": list(handlers)})
+        args: list[str | int] = [worker_id, int(ttl_seconds * 1000), running, offer]
+        await self._alive(keys=self._registry, args=args)
 
     @_bounded
     async def withdraw(self, worker_id: str) -> None:
@@ -300,13 +350,28 @@ class RedisQueue:
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.zrem(self.keys.workers, worker_id)
             pipe.hdel(self.keys.workers_held, worker_id)
+            pipe.hdel(self.keys.workers_offers, worker_id)
             await pipe.execute()
 
     @_bounded
-    async def live_workers(self) -> dict[str, int]:
-        """Each live worker's id and the runs it held at its last heartbeat, in one read."""
-        flat = await self._workers(keys=[self.keys.workers, self.keys.workers_held])
-        return {_text(flat[i]): int(_text(flat[i + 1])) for i in range(0, len(flat), 2)}
+    async def live_workers(self) -> dict[str, Offer]:
+        """Each live worker's id, the runs it held at its last heartbeat and what it serves,
+        in one read."""
+        flat = await self._workers(keys=self._registry)
+        live: dict[str, Offer] = {}
+        for i in range(0, len(flat), 3):
+            offer = json.loads(_text(flat[i + 2]))
+            held = int(_text(flat[i + 1]))
+            live[_text(flat[i])] = Offer(held, offer.get("queues", []), offer.get("handlers", []))
+        return live
+
+    @property
+    def _registry(self) -> list[str]:
+        return [self.keys.workers, self.keys.workers_held, self.keys.workers_offers]
+
+
+def _delayed(entry: QueueEntry) -> str:
+    return delayed_member(entry.run_id, entry.priority)
 
 
 def _text(value: bytes | str | float) -> str:

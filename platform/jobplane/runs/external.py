@@ -84,13 +84,16 @@ class ExternalSteps:
             )
         else:
             percentage = 100 * (index + 1) / len(template.steps)
-            lost = await self.store.finish_step(lease, index, step_id, output, percentage)
+            following = template.handler_at(index + 1)
+            lost = await self.store.finish_step(
+                lease, index, step_id, output, percentage, next_handler=following
+            )
             moved = lost or await self.store.release(lease)
         await self._settle(run, lease, moved)
         if last:
             await self._ended(run, lease)
         else:
-            await self._push(run, None)
+            await self._push(run.model_copy(update={"handler": following, "not_before": None}))
         return await self._get(run.id)
 
     async def fail(
@@ -110,7 +113,7 @@ class ExternalSteps:
         not_before = self.store.clock.now() + timedelta(seconds=delay)
         await self._settle(run, lease, await self.store.retry(lease, index, error, not_before))
         metrics.RUN_RETRIES.labels(run.template_type).inc()
-        await self._push(run, not_before)
+        await self._push(run.model_copy(update={"not_before": not_before}))
         return await self._get(run.id)
 
     async def _step(self, lease: Lease, step_id: str) -> tuple[Run, Template, int]:
@@ -152,9 +155,8 @@ class ExternalSteps:
         if run.dedupe_key is not None:
             await RunService(self.store, self.queue).admit_next(run.dedupe_key, lease.actor)
 
-    async def _push(self, run: Run, not_before: datetime | None) -> None:
-        entry = QueueEntry(run.id, run.queue, run.priority, not_before)
-        await self.queue.push([entry], self.store.clock.now())
+    async def _push(self, run: Run) -> None:
+        await self.queue.push([QueueEntry.of(run)], self.store.clock.now())
 
     async def _get(self, run_id: str) -> Run:
         run = await self.store.get_run(run_id)

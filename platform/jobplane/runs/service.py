@@ -215,7 +215,7 @@ class RunService:
         left to the reconciler, which pushes the queued runs Redis is missing."""
         if not runs:
             return
-        entries = [QueueEntry(r.id, r.queue, r.priority, r.not_before) for r in runs]
+        entries = [QueueEntry.of(r) for r in runs]
         try:
             await self.queue.push(entries, self.store.clock.now())
         except REDIS_DOWN as exc:
@@ -241,7 +241,7 @@ class RunService:
                 metrics.observe(run, cancelled, self.store.clock.now())
                 if not isinstance(cancelled, Lost):
                     with contextlib.suppress(*REDIS_DOWN):  # a popped id is skipped
-                        await self.queue.remove(run.id, run.queue, run.priority)
+                        await self.queue.remove(QueueEntry.of(run))
                     # The run may have taken the key it waited for since it was read.
                     if key := run.dedupe_key or run.dedupe_wait:
                         await self.admit_next(key, actor)

@@ -155,8 +155,7 @@ class Scheduler:
             moved += 1
             metrics.reaped(run, transition, outcome, self.clock.now())
             if outcome.to == RunStatus.QUEUED:
-                entry = QueueEntry(run.id, run.queue, run.priority, run.not_before)
-                await self.queue.push([entry], self.clock.now())
+                await self.queue.push([QueueEntry.of(run)], self.clock.now())
             elif run.dedupe_key is not None:
                 await RunService(self.store, self.queue).admit_next(run.dedupe_key, "reaper")
         return moved
@@ -172,7 +171,7 @@ class Scheduler:
                 log.exception("admitting the next run for key %s failed", key)
         # Workers promote delayed runs as they pop; this covers queues no worker is polling, so
         # their ready sets (and what they show) stay true.
-        await self.queue.pop(await self.store.queues(), 0, self.clock.now())
+        await self.queue.promote(await self.store.queues(), self.clock.now())
         pushed = 0
         after: str | None = None
         # A run created within the last tick is most likely still on its way into Redis.
@@ -182,7 +181,7 @@ class Scheduler:
             if not runs:
                 return pushed
             after = runs[-1].id
-            entries = [QueueEntry(r.id, r.queue, r.priority, r.not_before) for r in runs]
+            entries = [QueueEntry.of(r) for r in runs]
             missing = await self.queue.missing(entries)
             await self.queue.push(missing, self.clock.now())
             pushed += len(missing)

@@ -769,6 +769,7 @@ class MongoStore:
             payload=new.payload,
             priority=t.priority if new.priority is None else new.priority,
             queue=t.queue,
+            handler=t.handler_at(0),
             progress=Progress(steps=[StepProgress(id=s.id) for s in t.steps]),
             max_attempts=t.retry_policy.max_attempts,
             timeout_seconds=t.timeout_seconds,
@@ -1452,8 +1453,11 @@ class MongoStore:
         output: Any,
         percentage: float,
         started_at: datetime | None = None,
+        *,
+        next_handler: str | None,
     ) -> Lost | None:
-        """Record a step's success (and its start, when that was not written yet)."""
+        """Record a step's success (and its start, when that was not written yet); the run's
+        `handler` becomes the next step's."""
         now = self.clock.now()
         update, events = _unwritten_start(index, step_id, started_at)
         update |= {
@@ -1461,7 +1465,12 @@ class MongoStore:
             "progress.percentage": percentage,
         }
         events.append(("step_finished", None, {"step": step_id}))
-        return await self._fenced_write(lease, "finish_step", {"$set": update}, events, now)
+        write: Doc = {"$set": update}
+        if next_handler is None:
+            write["$unset"] = {"handler": ""}
+        else:
+            update["handler"] = next_handler
+        return await self._fenced_write(lease, "finish_step", write, events, now)
 
     async def report_progress(
         self,
@@ -1561,17 +1570,22 @@ class MongoStore:
             also=[("retry_scheduled", None, {"notBefore": not_before.isoformat()})],
         )
 
-    async def release(self, lease: Lease) -> Moved | Lost:
-        """Hand a run back on shutdown without spending the attempt it was on."""
+    async def release(self, lease: Lease, handler: str | None = None) -> Moved | Lost:
+        """Hand a run back without spending the attempt it was on: on shutdown, or (with
+        `handler`, its current step's) to a worker that offers the handler this one lacks."""
+        set_: Doc = {"progress.steps.$[r].status": StepStatus.PENDING}
+        if handler is not None:
+            set_["handler"] = handler
         return await self._transition(
             "release",
             lease.run_id,
             lease.actor,
             lease=lease,
-            set_={"progress.steps.$[r].status": StepStatus.PENDING},
+            set_=set_,
             unset=list(_LEASE_FIELDS),
             inc={"attempt": -1},
             array_filters=[{"r.status": StepStatus.RUNNING}],
+            message=None if handler is None else f"handed on for handler {handler!r}",
         )
 
     async def acknowledge_cancel(self, lease: Lease, interrupted: bool) -> Moved | Lost:

@@ -2,11 +2,17 @@
 
 A step's `handler` is looked up by its registered name first; a name of the form
 `package.module:function` is imported on first use.
+
+What a worker offers (and so claims) is its registered names, plus `module:function` for
+each public function of the modules it loaded (`JOBPLANE_HANDLERS`): a worker cannot know
+in advance which other modules it could import.
 """
 
 import asyncio
 import importlib
+import inspect
 from collections.abc import Awaitable, Callable
+from types import ModuleType
 from typing import Any
 
 from jobplane.worker.context import FatalError, RetryableError, StepContext
@@ -17,6 +23,7 @@ Handler = Callable[[StepContext], Awaitable[Any]] | Callable[[StepContext], Any]
 class HandlerRegistry:
     def __init__(self) -> None:
         self._handlers: dict[str, Handler] = {}
+        self._modules: list[ModuleType] = []
 
     def register(self, name: str) -> Callable[[Handler], Handler]:
         def decorate(fn: Handler) -> Handler:
@@ -41,15 +48,32 @@ class HandlerRegistry:
     def __contains__(self, name: str) -> bool:
         return self.resolve(name) is not None
 
+    def load(self, modules: list[str]) -> None:
+        """Import handler modules (JOBPLANE_HANDLERS): their decorators register their
+        handlers, and their functions are offered by `module:function` name."""
+        self._modules += [importlib.import_module(module) for module in modules]
+
+    def offered(self) -> list[str]:
+        """The handler names this registry offers, sorted."""
+        names = set(self._handlers)
+        for module in self._modules:
+            names.update(
+                f"{module.__name__}:{name}"
+                for name, fn in vars(module).items()
+                if inspect.isfunction(fn)
+                and fn.__module__ == module.__name__
+                and not name.startswith("_")
+            )
+        return sorted(names)
+
 
 registry = HandlerRegistry()
 handler = registry.register
 
 
 def load_modules(modules: list[str]) -> None:
-    """Import handler modules (JOBPLANE_HANDLERS) so their decorators register them."""
-    for module in modules:
-        importlib.import_module(module)
+    """Import handler modules (JOBPLANE_HANDLERS) into the default registry."""
+    registry.load(modules)
 
 
 # -- built-ins, so shipped templates work out of the box ------------------------------------------

@@ -87,6 +87,14 @@ class _Overdue(Exception):
     """The run's deadline passed: it ends `expired`, whatever its step was doing."""
 
 
+class _HandOff(Exception):
+    """The run's next step needs a handler this worker does not offer."""
+
+    def __init__(self, handler: str) -> None:
+        super().__init__(handler)
+        self.handler = handler
+
+
 class _Stopped(Exception):
     """The run must stop: its lease was lost (write nothing) or the worker shuts down."""
 
@@ -112,6 +120,9 @@ class Worker:
         self.id = worker_id or settings.worker_id or default_worker_id()
         self.clock = clock or SystemClock()
         self.held: dict[str, _Held] = {}
+        # The handlers this worker claims runs for: the lanes it pops, which its heartbeat
+        # advertises. A run whose step needs another is handed on, never failed.
+        self.offered = handlers.offered()
         self._templates: dict[tuple[str, int], Template] = {}
         self._slot_free = asyncio.Event()
         self._closing = asyncio.Event()
@@ -212,8 +223,12 @@ class Worker:
             unmirrored = {}
             try:
                 now = self.clock.now()
-                block = min(self.settings.poll_seconds, (due - now).total_seconds())
-                popped = await self.queue.pop(queues, free, now, block, locks)
+                # Under a backlog a blocking pop would take its first run lane by lane, not
+                # by priority; and it would not wait anyway.
+                block = (
+                    0 if backlog else min(self.settings.poll_seconds, (due - now).total_seconds())
+                )
+                popped = await self.queue.pop(queues, free, now, block, locks, self.offered)
                 due = popped.next_due or now + timedelta(seconds=self.settings.poll_seconds)
                 backlog = len(popped.run_ids) == free
                 if popped.run_ids:
@@ -262,6 +277,9 @@ class Worker:
                 # Not fenced: if the reaper got there first, the run is expired already.
                 moved = await self.store.expire_deadline(held.run, held.lease.actor)
                 metrics.observe(held.run, moved, self.clock.now())
+            except _HandOff as handoff:
+                log.info("run %s: handed on for handler %r", held.run.id, handoff.handler)
+                await self._release(held, handoff.handler)
         except _Stopped as stopped:
             if stopped.reason == "shutdown":
                 try:
@@ -290,15 +308,16 @@ class Worker:
         except Exception:
             log.exception("admitting the next run for key %s failed; the scheduler will", key)
 
-    async def _release(self, held: _Held) -> None:
-        """Shutdown: hand the run back to the queue, or finish a cancel that was asked for."""
-        moved = await self.store.release(held.lease)
+    async def _release(self, held: _Held, handler: str | None = None) -> None:
+        """Hand the run back to the queue (on shutdown, or to the lane of `handler`, which
+        this worker lacks), or finish a cancel that was asked for."""
+        moved = await self.store.release(held.lease, handler)
         metrics.observe(held.run, moved, self.clock.now())
         if isinstance(moved, Lost) and moved.status == RunStatus.CANCEL_REQUESTED:
             acked = await self.store.acknowledge_cancel(held.lease, interrupted=True)
             metrics.observe(held.run, acked, self.clock.now())
         elif not isinstance(moved, Lost):
-            await self._push(held.run)
+            await self._push(held.run.model_copy(update={"handler": handler or held.run.handler}))
 
     async def _run_steps(self, held: _Held) -> None:
         """Run the steps from the first one not yet done; raises `CancelRequested` to stop."""
@@ -336,6 +355,8 @@ class Worker:
                 wait = await self.store.wait_worker(lease, index, step.id, step.worker_type)
                 self._check(run, wait)
                 return
+            if step.handler not in self.offered:
+                raise _HandOff(step.handler)
             try:
                 with log_context(step=step.id):
                     output = await self._call(held, template, index, outputs)
@@ -348,10 +369,12 @@ class Worker:
             began = held.unwritten_start
             if index + 1 < len(steps):
                 percentage = 100 * (index + 1) / len(steps)
-                self._check(
-                    run,
-                    await self.store.finish_step(lease, index, step.id, output, percentage, began),
+                following = template.handler_at(index + 1)
+                finished = await self.store.finish_step(
+                    lease, index, step.id, output, percentage, began, next_handler=following
                 )
+                self._check(run, finished)
+                held.run = held.run.model_copy(update={"handler": following})
                 continue
             moved = await self.store.complete(
                 lease, index, step.id, output, output, began, spend_key=not template.repeatable
@@ -359,7 +382,9 @@ class Worker:
             if isinstance(moved, Lost) and moved.status == RunStatus.CANCEL_REQUESTED:
                 # The step ran to its end (it may be non-cancelable): keep its output, then
                 # acknowledge the cancel, which the table requires over success.
-                finished = await self.store.finish_step(lease, index, step.id, output, 100, began)
+                finished = await self.store.finish_step(
+                    lease, index, step.id, output, 100, began, next_handler=None
+                )
                 self._check(run, finished)
                 raise CancelRequested(run.id, interrupted=False)
             self._check(run, moved)
@@ -370,8 +395,7 @@ class Worker:
         step = template.steps[index]
         began = held.unwritten_start = self.clock.now()
         handler = self.handlers.resolve(step.handler)
-        if handler is None:
-            raise FatalError(f"unknown handler {step.handler!r} for step {step.id!r}")
+        assert handler is not None, "an offered handler, as checked before the step began"
         n = len(template.steps)
         start: asyncio.Future[Lost | None] | None = None
 
@@ -470,7 +494,7 @@ class Worker:
         retried = await self.store.retry(lease, index, error, not_before, began)
         self._check(run, retried)
         metrics.RUN_RETRIES.labels(run.template_type).inc()
-        await self._push(run.model_copy(update={"not_before": not_before}))
+        await self._push(held.run.model_copy(update={"not_before": not_before}))
 
     def _time_left(self, run: Run) -> float | None:
         """Seconds until the run's deadline (0 once passed), or None without one."""
@@ -495,9 +519,8 @@ class Worker:
             raise _Stopped("lost")
 
     async def _push(self, run: Run) -> None:
-        entry = QueueEntry(run.id, run.queue, run.priority, run.not_before)
         try:
-            await self.queue.push([entry], self.clock.now())
+            await self.queue.push([QueueEntry.of(run)], self.clock.now())
         except Exception:
             log.warning("run %s: Redis push failed; the reconciler will queue it", run.id)
 
@@ -528,7 +551,11 @@ class Worker:
             try:
                 await self._renew(list(self.held.values()))
                 await self.queue.mark_alive(
-                    self.id, 3 * self.settings.heartbeat_seconds, len(self.held)
+                    self.id,
+                    3 * self.settings.heartbeat_seconds,
+                    len(self.held),
+                    self.settings.queues,
+                    self.offered,
                 )
             except Exception:
                 log.exception("heartbeat failed; retrying at the next beat")

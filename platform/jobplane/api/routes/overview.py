@@ -83,11 +83,19 @@ class RunFigures(ResponseBody):
     failing_templates: list[FailingTemplate]
 
 
+class HandlerWait(ResponseBody):
+    """Runs of the queue whose current step's handler no live worker offers on it."""
+
+    handler: str
+    runs: int
+
+
 class QueueFigures(ResponseBody):
     name: str
     ready: int
     delayed: int
     oldest_ready_age_seconds: float
+    waiting_for_handlers: list[HandlerWait]
 
 
 class HeldRunPublic(ResponseBody):
@@ -266,15 +274,24 @@ def _runs(figures: overview.RunFigures) -> RunFigures:
 def _queues(gauges: Gauges) -> list[QueueFigures]:
     names = sorted({labels[0] for name, labels in gauges if name == "jobplane_queue_depth"})
     oldest = "jobplane_queue_oldest_ready_age_seconds"
+    waits = [
+        (labels, int(n)) for (name, labels), n in gauges.items() if name == _WAITING_FOR_HANDLER
+    ]
     return [
         QueueFigures(
             name=q,
             ready=int(gauges.get(("jobplane_queue_depth", (q, "ready")), 0)),
             delayed=int(gauges.get(("jobplane_queue_depth", (q, "delayed")), 0)),
             oldest_ready_age_seconds=gauges.get((oldest, (q,)), 0),
+            waiting_for_handlers=[
+                HandlerWait(handler=h, runs=n) for (wq, h), n in sorted(waits) if wq == q
+            ],
         )
         for q in names
     ]
+
+
+_WAITING_FOR_HANDLER = "jobplane_runs_waiting_for_handler"
 
 
 def _holding(held: list[HeldRun], alive: dict[str, bool] | None) -> list[WorkerFigures]:

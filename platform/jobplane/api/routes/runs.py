@@ -7,7 +7,14 @@ from fastapi import APIRouter, Query, Response
 from pydantic import AfterValidator, Field, StrictInt, StrictStr
 
 from jobplane.api import pages
-from jobplane.api.deps import RunReader, RunsDep, RunWriter, SettingsDep, StoreDep
+from jobplane.api.deps import (
+    RunReader,
+    RunsDep,
+    RunWriter,
+    SettingsDep,
+    StoreDep,
+    WaitingDep,
+)
 from jobplane.api.errors import ERROR_RESPONSES, ErrorBody
 from jobplane.api.pages import Cursor, Limit, Page
 from jobplane.api.schema import RequestBody, ResponseBody
@@ -77,19 +84,25 @@ class CancelBody(RequestBody):
     responses={200: {"model": Run, "description": "a repeated idempotencyKey: the first run"}},
 )
 async def create(
-    body: RunCreate, runs: RunsDep, caller: RunWriter, settings: SettingsDep, response: Response
+    body: RunCreate,
+    runs: RunsDep,
+    caller: RunWriter,
+    settings: SettingsDep,
+    response: Response,
+    waiting: WaitingDep,
 ) -> Run:
     """Create a run; a repeated `idempotencyKey` in the same scope returns the first with 200."""
     caller.may_act_in(body.scope, body.scope_id)
     run, created = await runs.create(run_request(body, settings.max_payload_bytes), caller.actor)
     if not created:
         response.status_code = 200
+    [run] = await waiting.explain([run])
     return run
 
 
 @router.post("/batch", response_model=BatchResult, response_model_by_alias=True)
 async def create_batch(
-    body: RunBatch, runs: RunsDep, caller: RunWriter, settings: SettingsDep
+    body: RunBatch, runs: RunsDep, caller: RunWriter, settings: SettingsDep, waiting: WaitingDep
 ) -> BatchResult:
     """Create up to 1,000 runs; `items` answers each in request order, as `POST /v1/runs` would
     have: `{status: 201|200, run}` or `{status: 4xx, error}`. One refused item (another scope,
@@ -106,8 +119,9 @@ async def create_batch(
             continue
         accepted.append(i)
     created = await runs.create_many(requests, caller.actor) if requests else []
+    explained = iter(await waiting.explain([o[0] for o in created if isinstance(o, tuple)]))
     for i, outcome in zip(accepted, created, strict=True):
-        outcomes[i] = outcome
+        outcomes[i] = (next(explained), outcome[1]) if isinstance(outcome, tuple) else outcome
     return BatchResult(items=[_batch_item(i, o) for i, o in enumerate(outcomes) if o is not None])
 
 
@@ -142,6 +156,7 @@ def _batch_item(
 async def list_runs(
     store: StoreDep,
     caller: RunReader,
+    waiting: WaitingDep,
     status: RunStatus | None = None,
     template_type: Annotated[str | None, Query(alias="templateType")] = None,
     scope: Literal["user", "account", "system"] | None = None,
@@ -157,13 +172,15 @@ async def list_runs(
     query = RunQuery(status, template_type, scope, scope_id, schedule_id, before)
     found = await store.list_runs(query, caller.within, limit + 1)
     more = len(found) > limit
-    items = found[:limit]
+    items = await waiting.explain(found[:limit])
     return Page(items=items, next_cursor=pages.run_cursor(items[-1].id) if more else None)
 
 
 @router.get("/{run_id}", response_model=Run, response_model_by_alias=True)
-async def get(run_id: str, runs: RunsDep, caller: RunReader) -> Run:
-    return caller.visible(await runs.get(run_id))
+async def get(run_id: str, runs: RunsDep, caller: RunReader, waiting: WaitingDep) -> Run:
+    """The run; `waitingFor` says why, if it could start but does not."""
+    [run] = await waiting.explain([caller.visible(await runs.get(run_id))])
+    return run
 
 
 @router.post("/{run_id}/cancel", response_model=Run, response_model_by_alias=True)
@@ -177,10 +194,11 @@ async def cancel(
 
 
 @router.post("/{run_id}/rerun", status_code=201, response_model=Run, response_model_by_alias=True)
-async def rerun(run_id: str, runs: RunsDep, caller: RunWriter) -> Run:
+async def rerun(run_id: str, runs: RunsDep, caller: RunWriter, waiting: WaitingDep) -> Run:
     """A new run with the finished run's template version, scope and payload (`rerunOf`)."""
     caller.visible(await runs.get(run_id))
-    return await runs.rerun(run_id, caller.actor)
+    [run] = await waiting.explain([await runs.rerun(run_id, caller.actor)])
+    return run
 
 
 @router.get("/{run_id}/events", response_model=list[Event], response_model_by_alias=True)

@@ -4,11 +4,13 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
+from pydantic import Field
 
-from jobplane.api.deps import StoreDep, TemplateAuthor, TemplateReader
+from jobplane.api.deps import StoreDep, TemplateAuthor, TemplateReader, WaitingDep
 from jobplane.api.errors import ERROR_RESPONSES
 from jobplane.errors import NotFound
 from jobplane.model import Template, TemplateSpec, Version
+from jobplane.runs.waiting import Waiting
 from jobplane.templates import parse_template
 
 router = APIRouter(prefix="/v1/templates", tags=["templates"], responses=ERROR_RESPONSES)
@@ -39,25 +41,48 @@ _TEMPLATE_BODY = {
 }
 
 
+class Registered(Template):
+    """The registered version, and what may keep its runs from starting: a handler no live
+    worker offers on the template's queue. Registering succeeds all the same."""
+
+    warnings: list[str] = Field(default_factory=list)
+
+
 @router.post(
     "",
     status_code=201,
-    response_model=Template,
+    response_model=Registered,
     response_model_by_alias=True,
-    responses={200: {"model": Template, "description": "unchanged: the latest version"}},
+    responses={200: {"model": Registered, "description": "unchanged: the latest version"}},
     openapi_extra=_TEMPLATE_BODY,
 )
-async def register(request: Request, store: StoreDep, caller: TemplateAuthor) -> JSONResponse:
+async def register(
+    request: Request, store: StoreDep, caller: TemplateAuthor, waiting: WaitingDep
+) -> JSONResponse:
     """Register a template from JSON or YAML (`Content-Type: application/yaml`).
 
     An unchanged definition returns the latest version with 200; a changed one is stored as
-    the next version with 201.
+    the next version with 201. `warnings` names each handler no live worker offers.
     """
     yaml_syntax = "yaml" in request.headers.get("content-type", "")
     spec = parse_template(await request.body(), yaml_syntax)
     template, created = await store.register_template(spec)
-    body = template.model_dump(by_alias=True, mode="json")
+    registered = Registered(**template.model_dump(), warnings=await _unserved(template, waiting))
+    body = registered.model_dump(by_alias=True, mode="json")
     return JSONResponse(body, status_code=201 if created else 200)
+
+
+async def _unserved(template: Template, waiting: Waiting) -> list[str]:
+    offered = await waiting.offered()
+    if offered is None:
+        return ["the worker registry in Redis could not be read: handlers were not checked"]
+    needed = sorted({s.handler for s in template.steps if s.worker_type == "inline"})
+    return [
+        f"no live worker offers handler {h!r} on queue {template.queue!r}: its runs wait "
+        "until one does"
+        for h in needed
+        if (template.queue, h) not in offered
+    ]
 
 
 @router.get("", response_model=list[Template], response_model_by_alias=True)

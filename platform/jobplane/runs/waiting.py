@@ -1,0 +1,57 @@
+"""Why a run that could start does not: what a run's `waitingFor` says.
+
+A `queue_same_scope` run waits for the run holding its dedupe key (`concurrency`). A run whose
+current step's handler no live worker offers on its queue waits for such a worker
+(`handler`): workers claim only the lanes of the handlers they offer (`queue/keys.py`), so
+nothing fails or spins meanwhile. The second is read from the worker registry in Redis,
+at most once per `max_age` per process, so answering runs adds no round trip of its own.
+"""
+
+import logging
+import time
+from collections.abc import Sequence
+
+from jobplane.model import CLAIMABLE, Run, WaitingFor
+from jobplane.queue.connect import REDIS_DOWN
+from jobplane.queue.redis import RedisQueue
+
+log = logging.getLogger("jobplane.runs")
+
+Lane = tuple[str, str]
+
+
+class Waiting:
+    def __init__(self, queue: RedisQueue, max_age: float = 1.0) -> None:
+        self.queue = queue
+        self.max_age = max_age
+        self._offered: frozenset[Lane] | None = None
+        self._read_at = 0.0
+
+    async def offered(self) -> frozenset[Lane] | None:
+        """The (queue, handler) lanes live workers offer; None while Redis does not answer."""
+        if self._offered is None or time.monotonic() - self._read_at > self.max_age:
+            try:
+                live = await self.queue.live_workers()
+            except REDIS_DOWN as exc:
+                log.debug("worker registry unreadable: %s", exc)
+                return None
+            lanes = {(q, h) for o in live.values() for q in o.queues for h in o.handlers}
+            self._offered, self._read_at = frozenset(lanes), time.monotonic()
+        return self._offered
+
+    async def explain(self, runs: Sequence[Run]) -> list[Run]:
+        """The runs, each with its `waiting_for` said."""
+        offered = None
+        if any(r.status in CLAIMABLE and r.handler is not None for r in runs):
+            offered = await self.offered()
+        return [r.model_copy(update={"waiting_for": _reason(r, offered)}) for r in runs]
+
+
+def _reason(run: Run, offered: frozenset[Lane] | None) -> WaitingFor | None:
+    if run.status not in CLAIMABLE:
+        return None
+    if run.dedupe_wait is not None:
+        return WaitingFor(reason="concurrency", detail=run.dedupe_wait)
+    if run.handler is not None and offered is not None and (run.queue, run.handler) not in offered:
+        return WaitingFor(reason="handler", detail=run.handler)
+    return None
