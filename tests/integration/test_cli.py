@@ -21,6 +21,7 @@ from jobplane.cli import main
 from jobplane.devstack import free_port
 from jobplane.settings import Settings
 from jobplane.templates.loader import SUFFIXES
+from jobplane.worker import registry
 from tests.integration.conftest import Register
 from tests.integration.workers import running
 
@@ -114,7 +115,11 @@ async def created(cli: CLI, *args: str, key: str = ADMIN) -> str:
     return run_id
 
 
-async def test_templates_apply_list_show_enable_disable(cli: CLI, tmp_path: Path) -> None:
+async def test_templates_apply_list_show_enable_disable(
+    cli: CLI, backends: Backends, tmp_path: Path
+) -> None:
+    # A live worker offers the shipped templates' handlers, so applying them warns of nothing.
+    await backends.queue.mark_alive("w", 60, 0, ["default"], registry.offered())
     applied = ok(await cli("templates", "apply", str(TEMPLATES)))
     assert "demo_long_task.yaml: demo_long_task v1" in applied.lines
     assert len(applied.lines) == len([p for p in TEMPLATES.iterdir() if p.suffix in SUFFIXES])
@@ -162,6 +167,17 @@ async def test_templates_apply_list_show_enable_disable(cli: CLI, tmp_path: Path
     failed(await cli("templates", "apply", str(tmp_path / "missing")), "InvalidArgument")
     (tmp_path / "empty").mkdir()
     failed(await cli("templates", "apply", str(tmp_path / "empty")), "InvalidArgument")
+
+
+async def test_applying_a_template_no_live_worker_can_run_warns(cli: CLI, tmp_path: Path) -> None:
+    lonely = tmp_path / "lonely.yaml"
+    lonely.write_text("type: t_lonely\nsteps:\n  - {id: s, handler: nobody.offers}\n")
+    result = await cli("templates", "apply", str(lonely))
+    assert result.code == 0 and result.lines == ["lonely.yaml: t_lonely v1"]
+    assert result.err.splitlines() == [
+        "warning: lonely.yaml: no live worker offers handler 'nobody.offers' on queue "
+        "'default': its runs wait until one does"
+    ]
 
 
 async def test_a_user_key_acts_only_in_its_scopes(

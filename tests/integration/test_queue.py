@@ -91,6 +91,30 @@ async def test_pop_orders_by_priority_then_age_and_promotes_due_delayed(
     assert [i[-1] for i in later.run_ids] == ["e"] and later.next_due is None
 
 
+async def test_a_pop_takes_only_its_handlers_lanes_merged_by_priority(
+    queue: RedisQueue, store: MongoStore
+) -> None:
+    now = store.clock.now()
+    entries = [
+        QueueEntry("00000000000000000000000a", "q", 0, handler="a"),
+        QueueEntry("00000000000000000000000b", "q", 5, handler="b"),
+        QueueEntry("00000000000000000000000c", "q", 7, handler="c"),
+        QueueEntry("00000000000000000000000d", "q", 3),
+        QueueEntry("00000000000000000000000e", "q", 9, now - timedelta(seconds=1), "b"),
+        QueueEntry("00000000000000000000000f", "q", 0, now + timedelta(seconds=30), "c"),
+        QueueEntry("000000000000000000000010", "q", 0, handler="a"),
+    ]
+    await queue.push(entries, now)
+    assert await queue.lanes("q") == ["a", "b", "c"]
+    # The queue's own lane and those of a and b, as one set would order them; not c's.
+    popped = await queue.pop(["q"], 4, now, handlers=["a", "b"])
+    assert [i[-2:] for i in popped.run_ids] == ["0e", "0b", "0d", "0a"]
+    assert popped.next_due is None, "c's delayed run is not this pop's to promote"
+    rest = await queue.pop(["q"], 10, now, 1, handlers=["a", "b"])
+    assert [i[-2:] for i in rest.run_ids] == ["10"]
+    assert await queue.redis.zcard(queue.keys.queue("q", "c")) == 1
+
+
 async def test_missing_finds_runs_redis_lost(queue: RedisQueue, store: MongoStore) -> None:
     now = store.clock.now()
     ready = QueueEntry("00000000000000000000000a", "q", 1)
