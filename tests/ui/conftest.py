@@ -68,6 +68,12 @@ TEMPLATES = [
         "steps": [{"id": "boom", "name": "Boom", "handler": "builtin.fail"}],
     },
     {
+        # No worker of the stack offers its handler: its runs wait, saying so.
+        "type": "ui_unserved",
+        "name": "Needs a handler no worker offers",
+        "steps": [{"id": "render", "handler": "ui.nobody"}],
+    },
+    {
         "type": "ui_report",
         "name": "Report",
         "schedulable": True,

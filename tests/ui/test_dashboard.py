@@ -145,6 +145,25 @@ def test_rerun_a_failed_run(page: Page, stack: Stack, scope_id: str) -> None:
         assert admin.get(f"/v1/runs/{rerun_id}").json()["rerunOf"] == run_id
 
 
+def test_a_run_waiting_for_a_handler_says_so_here_and_on_the_overview(
+    page: Page, stack: Stack, scope_id: str
+) -> None:
+    with stack.admin() as admin:
+        run_id = create_run(admin, "ui_unserved", scope_id)
+    sign_in(page, stack)
+    page.goto(f"{stack.dashboard}#/runs/{run_id}")
+    expect(run_status(page)).to_have_text("queued")
+    note = page.get_by_role("region", name="Progress").get_by_role("status")
+    expect(note).to_have_text(
+        "No live worker on queue default offers handler ui.nobody: the run starts once one does."
+    )
+    page.goto(f"{stack.dashboard}#/")
+    waits = page.get_by_role("region", name="Queues").locator('[data-handler="ui.nobody"]')
+    expect(waits).to_have_text(
+        re.compile(r"^\d+ runs? waits? for ui\.nobody; no worker offers it$")
+    )
+
+
 def test_a_user_key_sees_only_its_own_scopes(page: Page, stack: Stack, scope_id: str) -> None:
     with stack.admin() as admin:
         mine = create_run(admin, "ui_fail", scope_id, fatal=True)

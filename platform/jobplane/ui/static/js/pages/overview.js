@@ -77,11 +77,19 @@ function queuesCard(data) {
         { label: "Ready", class: "num", cell: (q) => q.ready },
         { label: "Delayed", class: "num", cell: (q) => q.delayed },
         { label: "Oldest ready", class: "num", cell: (q) => (q.ready ? duration(q.oldestReadyAgeSeconds) : "—") },
+        { label: "Waiting for a handler", cell: handlerWaits },
       ],
       data.queues,
       { empty: data.backends.redis ? "No queue is named by a template yet." : "Unknown: Redis did not answer." },
     ),
   );
+}
+
+// "12 runs wait for reports.render": handlers no live worker offers on the queue.
+function handlerWaits(q) {
+  if (!q.waitingForHandlers.length) return "—";
+  return h("ul", { class: "plain" }, q.waitingForHandlers.map((w) => h("li", { class: "waiting", "data-handler": w.handler },
+    `${w.runs} ${w.runs === 1 ? "run waits" : "runs wait"} for `, h("code", {}, w.handler), "; no worker offers it")));
 }
 
 function schedulerCard(data) {

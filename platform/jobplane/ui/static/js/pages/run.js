@@ -116,6 +116,7 @@ class RunView {
         progressBar(run.progress.percentage, { label: "Run progress", status: run.status }),
         h("span", { class: "pct", id: "run-percentage" }, `${Math.round(run.progress.percentage)}%`)),
       run.progress.summary ? h("p", { class: "muted small" }, run.progress.summary) : null,
+      run.waitingFor ? waitingNote(run) : null,
       list,
     );
   }
@@ -128,6 +129,7 @@ class RunView {
         ["Attempt", `${run.attempt} of ${run.maxAttempts}`],
         ["Queue", h("span", { class: "mono" }, run.queue)],
         ["Priority", String(run.priority)],
+        ["Waiting for", run.waitingFor ? `${run.waitingFor.reason}: ${run.waitingFor.detail}` : undefined],
         ["Created", time(run.createAt)],
         ["Not before", run.notBefore ? time(run.notBefore) : undefined],
         ["Started", time(run.startedAt)],
@@ -223,6 +225,16 @@ class RunView {
     toast(`${what}: ${error.message}`, "error");
     this.head.append(errorBox(error, { title: `${what}.` }));
   }
+}
+
+// Why a run that could start does not (`waitingFor`), said where the progress would be.
+function waitingNote(run) {
+  const { reason, detail } = run.waitingFor;
+  const said = reason === "handler"
+    ? ["No live worker on queue ", h("code", {}, run.queue), " offers handler ", h("code", {}, detail),
+      ": the run starts once one does."]
+    : ["Waits for the run holding its dedupe key ", h("code", {}, detail), " to end."];
+  return h("p", { class: "waiting", role: "status", "data-reason": reason }, ...said);
 }
 
 function errorCard(error) {
