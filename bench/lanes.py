@@ -1,0 +1,83 @@
+"""What a worker's handler count costs a pop: a queue has one lane per handler, and a worker
+pops its queue's own lane plus one lane per handler it offers (`queue/keys.py`).
+
+For each handler count H, a worker offering H handlers pops a backlog that waits in one of
+its lanes, in batches (`--batch`), and then pops an empty queue (what an idle worker's
+non-blocking pop costs); printed are microseconds per pop call and per run, and Redis's own
+CPU per pop call.
+
+    python bench/lanes.py [--runs 20000] [--batch 16] [--handlers 0,1,10,50,200]
+"""
+
+import argparse
+import asyncio
+import contextlib
+import tempfile
+import time
+from datetime import UTC, datetime
+from pathlib import Path
+
+from jobplane.devstack import RedisServer, free_port
+from jobplane.queue.connect import open_redis, parse_redis_url
+from jobplane.queue.keys import Keys
+from jobplane.queue.redis import QueueEntry, RedisQueue
+
+
+async def _redis_cpu(queue: RedisQueue) -> float:
+    info = await queue.redis.info("cpu")
+    return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
+
+
+async def measure(url: str, handlers: int, runs: int, batch: int) -> dict[str, float]:
+    offered = [f"bench.h{i:03d}" for i in range(handlers)]
+    lane = offered[-1] if offered else None
+    async with open_redis(parse_redis_url(url)) as redis:
+        queue = RedisQueue(redis, Keys(f"lanes{handlers}:"))
+        now = datetime.now(UTC)
+        entries = [QueueEntry(f"{i:024x}", "q", 0, handler=lane) for i in range(runs)]
+        for i in range(0, runs, 1000):
+            await queue.push(entries[i : i + 1000], now)
+        cpu, began, calls, popped = await _redis_cpu(queue), time.perf_counter(), 0, 0
+        while popped < runs:
+            popped += len((await queue.pop(["q"], batch, now, handlers=offered)).run_ids)
+            calls += 1
+        busy = time.perf_counter() - began
+        busy_cpu = await _redis_cpu(queue) - cpu
+        idle_calls = 2000
+        cpu, began = await _redis_cpu(queue), time.perf_counter()
+        for _ in range(idle_calls):
+            await queue.pop(["q"], batch, now, handlers=offered)
+        idle = time.perf_counter() - began
+        idle_cpu = await _redis_cpu(queue) - cpu
+    return {
+        "us_per_pop": 1e6 * busy / calls,
+        "us_per_run": 1e6 * busy / runs,
+        "redis_us_per_pop": 1e6 * busy_cpu / calls,
+        "idle_us_per_pop": 1e6 * idle / idle_calls,
+        "idle_redis_us_per_pop": 1e6 * idle_cpu / idle_calls,
+    }
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--runs", type=int, default=20000)
+    parser.add_argument("--batch", type=int, default=16)
+    parser.add_argument("--handlers", default="0,1,10,50,200")
+    args = parser.parse_args()
+    with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
+        server = RedisServer(Path(tmp), free_port(), Path(tmp) / "redis.log")
+        server.start()
+        stack.callback(server.stop)
+        print(f"runs {args.runs}, pops of {args.batch}; one Redis, one connection")
+        print("handlers  us/pop  us/run  redis us/pop  idle us/pop  idle redis us/pop")
+        for h in map(int, args.handlers.split(",")):
+            m = await measure(server.url, h, args.runs, args.batch)
+            print(
+                f"{h:8d}  {m['us_per_pop']:6.0f}  {m['us_per_run']:6.1f}  "
+                f"{m['redis_us_per_pop']:12.0f}  {m['idle_us_per_pop']:11.0f}  "
+                f"{m['idle_redis_us_per_pop']:17.0f}"
+            )
+
+
+if __name__ == "__main__":
+    asyncio.run(main())
