@@ -23,6 +23,8 @@ def bar(percentage: float, width: int = 30) -> str:
 def render(run: Run) -> list[str]:
     lines = [f"run {run.id}  {run.template_type} v{run.template_version}  {run.status.value}"]
     lines.append(f"  overall    {bar(run.progress.percentage)}  {run.progress.summary}")
+    if run.waiting_for:
+        lines.append(f"  waiting for {run.waiting_for.reason}: {run.waiting_for.detail}")
     for step in run.progress.steps:
         note = step.message or step.error or ""
         lines.append(f"  {_MARK[step.status]} {step.id:<9}{bar(step.percentage)}  {note}")
