@@ -60,7 +60,7 @@ async def assert_durable(backends: Backends, items: list[dict[str, Any]]) -> Non
     for run_id in ids:
         run = await backends.store.get_run(run_id)
         assert run is not None and run.status == RunStatus.QUEUED, run
-        entries.append(QueueEntry(run.id, run.queue, run.priority, run.not_before))
+        entries.append(QueueEntry.of(run))
     assert await backends.queue.missing(entries) == []
     assert await backends.store.runs.count_documents({}) == len(ids)
 

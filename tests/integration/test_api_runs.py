@@ -237,8 +237,9 @@ async def test_queue_same_scope_runs_the_waiting_run_after_the_active_one(
     # The first holds the key and is queued; the others wait for it, `pending`.
     assert (first["status"], second["status"], third["status"]) == ("queued", "pending", "pending")
     assert second["dedupeWait"] is not None and second["dedupeKey"] is None
+    assert second["waitingFor"] == {"reason": "concurrency", "detail": second["dedupeWait"]}
     # The waiting runs are not in Redis: nothing can claim them early.
-    waiting = [QueueEntry(r["id"], "default", 0, None) for r in (second, third)]
+    waiting = [QueueEntry(r["id"], "default", 0, None, r["handler"]) for r in (second, third)]
     assert await backends.queue.missing(waiting) == waiting
 
     async with running(backends, settings, scheduler=True):

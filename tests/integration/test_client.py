@@ -70,7 +70,7 @@ async def assert_durable(backends: Backends, runs: list[Run]) -> None:
     for run in runs:
         stored = await backends.store.get_run(run.id)
         assert stored is not None and stored.status in CLAIMABLE, stored
-        entries.append(QueueEntry(stored.id, stored.queue, stored.priority, stored.not_before))
+        entries.append(QueueEntry.of(stored))
     assert await backends.queue.missing(entries) == []
 
 

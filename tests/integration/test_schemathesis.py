@@ -271,7 +271,7 @@ async def half_written(backends: Backends) -> list[str]:
         if (run.status in LEASED) != (run.lease_token is not None):
             problems.append(f"run {run.id}: {run.status} with lease {run.lease_token}")
         if run.status == RunStatus.QUEUED:
-            queued.append(QueueEntry(run.id, run.queue, run.priority, run.not_before))
+            queued.append(QueueEntry.of(run))
     for entry in await backends.queue.missing(queued):
         problems.append(f"run {entry.run_id}: queued in MongoDB, not in Redis")
     async for doc in store.schedules.find():
