@@ -85,6 +85,7 @@ async def test_retryable_failure_resumes_at_the_failed_step(
     ]
     assert all(a.error.message.endswith(f"failing attempt {a.attempt}") for a in done.attempts)
     assert all(a.started_at and a.started_at < a.ended_at for a in done.attempts)
+    assert [s.error for s in done.progress.steps] == [None, None]
 
 
 async def test_fatal_error_and_exhausted_attempts_fail(

@@ -2073,6 +2073,8 @@ def _step_succeeded(index: int, step_id: str, output: Any, now: datetime) -> Doc
         f"{s}.status": StepStatus.SUCCEEDED,
         f"{s}.completedAt": now,
         f"{s}.percentage": 100,
+        # An earlier attempt's error at this step is in the run's `attempts`.
+        f"{s}.error": None,
         f"outputs.{step_id}": output,
     }
 
