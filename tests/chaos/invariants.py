@@ -127,6 +127,12 @@ def check_run(run: Doc, events: list[Doc], steps: list[str] | None, now: datetim
         bad.append(f"its trail reaches version {version}, the run is at {run['version']}")
     if succeeded > 1:
         bad.append(f"succeeded {succeeded} times")
+    # `error` is the outcome's: the last attempt's error of a run that failed or expired.
+    if status in (RunStatus.FAILED, RunStatus.EXPIRED):
+        if not run.get("attempts") or run.get("error") != run["attempts"][-1]["error"]:
+            bad.append(f"is {status.value} without its last attempt's error")
+    elif run.get("error") is not None:
+        bad.append(f"is {status.value} with an error")
     if status == RunStatus.SUCCEEDED:
         bad += _steps_in_order(steps, finished)
     return bad

@@ -100,6 +100,18 @@ def test_two_successes_are_a_violation() -> None:
     assert any("succeeded 2 times" in v for v in check_run(run(version=8), trail, STEPS, NOW))
 
 
+def test_only_a_failed_or_expired_run_has_an_error_its_last_attempts() -> None:
+    boom, later = {"code": "boom", "attempt": 1}, {"code": "boom", "attempt": 2}
+    attempts = [{"attempt": 1, "error": boom}, {"attempt": 2, "error": later}]
+    failed = [*good()[:-1], moved(6, "running", "failed")]
+    assert check_run(run("failed", error=later, attempts=attempts), failed, STEPS, NOW) == []
+    stale = check_run(run("failed", error=boom, attempts=attempts), failed, STEPS, NOW)
+    assert stale == ["is failed without its last attempt's error"]
+    # A retried run that then succeeded keeps its attempts, not an error.
+    assert check_run(run(attempts=attempts[:1]), good(), STEPS, NOW) == []
+    assert check_run(run(error=boom), good(), STEPS, NOW) == ["is succeeded with an error"]
+
+
 def test_a_run_left_unfinished_is_a_violation_unless_it_is_due_later() -> None:
     queued = good()[:2]
     later = {"notBefore": NOW + timedelta(hours=1)}

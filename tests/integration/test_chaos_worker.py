@@ -135,6 +135,9 @@ async def test_a_run_that_kills_its_worker_expires_after_max_attempts(
     assert done is not None and done.status == RunStatus.EXPIRED
     assert done.attempt == 3 and done.locked_by is None
     assert done.error is not None and done.error.code == "lease_expired"
+    assert [(a.attempt, a.error.code) for a in done.attempts] == [
+        (n, "lease_expired") for n in (1, 2, 3)
+    ]
     # Each attempt ran the handler in a process of its own, and that process died of it.
     assert [p.returncode for p in dead] == [-signal.SIGKILL] * 3
     lines = [line.split() for line in kills.read_text().splitlines()]

@@ -304,6 +304,26 @@ async def test_cancel_and_rerun(
     failed(await cli("runs", "rerun", "0" * 24), "NotFound")
 
 
+async def test_watch_shows_earlier_attempts_and_an_error_only_for_a_failed_run(
+    cli: CLI, register: Register, backends: Backends, settings: Settings
+) -> None:
+    steps = [{"id": "flaky", "handler": "builtin.fail"}]
+    await register("t_flaky", steps=steps, retryPolicy={"maxAttempts": 2, "backoffSeconds": [0]})
+    recovers = await created(cli, "t_flaky", "--payload", '{"failTimes": 1}')
+    gives_up = await created(cli, "t_flaky", "--payload", '{"failTimes": 2}')
+    async with running(backends, settings):
+        succeeded = ok(await cli("runs", "watch", recovers, "--interval", "0.1"))
+        spent = await cli("runs", "watch", gives_up, "--interval", "0.1")
+    first = "  attempt 1 failed: retryable: "
+    assert f"run {recovers}  t_flaky v1  succeeded" in succeeded.lines
+    assert any(line.startswith(first) for line in succeeded.lines)
+    assert not any(line.startswith("  error:") for line in succeeded.lines)
+    assert spent.code == 1 and f"run {gives_up}  t_flaky v1  failed" in spent.lines
+    # The attempt it failed with is its error, not an earlier attempt.
+    tail = [line.split(":")[0] for line in spent.lines[-2:]]
+    assert tail == ["  attempt 1 failed", "  error"]
+
+
 async def test_events_with_filters(cli: CLI, register: Register, backends: Backends) -> None:
     await register("t_noop")
     run_id = await created(cli, "t_noop", "--scope", "user", "--scope-id", "u1")

@@ -217,6 +217,10 @@ async def test_an_expired_external_lease_goes_back_to_the_queue(
             "ResourceInvalidState",
         )
     assert done.status == RunStatus.SUCCEEDED and done.attempt == 2
+    # The lost lease ended attempt 1 with an error; the run's own outcome has none.
+    assert done.error is None
+    lost = [(a.attempt, a.error.code, a.error.step) for a in done.attempts]
+    assert lost == [(1, "lease_expired", "render")]
     events = await backends.store.events_of(run_id)
     assert [e.type for e in events].count("lease_expired") == 1
     resumed = [e.actor for e in events if e.metadata.get("transition") == "resume"]

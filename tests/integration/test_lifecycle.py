@@ -79,7 +79,15 @@ async def test_retryable_failure_resumes_at_the_failed_step(
     events = await backends.store.events_of(run.id)
     started = [e.metadata["step"] for e in events if e.type == "step_started"]
     assert started == ["first", "flaky", "flaky", "flaky"], "first ran once, flaky three times"
-    assert done.error is not None and done.error.attempt == 2  # the last error is kept
+    # The run succeeded, so it has no error; the attempts that failed keep theirs.
+    assert done.error is None
+    assert [(a.attempt, a.error.code, a.error.step) for a in done.attempts] == [
+        (1, "retryable", "flaky"),
+        (2, "retryable", "flaky"),
+    ]
+    assert all(a.error.message.endswith(f"failing attempt {a.attempt}") for a in done.attempts)
+    assert all(a.started_at and a.started_at < a.ended_at for a in done.attempts)
+    assert [s.error for s in done.progress.steps] == [None, None]
 
 
 async def test_fatal_error_and_exhausted_attempts_fail(
@@ -98,6 +106,9 @@ async def test_fatal_error_and_exhausted_attempts_fail(
     assert by_id[fatal.id].status == RunStatus.FAILED and by_id[fatal.id].attempt == 1
     assert by_id[fatal.id].error.code == "fatal"  # type: ignore[union-attr]
     assert by_id[spent.id].status == RunStatus.FAILED and by_id[spent.id].attempt == 2
+    # Failed for good: the error it ended with, after every attempt's.
+    assert [a.attempt for a in by_id[spent.id].attempts] == [1, 2]
+    assert by_id[spent.id].error == by_id[spent.id].attempts[-1].error
     # No worker offers the unknown handler: its run waits, saying so, and spends nothing.
     [waiting] = await Waiting(backends.queue).explain([await service.get(unknown.id)])
     assert waiting.status == RunStatus.QUEUED and waiting.attempt == 0

@@ -45,7 +45,8 @@ class Case:
     # None: the pass leaves the run as it was.
     becomes: RunStatus | None = None
     transition: str | None = None
-    # The event recorded after the status change, and the error the run ends up with.
+    # The event recorded after the status change, and the error the attempt ends with (in
+    # `attempts`, and the run's `error` if the run ends).
     event: str | None = None
     error: str | None = None
 
@@ -201,7 +202,10 @@ async def test_one_pass_moves_each_run_as_the_table_says(
         # The lost lease stays counted: the attempt is not handed back as on a graceful release.
         assert after.attempt == case.attempt, name
         assert (after.locked_by, after.lease_token, after.locked_until) == (None, None, None), name
-        assert (after.error.code if after.error else None) == case.error, name
+        ended = [(a.attempt, a.error.code) for a in after.attempts]
+        assert ended == ([(case.attempt, case.error)] if case.error else []), name
+        outcome = case.error if case.becomes in TERMINAL else None
+        assert (after.error.code if after.error else None) == outcome, name
         moved, *also = new
         assert (moved.type, moved.from_, moved.to) == (
             "status_changed",

@@ -156,6 +156,10 @@ class RunModel:
     external: bool = False
     archived: bool = False
     steps: list[StepStatus] = field(default_factory=list)
+    attempt_started_at: datetime | None = None
+    # The attempts that ended in an error: (attempt, its start, its end).
+    attempts: list[tuple[int, datetime | None, datetime]] = field(default_factory=list)
+    error: int | None = None  # the attempt whose error the run ended with
 
     def expected(self) -> Doc:
         """The fields `observed` reads from the stored run."""
@@ -176,6 +180,9 @@ class RunModel:
             "updateAt": self.update_at,
             "steps": self.steps,
             "archived": self.archived,
+            "attemptStartedAt": self.attempt_started_at,
+            "attempts": self.attempts,
+            "error": self.error,
         }
 
     def held_by(self, lease: Lease) -> bool:
@@ -205,6 +212,9 @@ def observed(doc: Doc, archived: bool) -> Doc:
         "updateAt": doc["updateAt"],
         "steps": [StepStatus(s["status"]) for s in doc["progress"]["steps"]],
         "archived": archived,
+        "attemptStartedAt": doc.get("attemptStartedAt"),
+        "attempts": [(a["attempt"], a["startedAt"], a["endedAt"]) for a in doc.get("attempts", [])],
+        "error": doc["error"]["attempt"] if doc.get("error") else None,
     }
 
 
@@ -274,6 +284,16 @@ def let_go(r: RunModel, keep_worker: bool = False, keep_key: bool = True) -> Non
         r.locked_by = None
     if not keep_key:
         r.dedupe_key = None
+
+
+def attempt_failed(world: World, r: RunModel) -> None:
+    """The attempt in progress ended in an error: it joins `attempts`; the error is the run's
+    own if the run ended with it, and otherwise the next claim starts a new attempt."""
+    r.attempts.append((r.attempt, r.attempt_started_at, world.now))
+    if r.status in TERMINAL:
+        r.error = r.attempt
+    else:
+        r.attempt_started_at = None
 
 
 UNDONE_SKIPPED = {StepStatus.PENDING: StepStatus.SKIPPED, StepStatus.FAILED: StepStatus.SKIPPED}
@@ -386,6 +406,8 @@ class Claim(Op):
             assert lease.worker_id == self.worker and run.lease_token == lease.token
             wrote(world, r, S.RUNNING)
             r.attempt += 1
+            if r.attempt_started_at is None:  # else it goes on with an attempt handed back
+                r.attempt_started_at = world.now
             r.locked_by, r.token = self.worker, lease.token
             r.locked_until = world.now + timedelta(seconds=LEASE)
             if r.deadline is None and r.kind.timeout is not None:
@@ -508,6 +530,7 @@ class Fail(Op):
         agree(got, want, "retry" if self.retries else "fail")
         if isinstance(want, Moved):
             wrote(world, r, want.to)
+            attempt_failed(world, r)
             r.steps[self.step] = StepStatus.FAILED
             if self.retries:
                 let_go(r)
@@ -631,6 +654,7 @@ class Overdue(Op):
 
 def expire_deadline(world: World, r: RunModel) -> None:
     wrote(world, r, S.EXPIRED)
+    attempt_failed(world, r)
     restep(r, {StepStatus.RUNNING: StepStatus.FAILED, **UNDONE_SKIPPED})
     let_go(r, keep_key=False)
 
@@ -717,6 +741,8 @@ class Reap(Op):
                 to, step, keep_key = S.EXPIRED, StepStatus.FAILED, False
             moved[r.id] = (r.status, to)
             wrote(world, r, to)
+            if to != S.CANCELLED:  # the lost lease ended the attempt
+                attempt_failed(world, r)
             restep(r, {StepStatus.RUNNING: step})
             let_go(r, keep_key=keep_key)
         agree(got, moved, "reaper pass")
@@ -1038,8 +1064,8 @@ class StoreMachine(RuleBasedStateMachine):
     @invariant()
     def read_back(self) -> None:
         """Every run as stored: the model's fields, a valid path through the table, steps in
-        order, one live lease at most, dedupe keys held once, versions that only go up, and
-        terminal runs that never change again."""
+        order, one live lease at most, an error only as the outcome, dedupe keys held once,
+        versions that only go up, and terminal runs that never change again."""
         stored = self.call(self.compare(self.world))
         stale = self.call(self.store.events.find({"type": "stale_write_rejected"}).to_list())
         self.stale = Counter(e["jobId"] for e in stale)
@@ -1048,6 +1074,7 @@ class StoreMachine(RuleBasedStateMachine):
             check_path(doc)
             check_steps(doc, r.kind)
             check_lease(doc)
+            check_outcome(doc)
             if "leaseToken" in doc:
                 # One live lease at most: the one granted last; every earlier one is dead.
                 grants = [token for (i, token) in self.world.holders if i == run_id]
@@ -1186,6 +1213,14 @@ def check_lease(doc: Doc) -> None:
         assert all(has) or not any(has), (doc["_id"], status, has)
     else:
         assert not has[1] and not has[2], (doc["_id"], status, has)
+
+
+def check_outcome(doc: Doc) -> None:
+    """Only a failed or expired run has an `error`: the one its last attempt ended with."""
+    if S(doc["status"]) in (S.FAILED, S.EXPIRED):
+        agree(doc.get("error"), doc["attempts"][-1]["error"], f"{doc['_id']}: error")
+    else:
+        assert doc.get("error") is None, (doc["_id"], doc["status"], doc["error"])
 
 
 def check_keys(live: list[Doc], world: World) -> None:

@@ -2,11 +2,13 @@
 
 import asyncio
 from collections.abc import Awaitable, Callable
+from datetime import UTC, datetime
 
 import pytest
 from bson import ObjectId
 
-from jobplane.model import TRANSITIONS, RunError, RunStatus
+from jobplane.clock import ManualClock
+from jobplane.model import TRANSITIONS, Run, RunError, RunStatus
 from jobplane.store import Lease, Lost, MongoStore, Moved, NewRun
 from tests.integration.conftest import Register
 from tests.integration.runs import TOKEN, WORKER, run_in
@@ -230,3 +232,98 @@ async def test_external_claims_resume_only_waiting_runs_of_their_type(
             assert await store.get_run(other.id) == other
     # The claims that lost were never granted the run: none of them is a stale write.
     assert all(e.type != "stale_write_rejected" for e in await store.events_of(run.id))
+
+
+@pytest.fixture
+def clock() -> ManualClock:
+    return ManualClock(datetime(2026, 3, 7, tzinfo=UTC))
+
+
+async def read(store: MongoStore, run_id: str) -> Run:
+    run = await store.get_run(run_id)
+    assert run is not None
+    return run
+
+
+async def test_a_retried_run_that_succeeds_has_no_error_and_keeps_its_attempts(
+    timed: MongoStore, clock: ManualClock, register: Register
+) -> None:
+    template = await register(retryPolicy={"maxAttempts": 3})
+    run = await timed.insert_run(NewRun(template, "user", "u1"), "user:a")
+    began = clock.now()
+    [(_, lease)] = await timed.claim([run.id], "w1", 30)
+    # A shutdown hands the attempt back; the claim that goes on with it keeps its start.
+    clock.advance(5)
+    assert isinstance(await timed.release(lease), Moved)
+    [(_, lease)] = await timed.claim([run.id], "w1", 30)
+    clock.advance(2)
+    failed = clock.now()
+    boom = RunError(code="boom", message="first try", step="only")
+    assert isinstance(await timed.retry(lease, 0, boom, clock.now()), Moved)
+
+    waiting = await read(timed, run.id)
+    assert waiting.status == RunStatus.QUEUED
+    assert waiting.error is None, "no outcome yet"
+    assert waiting.attempt_started_at is None
+    [first] = waiting.attempts
+    assert (first.attempt, first.started_at, first.ended_at) == (1, began, failed)
+    assert first.error == boom.model_copy(update={"attempt": 1})
+
+    clock.advance(3)
+    [(claimed, lease)] = await timed.claim([run.id], "w1", 30)
+    assert (claimed.attempt, claimed.attempt_started_at) == (2, clock.now())
+    assert isinstance(await timed.complete(lease, 0, "only", 1, 1), Moved)
+    done = await read(timed, run.id)
+    assert done.status == RunStatus.SUCCEEDED and done.error is None
+    assert done.attempts == [first]
+    assert done.attempt_started_at == claimed.attempt_started_at
+    # The trail keeps the first attempt's error too.
+    events = await timed.events_of(run.id)
+    retried = [e for e in events if e.metadata.get("transition") == "retry"]
+    assert [e.message for e in retried] == ["first try"]
+
+
+async def test_a_run_that_fails_for_good_has_the_last_error_and_every_attempt(
+    timed: MongoStore, clock: ManualClock, register: Register
+) -> None:
+    template = await register(retryPolicy={"maxAttempts": 2})
+    run = await timed.insert_run(NewRun(template, "user", "u1"), "user:a")
+    errors = [RunError(code=f"e{n}", message=f"try {n}", step="only") for n in (1, 2)]
+    for n, error in enumerate(errors, 1):
+        [(_, lease)] = await timed.claim([run.id], "w1", 30)
+        clock.advance(1)
+        if n < len(errors):
+            assert isinstance(await timed.retry(lease, 0, error, clock.now()), Moved)
+        else:
+            assert isinstance(await timed.fail(lease, 0, error), Moved)
+    failed = await read(timed, run.id)
+    assert failed.status == RunStatus.FAILED
+    assert [(a.attempt, a.error.code, a.error.attempt) for a in failed.attempts] == [
+        (1, "e1", 1),
+        (2, "e2", 2),
+    ]
+    assert failed.error == failed.attempts[-1].error
+    assert failed.attempt_started_at == failed.attempts[-1].started_at
+
+
+async def test_an_expiry_records_the_attempt_it_ended_not_the_one_read(
+    timed: MongoStore, clock: ManualClock, register: Register
+) -> None:
+    # The reaper read the run during attempt 1; by its write a retry and a claim began
+    # attempt 2. The write is exact on the run's version, so it records the attempt it ends.
+    template = await register(retryPolicy={"maxAttempts": 3}, timeoutSeconds=10)
+    run = await timed.insert_run(NewRun(template, "user", "u1"), "user:a")
+    [(_, lease)] = await timed.claim([run.id], "w1", 30)
+    clock.advance(11)
+    [seen] = (await timed.overdue(10))[0]
+    boom = RunError(code="boom", message="boom", step="only")
+    assert isinstance(await timed.retry(lease, 0, boom, clock.now()), Moved)
+    [(claimed, _)] = await timed.claim([run.id], "w1", 30)
+    assert seen.attempt == 1 and claimed.attempt == 2
+    assert isinstance(await timed.expire_deadline(seen, "reaper"), Moved)
+    expired = await read(timed, run.id)
+    assert [(a.attempt, a.error.code) for a in expired.attempts] == [
+        (1, "boom"),
+        (2, "deadline_exceeded"),
+    ]
+    assert expired.error is not None and expired.error.attempt == 2

@@ -164,6 +164,45 @@ def test_a_run_waiting_for_a_handler_says_so_here_and_on_the_overview(
     )
 
 
+FLAKY = {
+    "type": "ui_flaky",
+    "name": "Fails, then maybe succeeds",
+    "retryPolicy": {"maxAttempts": 3, "backoffSeconds": [0, 0]},
+    "steps": [{"id": "flaky", "name": "Flaky", "handler": "builtin.fail"}],
+}
+
+
+def test_earlier_attempts_are_listed_and_only_a_failed_run_shows_an_error(
+    page: Page, stack: Stack, scope_id: str
+) -> None:
+    with stack.admin() as admin:
+        assert admin.post("/v1/templates", json=FLAKY).status_code in (200, 201)
+        recovers = create_run(admin, "ui_flaky", scope_id, failTimes=2)
+        gives_up = create_run(admin, "ui_flaky", scope_id, failTimes=3)
+    sign_in(page, stack)
+    page.goto(f"{stack.dashboard}#/runs/{recovers}")
+    expect(run_status(page)).to_have_text("succeeded", timeout=15_000)
+    attempts = page.get_by_role("region", name="Earlier attempts")
+    rows = attempts.get_by_role("row")
+    expect(rows).to_have_count(3)  # the header, then attempts 1 and 2
+    for n in (1, 2):
+        expect(rows.nth(n)).to_contain_text(f"failing attempt {n}")
+        expect(rows.nth(n).get_by_role("cell").first).to_have_text(str(n))
+    attempts.get_by_text("Traceback (").first.click()
+    expect(attempts.locator("details pre").first).to_contain_text("RetryableError")
+    expect(page.get_by_role("region", name="Error", exact=True)).to_have_count(0)
+    expect(page.locator(".step-error")).to_have_count(0)
+
+    # Failed for good: the last attempt's error is the run's, the others are earlier attempts.
+    page.goto(f"{stack.dashboard}#/runs/{gives_up}")
+    expect(run_status(page)).to_have_text("failed", timeout=15_000)
+    error = page.get_by_role("region", name="Error", exact=True)
+    expect(error).to_contain_text("failing attempt 3")
+    rows = page.get_by_role("region", name="Earlier attempts").get_by_role("row")
+    expect(rows).to_have_count(3)
+    expect(rows.nth(2)).to_contain_text("failing attempt 2")
+
+
 def test_a_user_key_sees_only_its_own_scopes(page: Page, stack: Stack, scope_id: str) -> None:
     with stack.admin() as admin:
         mine = create_run(admin, "ui_fail", scope_id, fatal=True)

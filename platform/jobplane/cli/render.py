@@ -28,6 +28,11 @@ def render(run: Run) -> list[str]:
     for step in run.progress.steps:
         note = step.message or step.error or ""
         lines.append(f"  {_MARK[step.status]} {step.id:<9}{bar(step.percentage)}  {note}")
+    # The attempt the run ended with, if it ended in an error, is its `error`, last.
+    for attempt in run.attempts:
+        if run.error is None or attempt.attempt != run.error.attempt:
+            error = attempt.error
+            lines.append(f"  attempt {attempt.attempt} failed: {error.code}: {error.message}")
     if run.error:
         lines.append(f"  error: {run.error.code}: {run.error.message}")
     return lines

@@ -2,6 +2,7 @@
 
 from jobplane.model.documents import (
     ApiKey,
+    Attempt,
     CancelPolicy,
     Event,
     Instant,
@@ -42,6 +43,7 @@ __all__ = [
     "TERMINAL",
     "TRANSITIONS",
     "ApiKey",
+    "Attempt",
     "CancelPolicy",
     "Event",
     "Instant",

@@ -172,6 +172,7 @@ class RunError(Document):
     code: str
     message: str
     step: str | None = None
+    # Set by the store, from the attempt the error ended.
     attempt: int = 0
     # The last frames of the exception, for the person reading a dead letter.
     traceback: str | None = None
@@ -184,6 +185,17 @@ class WaitingFor(Document):
 
     reason: Literal["handler", "concurrency"]
     detail: str
+
+
+class Attempt(Document):
+    """An attempt that ended in an error, kept after the run moved on (its `error` is only
+    the outcome's)."""
+
+    attempt: int
+    error: RunError
+    # None for an attempt claimed before attempts' starts were recorded.
+    started_at: datetime | None = None
+    ended_at: datetime
 
 
 class Run(Document):
@@ -201,8 +213,15 @@ class Run(Document):
     # Each finished step's return value, so a retried run resumes instead of restarting.
     outputs: dict[str, Any] = Field(default_factory=dict)
     result: Any = None
+    # The error the run ended with: only a `failed` or `expired` run has one. Every attempt that
+    # ended in an error, that last one included, is in `attempts`, oldest first.
     error: RunError | None = None
+    attempts: list[Attempt] = Field(default_factory=list)
     attempt: int = 0
+    # When the attempt in progress began, set by the claim that starts it: an attempt handed
+    # back on shutdown keeps it for the claim that goes on with it, a run waiting to retry has
+    # none, and an ended run keeps its last attempt's.
+    attempt_started_at: datetime | None = None
     max_attempts: int = 1
     not_before: datetime | None = None
     # Copied from the template at creation: the whole-run limit counted from the first start

@@ -104,7 +104,7 @@ class ExternalSteps:
         run fails."""
         run, template, index = await self._step(lease, step_id)
         await self._unless_cancelled(run, lease)
-        error = RunError(code=code, message=message, step=step_id, attempt=run.attempt)
+        error = RunError(code=code, message=message, step=step_id)
         if not retryable or run.attempt >= run.max_attempts:
             await self._settle(run, lease, await self.store.fail(lease, index, error))
             await self._ended(run, lease)

@@ -42,6 +42,7 @@ from jobplane.model import (
     TERMINAL,
     TRANSITIONS,
     ApiKey,
+    Attempt,
     Event,
     Progress,
     Run,
@@ -195,7 +196,8 @@ def index_models() -> dict[str, list[IndexModel]]:
     }
 
 
-# Fields a write's events need from the run it changes, and `_lost` needs to explain a miss.
+# Fields a write's events (and the attempt it may end) need from the run it changes, and
+# `_lost` needs to explain a miss.
 _STATE_FIELDS = {
     "status": 1,
     "scope": 1,
@@ -203,6 +205,8 @@ _STATE_FIELDS = {
     "leaseToken": 1,
     "lockedBy": 1,
     "version": 1,
+    "attempt": 1,
+    "attemptStartedAt": 1,
 }
 # The shard key of a run (see `SHARD_KEYS`).
 _OWNER_FIELDS = {"scope": 1, "scopeId": 1}
@@ -227,6 +231,9 @@ class Known:
     version: int
     scope: str
     scope_id: str
+    # The attempt in progress, for a write that ends it in an error (see `_attempt_failed`).
+    attempt: int = 0
+    attempt_started_at: datetime | None = None
 
     @property
     def owner(self) -> Doc:
@@ -255,7 +262,7 @@ class _Update:
         and on the run's scope: the shard key, so a sharded cluster sends it to one shard."""
         return cls(
             {**query, **state.owner, "status": state.status, "version": state.version},
-            {**update, "$push": {"trail": {"$each": trail}}},
+            _merged(update, {"$push": {"trail": {"$each": trail}}}),
             list(array_filters) if array_filters else None,
         )
 
@@ -853,7 +860,7 @@ class MongoStore:
             ]
 
         try:
-            written = await self._write(query, update, None, CLAIMABLE, None, events)
+            written = await self._write(query, lambda _: update, None, CLAIMABLE, None, events)
         except DuplicateKeyError:
             raise await self._key_held(key, run.scope, run.scope_id) from None
         if written is None:
@@ -1223,6 +1230,9 @@ class MongoStore:
                     "heartbeatAt": now,
                     "updateAt": now,
                     "startedAt": {"$ifNull": ["$startedAt", now]},
+                    # Unset unless a shutdown handed the attempt back: then this claim goes on
+                    # with it.
+                    "attemptStartedAt": {"$ifNull": ["$attemptStartedAt", now]},
                     # The whole-run limit counts from the first start, across attempts.
                     "deadline": {
                         "$ifNull": [
@@ -1254,8 +1264,7 @@ class MongoStore:
         claimed: list[tuple[Run, Lease]] = []
         for doc in docs:
             run = _run(doc)
-            known = Known(run.status, run.version, run.scope, run.scope_id)
-            claimed.append((run, Lease(run.id, worker_id, token, known)))
+            claimed.append((run, Lease(run.id, worker_id, token, _known(doc))))
         await self._copier.hand([e for doc in docs for e in doc.get("trail", [])])
         return claimed
 
@@ -1283,15 +1292,14 @@ class MongoStore:
             code="deadline_exceeded",
             message=f"run exceeded its timeout of {run.timeout_seconds}s (deadline {run.deadline})",
             step=run.phase,
-            attempt=run.attempt,
         )
         return await self._transition(
             "deadline_expire",
             run.id,
             actor,
             extra={"deadline": {"$lte": now}},
+            error=error,
             set_={
-                "error": _error(error),
                 "completedAt": now,
                 "progress.steps.$[r].status": StepStatus.FAILED,
                 "progress.steps.$[r].completedAt": now,
@@ -1340,8 +1348,7 @@ class MongoStore:
             code="lease_expired",
             message=f"lease of {run.locked_by} expired at {run.locked_until}",
             step=run.phase,
-            attempt=run.attempt,
-        ).model_dump(by_alias=True)
+        )
         running = [_RUNNING_STEP]
         lease_event = (
             "lease_expired",
@@ -1367,7 +1374,8 @@ class MongoStore:
                 run.id,
                 "reaper",
                 extra=seen,
-                set_={"error": error, "progress.steps.$[r].status": StepStatus.PENDING},
+                error=error,
+                set_={"progress.steps.$[r].status": StepStatus.PENDING},
                 unset=list(_LEASE_FIELDS),
                 array_filters=running,
                 also=[lease_event],
@@ -1378,7 +1386,8 @@ class MongoStore:
             run.id,
             "reaper",
             extra=seen,
-            set_={**stopped, "error": error},
+            error=error,
+            set_=stopped,
             unset=[*_LEASE_FIELDS, "dedupeKey"],
             array_filters=running,
             also=[lease_event],
@@ -1429,9 +1438,7 @@ class MongoStore:
             doc = docs.get(lease.run_id)
             # The beat moved the version: the worker's next write would miss and read it again.
             if doc and (lease.known is None or lease.known.version < doc["version"]):
-                lease.known = Known(
-                    RunStatus(doc["status"]), doc["version"], doc["scope"], doc["scopeId"]
-                )
+                lease.known = _known(doc)
         cancel = {i for i, d in docs.items() if d["status"] == RunStatus.CANCEL_REQUESTED}
         return set(docs), cancel
 
@@ -1531,12 +1538,8 @@ class MongoStore:
             lease.run_id,
             lease.actor,
             lease=lease,
-            set_={
-                **started,
-                **_step_failed(index, error, now),
-                "error": _error(error),
-                "completedAt": now,
-            },
+            error=error,
+            set_={**started, **_step_failed(index, error, now), "completedAt": now},
             unset=["leaseToken", "lockedUntil", "dedupeKey"],
             before=before,
             message=error.message,
@@ -1558,12 +1561,8 @@ class MongoStore:
             lease.run_id,
             lease.actor,
             lease=lease,
-            set_={
-                **started,
-                **_step_failed(index, error, now),
-                "error": _error(error),
-                "notBefore": not_before,
-            },
+            error=error,
+            set_={**started, **_step_failed(index, error, now), "notBefore": not_before},
             unset=list(_LEASE_FIELDS),
             before=before,
             message=error.message,
@@ -1676,6 +1675,7 @@ class MongoStore:
         *,
         lease: Lease | None = None,
         extra: Mapping[str, Any] | None = None,
+        error: RunError | None = None,
         set_: Mapping[str, Any] | None = None,
         unset: Sequence[str] = (),
         inc: Mapping[str, int] | None = None,
@@ -1687,6 +1687,7 @@ class MongoStore:
     ) -> Moved | Lost:
         """Apply the named transition as one conditional write, then record its events.
 
+        `error` is the one the attempt in progress ended with (see `_attempt_failed`).
         `before` events are written ahead of the `status_changed` event, `also` after it.
         `scope` is the run's (the lease's known state has it too): given, even the read of a
         run's state goes to its one shard.
@@ -1708,6 +1709,11 @@ class MongoStore:
         }
         if unset:
             update["$unset"] = dict.fromkeys(unset, "")
+
+        def changes(state: Known) -> Doc:
+            if error is None:
+                return update
+            return _merged(update, _attempt_failed(error, state, t.target in TERMINAL, now))
 
         def events(state: Known) -> list[Doc]:
             def event(kind: str, m: str | None, md: Doc, **moved: RunStatus) -> Doc:
@@ -1733,7 +1739,7 @@ class MongoStore:
             ]
 
         written = await self._write(
-            query, update, lease.known if lease else None, t.sources, array_filters, events
+            query, changes, lease.known if lease else None, t.sources, array_filters, events
         )
         if written is None:
             # Only a fenced write can come from a superseded lease: a lease offered to an
@@ -1741,7 +1747,7 @@ class MongoStore:
             return await self._lost(run_id, lease if t.fenced else None, name, owner)
         state, trail = written
         if lease is not None:
-            lease.known = Known(t.target, state.version + 1, state.scope, state.scope_id)
+            lease.known = replace(state, status=t.target, version=state.version + 1)
         await self._copier.hand(trail)
         return Moved(run_id, state.status, t.target)
 
@@ -1792,18 +1798,18 @@ class MongoStore:
                 for kind, m, meta in events
             ]
 
-        written = await self._write(query, update, lease.known, LEASED, None, trail)
+        written = await self._write(query, lambda _: update, lease.known, LEASED, None, trail)
         if written is None:
             return await self._lost(lease.run_id, lease, what, owner)
         state, recorded = written
-        lease.known = Known(state.status, state.version + 1, state.scope, state.scope_id)
+        lease.known = replace(state, version=state.version + 1)
         await self._copier.hand(recorded)
         return None
 
     async def _write(
         self,
         query: Doc,
-        update: Doc,
+        update: Callable[[Known], Doc],
         known: Known | None,
         allowed: frozenset[RunStatus],
         array_filters: list[Doc] | None,
@@ -1811,11 +1817,12 @@ class MongoStore:
     ) -> tuple[Known, list[Doc]] | None:
         """One conditional write that appends its events to the run's trail.
 
-        The events name the state the write moves the run from, so the write is filtered on
-        that exact status and version as well as on the guards in `query`. A writer that knows
-        the state from its own last write (`known`) needs no read; otherwise it reads the state,
-        and reads again if another write got in between. Returns the state before the write and
-        the events written, or None once a read shows the guards no longer hold.
+        The events (and the attempt an update may end) name the state the write moves the run
+        from, so the write is filtered on that exact status and version as well as on the
+        guards in `query`. A writer that knows the state from its own last write (`known`)
+        needs no read; otherwise it reads the state, and reads again if another write got in
+        between. Returns the state before the write and the events written, or None once a
+        read shows the guards no longer hold.
         """
         state = known if known is not None and known.status in allowed else None
         while True:
@@ -1823,11 +1830,9 @@ class MongoStore:
                 doc = await self.runs.find_one(query, _STATE_FIELDS)
                 if doc is None:
                     return None
-                state = Known(
-                    RunStatus(doc["status"]), doc["version"], doc["scope"], doc["scopeId"]
-                )
+                state = _known(doc)
             trail = events(state)
-            exact = _Update.exact(query, update, state, trail, array_filters)
+            exact = _Update.exact(query, update(state), state, trail, array_filters)
             if await self._updates.submit(exact):
                 return state, trail
             state = None
@@ -1935,6 +1940,23 @@ def _known_owner(lease: Lease | None, scope: tuple[str, str] | None) -> Doc:
     return {}
 
 
+def _known(doc: Doc) -> Known:
+    """A run's state as read with `_STATE_FIELDS`."""
+    return Known(
+        RunStatus(doc["status"]),
+        doc["version"],
+        doc["scope"],
+        doc["scopeId"],
+        doc["attempt"],
+        doc.get("attemptStartedAt"),
+    )
+
+
+def _merged(update: Doc, more: Doc) -> Doc:
+    """Two updates' operators as one update (their fields do not overlap)."""
+    return {op: {**update.get(op, {}), **more.get(op, {})} for op in update.keys() | more.keys()}
+
+
 def _run_key(doc: Doc) -> Doc:
     """A stored run's `_id` and shard key."""
     return {"_id": doc["_id"], **_owner(doc["scope"], doc["scopeId"])}
@@ -2022,8 +2044,23 @@ def _event(
     return event
 
 
-def _error(error: RunError) -> Doc:
-    return error.model_dump(by_alias=True)
+def _attempt_failed(error: RunError, state: Known, ends_run: bool, now: datetime) -> Doc:
+    """What a transition that ends the attempt in progress (`state`'s) with `error` writes too.
+
+    The attempt joins `attempts`, whatever comes next. The run's `error` is its outcome's: set
+    only when the run ends with this one, so a run that succeeds on a later attempt has none.
+    A run that goes on waits for a new attempt, which its next claim starts.
+    """
+    error = error.model_copy(update={"attempt": state.attempt})
+    attempt = Attempt(
+        attempt=state.attempt, error=error, started_at=state.attempt_started_at, ended_at=now
+    )
+    update: Doc = {"$push": {"attempts": attempt.model_dump(by_alias=True)}}
+    if ends_run:
+        update["$set"] = {"error": error.model_dump(by_alias=True)}
+    else:
+        update["$unset"] = {"attemptStartedAt": ""}
+    return update
 
 
 def _unwritten_start(
@@ -2050,6 +2087,8 @@ def _step_succeeded(index: int, step_id: str, output: Any, now: datetime) -> Doc
         f"{s}.status": StepStatus.SUCCEEDED,
         f"{s}.completedAt": now,
         f"{s}.percentage": 100,
+        # An earlier attempt's error at this step is in the run's `attempts`.
+        f"{s}.error": None,
         f"outputs.{step_id}": output,
     }
 

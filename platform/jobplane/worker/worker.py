@@ -325,7 +325,7 @@ class Worker:
         template = await self._template(run)
         if template is None:
             missing = f"template {run.template_type} v{run.template_version} not found"
-            error = RunError(code="fatal", message=missing, attempt=run.attempt)
+            error = RunError(code="fatal", message=missing)
             self._check(run, await self.store.fail(lease, 0, error))
             return
         steps = template.steps
@@ -482,7 +482,6 @@ class Worker:
             code=code,
             message=summary,
             step=template.steps[index].id,
-            attempt=run.attempt,
             traceback=frames[-TRACEBACK_CHARS:],
         )
         began = held.unwritten_start

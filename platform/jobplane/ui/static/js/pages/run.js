@@ -1,9 +1,9 @@
-// One run: its steps as live progress bars, payload, result and error, attempts and lease,
-// its event trail, and cancel / rerun. GET /v1/runs/{id} is polled every second while the run
+// One run: its steps as live progress bars, payload, result and the error it ended with, the
+// errors of earlier attempts, attempts and lease, its event trail, and cancel / rerun. GET /v1/runs/{id} is polled every second while the run
 // is active (the trail is read again whenever the run's version moves).
 
 import { ApiError, get, post, session } from "../api.js";
-import { announce, badge, card, confirmDialog, duration, errorBox, facts, fill, h, json, pageHead, progressBar, runLink, TERMINAL, time, toast } from "../dom.js";
+import { announce, badge, card, confirmDialog, duration, errorBox, facts, fill, h, json, pageHead, progressBar, runLink, table, TERMINAL, time, toast } from "../dom.js";
 
 const POLL_MS = 1000;
 
@@ -127,6 +127,7 @@ class RunView {
       card("Run", facts([
         ["Status", badge(run.status)],
         ["Attempt", `${run.attempt} of ${run.maxAttempts}`],
+        ["Attempt started", run.attemptStartedAt ? time(run.attemptStartedAt) : undefined],
         ["Queue", h("span", { class: "mono" }, run.queue)],
         ["Priority", String(run.priority)],
         ["Waiting for", run.waitingFor ? `${run.waitingFor.reason}: ${run.waitingFor.detail}` : undefined],
@@ -157,7 +158,11 @@ class RunView {
     const parts = [card("Payload", json(run.payload))];
     if (run.result !== null && run.result !== undefined) parts.push(card("Result", json(run.result)));
     if (run.error) parts.push(errorCard(run.error));
-    fill(this.data, h("div", { class: run.error || run.result != null ? "grid cols-2" : "" }, parts));
+    // The attempt a failed or expired run ended with is its error, above.
+    const earlier = run.attempts.filter((a) => a.attempt !== run.error?.attempt);
+    fill(this.data,
+      h("div", { class: run.error || run.result != null ? "grid cols-2" : "" }, parts),
+      earlier.length ? attemptsCard(earlier) : null);
   }
 
   drawTimeline(events) {
@@ -238,7 +243,7 @@ function waitingNote(run) {
 }
 
 function errorCard(error) {
-  const lines = (error.traceback || "").trimEnd().split("\n").filter(Boolean);
+  const lines = tracebackLines(error);
   return h(
     "section",
     { class: "card", "aria-label": "Error" },
@@ -253,7 +258,31 @@ function errorCard(error) {
       ? h("div", {},
         h("h3", {}, "Traceback summary"),
         h("pre", { class: "block", "aria-label": "Last line of the traceback" }, lines.at(-1)),
-        h("details", {}, h("summary", {}, `Full traceback (${lines.length} lines)`), h("pre", { class: "block" }, error.traceback)))
+        tracebackDetails(error, "Full traceback"))
       : null,
   );
+}
+
+function attemptsCard(attempts) {
+  return card(["Earlier attempts", `${attempts.length} ended in an error`], table(
+    [
+      { label: "Attempt", class: "num", cell: (a) => String(a.attempt) },
+      { label: "Step", cell: (a) => (a.error.step ? h("span", { class: "mono" }, a.error.step) : "—") },
+      { label: "Error", cell: (a) => h("div", {}, h("code", {}, a.error.code), ` ${a.error.message}`, tracebackDetails(a.error, "Traceback")) },
+      { label: "Started", cell: (a) => time(a.startedAt) },
+      { label: "Ended", cell: (a) => time(a.endedAt) },
+      { label: "Took", class: "num nowrap", cell: (a) => (a.startedAt ? duration((new Date(a.endedAt) - new Date(a.startedAt)) / 1000) : "—") },
+    ],
+    attempts,
+  ));
+}
+
+function tracebackLines(error) {
+  return (error.traceback || "").trimEnd().split("\n").filter(Boolean);
+}
+
+function tracebackDetails(error, summary) {
+  const lines = tracebackLines(error);
+  if (!lines.length) return null;
+  return h("details", {}, h("summary", {}, `${summary} (${lines.length} lines)`), h("pre", { class: "block" }, error.traceback));
 }
