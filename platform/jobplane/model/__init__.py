@@ -2,6 +2,7 @@
 
 from jobplane.model.documents import (
     ApiKey,
+    ApiKeyPublic,
     CancelPolicy,
     Event,
     Instant,
@@ -41,6 +42,7 @@ __all__ = [
     "TERMINAL",
     "TRANSITIONS",
     "ApiKey",
+    "ApiKeyPublic",
     "CancelPolicy",
     "Event",
     "Instant",
