@@ -33,7 +33,8 @@ class KeyCreate(RequestBody):
 
 
 class KeyCreated(ApiKeyPublic):
-    # The secret: shown here once, stored only as a hash.
+    """A new key and its secret, `key`: shown here once, stored only as a hash."""
+
     key: str
 
 
