@@ -210,7 +210,7 @@ _STATE_FIELDS = {
 # The scope of API keys' events. Its id has a space, which no scope id of a run, a schedule or
 # a key may have: no user key can be bound to it, so only the roles that see every scope (admin,
 # auditor) see these events.
-KEY_EVENTS_SCOPE = ("system", "api keys")
+_KEY_EVENTS_SCOPE = ("system", "api keys")
 # A key as listed: its secret's hash stays in MongoDB.
 _NO_SECRET = {"secretHash": 0}
 # The shard key of a run (see `SHARD_KEYS`).
@@ -2032,13 +2032,13 @@ def _public_key(doc: Doc) -> ApiKeyPublic:
 
 
 def _key_event(key: ApiKeyPublic, kind: str, actor: str, now: datetime) -> Doc:
-    """An event of `key`'s life, in `KEY_EVENTS_SCOPE`: `jobId` is the key's id, its version
+    """An event of `key`'s life, in `_KEY_EVENTS_SCOPE`: `jobId` is the key's id, its version
     (1 created, 2 revoked) orders the key's trail, and the metadata say what the key may do."""
     return _event(
         key.id,
         kind,
         actor,
-        *KEY_EVENTS_SCOPE,
+        *_KEY_EVENTS_SCOPE,
         1 if key.revoked_at is None else 2,
         message=f"API key {key.name} ({key.role}) {kind.removeprefix('api_key_')}",
         metadata={"name": key.name, "role": key.role, "scopes": key.scopes},
