@@ -88,6 +88,9 @@ TABLE: list[tuple[str, str, Any, tuple[int, int, int, int]]] = [
     ("POST", "/v1/runs/{theirs}/cancel", {"reason": "x"}, (409, 403, 404, 403)),
     ("GET", "/v1/events", None, (200, 403, 200, 200)),
     ("GET", "/v1/events?scope=user&scopeId=u2", None, (200, 403, 403, 200)),
+    ("GET", "/v1/events?scope=system&scopeId=api%20keys", None, (200, 403, 403, 200)),
+    ("GET", "/v1/api-keys", None, (200, 403, 403, 403)),
+    ("DELETE", "/v1/api-keys/0123456789abcdef01234567", None, (404, 403, 403, 403)),
 ]
 
 
@@ -123,7 +126,9 @@ async def test_a_user_key_sees_only_its_scopes(world: dict[str, Any]) -> None:
     assert len((await auditor.get("/v1/runs")).json()["items"]) == 2
     events = (await user.get("/v1/events")).json()["items"]
     assert events and {e["jobId"] for e in events} == {world["mine"]}
-    assert {e["scopeId"] for e in (await auditor.get("/v1/events")).json()["items"]} == {"u1", "u2"}
+    # The keys' own events too, in a scope no user key can be bound to.
+    seen = {e["scopeId"] for e in (await auditor.get("/v1/events")).json()["items"]}
+    assert seen == {"u1", "u2", "api keys"}
 
 
 async def test_events_name_the_key_that_caused_them(world: dict[str, Any]) -> None:

@@ -396,6 +396,8 @@ async def test_openapi_lists_every_route_with_models_and_errors(api: httpx.Async
     doc = (await api.get("/openapi.json")).json()
     expected = {
         ("post", "/v1/api-keys"),
+        ("get", "/v1/api-keys"),
+        ("delete", "/v1/api-keys/{key_id}"),
         ("post", "/v1/templates"),
         ("get", "/v1/templates"),
         ("get", "/v1/templates/{type_}"),

@@ -458,7 +458,9 @@ async def test_as_processes_end_to_end(
     assert down.code == 1 and failed(down, "Unavailable")
 
 
-async def test_schedules_create_list_preview_pause_trigger(cli: CLI, register: Register) -> None:
+async def test_schedules_create_list_get_preview_pause_trigger_delete(
+    cli: CLI, register: Register
+) -> None:
     await register("t_report", schedulable=True, payloadSchema={"type": "object"})
     made = ok(
         await cli(
@@ -488,6 +490,39 @@ async def test_schedules_create_list_preview_pause_trigger(cli: CLI, register: R
     bad = await cli("schedules", "create", "t_report", "--cron", "0 9 * *")
     assert "/cron" in failed(bad, "ValidationFailed")
     failed(await cli("schedules", "pause", "0123456789abcdef01234567"), "NotFound")
+
+    shown = json.loads(ok(await cli("schedules", "get", schedule_id)).out)
+    assert shown["id"] == schedule_id and shown["timezone"] == "Asia/Taipei"
+    assert ok(await cli("schedules", "delete", schedule_id)).lines == [f"deleted {schedule_id}"]
+    failed(await cli("schedules", "get", schedule_id), "NotFound")
+    failed(await cli("schedules", "delete", schedule_id), "NotFound")
+    assert ok(await cli("schedules", "list")).lines == []
+
+
+async def test_keys_list_and_revoke(cli: CLI) -> None:
+    ci = fields(ok(await cli("keys", "create", "ci", "--role", "author")))
+    alice = fields(ok(await cli("keys", "create", "alice", "--role", "user", "--scope", "user:u1")))
+    listed = ok(await cli("keys", "list"))
+    assert listed.lines[0].split() == ["ID", "NAME", "ROLE", "CREATED", "REVOKED", "SCOPES"]
+    rows = [line.split() for line in listed.lines[1:]]
+    assert [row[:3] for row in rows] == [[alice["id"], "alice", "user"], [ci["id"], "ci", "author"]]
+    assert rows[0][4:] == ["-", "user:u1"] and rows[1][4:] == ["-", "(all)"]
+    assert ci["secret"] not in listed.out and alice["secret"] not in listed.out
+
+    [line] = ok(await cli("keys", "revoke", ci["id"])).lines
+    assert line.startswith(f"revoked {ci['id']} (ci) at 20") and line.endswith(" by user:admin")
+    assert ok(await cli("keys", "revoke", ci["id"])).lines == [line]  # again: as it was
+    assert "was revoked" in failed(await cli("templates", "list", key=ci["secret"]), "Unauthorized")
+    ok(await cli("templates", "list", key=alice["secret"]))
+    after = ok(await cli("keys", "list")).lines
+    assert after[2].split()[1] == "ci" and after[2].split()[4].startswith("20")
+
+    first = await cli("keys", "list", "--limit", "1")
+    assert first.code == 0 and first.lines == after[:2] and "--all" in first.err
+    assert ok(await cli("keys", "list", "--limit", "1", "--all")).lines == after
+    failed(await cli("keys", "revoke", "0123456789abcdef01234567"), "NotFound")
+    failed(await cli("keys", "list", key=alice["secret"]), "Forbidden")
+    failed(await cli("keys", "revoke", ci["id"], key=alice["secret"]), "Forbidden")
 
 
 async def test_db_shard_needs_a_sharded_cluster(mongo_url: str, db_name: str, mongos: bool) -> None:

@@ -322,6 +322,7 @@ LEASE = {"workerId": "w", "leaseToken": "t"}
         ("GET", f"/v1/templates/{OPERATOR}", None),
         ("GET", f"/v1/templates/{OPERATOR}/versions/1", None),
         ("POST", f"/v1/templates/{OPERATOR}/disable", None),
+        ("DELETE", f"/v1/api-keys/{OPERATOR}", None),
     ],
 )
 async def test_an_operator_as_an_id_is_not_found(

@@ -716,7 +716,7 @@ async def test_schedules_never_scan(store: MongoStore, queue: RedisQueue, seeded
     await assert_no_scans(profile, {"job_schedules", "job_runs", "job_templates"})
 
 
-async def test_templates_and_api_keys_by_name_never_scan(store: MongoStore, seeded: Seeded) -> None:
+async def test_templates_and_api_keys_never_scan(store: MongoStore, seeded: Seeded) -> None:
     async with Profiler(store) as profile:
         for type_ in (seeded.plain.type, seeded.timed.type, "qp_missing"):
             await store.get_template(type_)
@@ -731,6 +731,10 @@ async def test_templates_and_api_keys_by_name_never_scan(store: MongoStore, seed
             await store.get_api_key(key_id)
         _, record = mint_key("qp-key-0", "user", [], "user:qp", store.clock.now())
         assert not await store.insert_api_key(record)  # the name is taken
+        listed = await store.list_api_keys(None, 3)
+        assert len(await store.list_api_keys(listed[-1].id, 3)) == 2
+        for key_id in [seeded.api_keys[0], seeded.api_keys[0], str(ObjectId()), "nope"]:
+            await store.revoke_api_key(key_id, "user:qp")
     await assert_no_scans(profile, {"job_templates", "api_keys"})
 
 

@@ -136,9 +136,14 @@ async def seed(admin: httpx.AsyncClient) -> tuple[str, Seeds]:
         response = await admin.post("/v1/schedules", json=body)
         assert response.status_code == 201, response.text
         schedules.append(response.json()["id"])
-    key = {"name": "fuzz-user", "role": "user", "scopes": ["user:u1"]}
-    response = await admin.post("/v1/api-keys", json=key)
-    assert response.status_code == 201, response.text
+    keys = []
+    for key in [
+        {"name": "fuzz-user", "role": "user", "scopes": ["user:u1"]},
+        {"name": "fuzz-spare", "role": "auditor"},  # for the revoke to find
+    ]:
+        response = await admin.post("/v1/api-keys", json=key)
+        assert response.status_code == 201, response.text
+        keys.append(response.json())
     seeds: Seeds = {
         "type_": ["t_seed", "t_far"],
         "version": [1, 2],
@@ -151,8 +156,9 @@ async def seed(admin: httpx.AsyncClient) -> tuple[str, Seeds]:
         "scopeId": ["u1"],
         "cron": ["@daily", "0 9 * * 1-5"],
         "timezone": ["UTC", "Asia/Taipei"],
+        "key_id": [keys[1]["id"]],
     }
-    return response.json()["key"], seeds
+    return keys[0]["key"], seeds
 
 
 def fuzz(url: str, keys: dict[str, str], seeds: Seeds) -> list[str]:
@@ -245,7 +251,7 @@ def aim(case: Case, seeds: Seeds, draw: Callable[[st.SearchStrategy[Any]], Any])
 async def half_written(backends: Backends) -> list[str]:
     """What a reader of MongoDB could not use: a document its model cannot read, a run without
     its `created` event, its template version or its place in Redis, a schedule that cannot
-    fire."""
+    fire, an API key whose events do not tell its life."""
     store = backends.store
     problems = []
     templates = {}
@@ -282,7 +288,11 @@ async def half_written(backends: Backends) -> list[str]:
         if schedule.enabled and schedule.next_run_at is None:
             problems.append(f"schedule {schedule.id}: enabled, with no nextRunAt")
     async for doc in store.api_keys.find():
-        ApiKey.model_validate({**doc, "id": str(doc["_id"])})
+        key = ApiKey.model_validate({**doc, "id": str(doc["_id"])})
+        kinds = await store.events.distinct("type", {"jobId": key.id})
+        expected = ["api_key_created"] + (["api_key_revoked"] if key.revoked_at else [])
+        if sorted(kinds) != expected:
+            problems.append(f"API key {key.id}: events {kinds}")
     async for doc in store.events.find():
         Event.model_validate({**doc, "id": str(doc["_id"])})
     return problems

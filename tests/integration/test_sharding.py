@@ -17,6 +17,7 @@ from pymongo import AsyncMongoClient
 from pymongo.monitoring import CommandFailedEvent, CommandListener, CommandStartedEvent
 from pymongo.monitoring import CommandSucceededEvent as Succeeded
 
+from jobplane.api.auth import mint_key
 from jobplane.clock import ManualClock
 from jobplane.model import RunError, RunStatus
 from jobplane.queue.redis import RedisQueue
@@ -231,6 +232,27 @@ async def test_every_write_to_a_run_names_its_shard_key(
         "update job_runs_archive targeted",
         "delete job_runs",
     }, seen
+
+
+async def test_key_events_name_their_shard_key(
+    watched: tuple[MongoStore, Commands], clock: ManualClock
+) -> None:
+    """An API key's events go to `job_events` with a shard key like any other, written in the
+    transaction that creates or revokes the key."""
+    store, commands = watched
+    _, key = mint_key("ci", "author", [], "user:admin", clock.now())
+    assert await store.insert_api_key(key)
+    assert await store.revoke_api_key(key.id, "user:admin")
+    inserted = [
+        (doc, event.command.get("autocommit"))
+        for event in commands.sent
+        if event.command_name == "insert" and event.command["insert"] == "job_events"
+        for doc in event.command["documents"]
+    ]
+    assert [doc["type"] for doc, _ in inserted] == ["api_key_created", "api_key_revoked"]
+    for doc, autocommit in inserted:
+        assert all(isinstance(doc.get(f), str) for f in shard_fields("job_events")), doc
+        assert autocommit is False  # in a transaction
 
 
 # -- indexes of earlier versions -----------------------------------------------------------------

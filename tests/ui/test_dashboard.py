@@ -291,6 +291,8 @@ def test_every_page_renders_and_the_audit_exports_csv(
         changed = {"type": "ui_report", "schedulable": True, "description": "version 2"}
         changed["steps"] = [{"id": "collect", "handler": "builtin.noop"}]
         assert admin.post("/v1/templates", json=changed).status_code == 201
+        key = {"name": f"k-{scope_id}", "role": "auditor"}
+        key_id = admin.post("/v1/api-keys", json=key).json()["id"]
     sign_in(page, stack)
     overview = page.get_by_role("region", name="Runs by status")
     expect(overview.get_by_role("link", name=re.compile(r"^\d+ succeeded$"))).to_be_visible()
@@ -313,3 +315,9 @@ def test_every_page_renders_and_the_audit_exports_csv(
     rows = list(csv.DictReader(io.StringIO(download.value.path().read_text())))
     assert rows and {r["jobId"] for r in rows} == {run_id}
     assert rows[0]["type"] == "created" and rows[0]["actor"] == "user:admin"
+
+    # A key's events name the key, which has no page to link to.
+    page.goto(f"{stack.dashboard}#/audit?jobId={key_id}")
+    expect(events).to_contain_text("api_key_created")
+    expect(events).to_contain_text(key_id)
+    expect(events.get_by_role("link", name=f"run {key_id}")).to_have_count(0)

@@ -1,7 +1,9 @@
 """Who is calling and what they may do: API keys, roles and scopes.
 
 A key is `jp_<keyId>_<secret>`. MongoDB keeps the key's role, scopes and the SHA-256 of the
-secret; the id finds the record and a constant-time comparison checks the secret.
+secret; the id finds the record and a constant-time comparison checks the secret. Every
+request reads the record, with no cache: a revoked key is refused by every API process from its
+next request on.
 """
 
 import hashlib
@@ -30,6 +32,7 @@ class Permission(StrEnum):
     EVENTS_READ = "events:read"
     SCHEDULES_READ = "schedules:read"
     SCHEDULES_WRITE = "schedules:write"
+    KEYS_READ = "keys:read"
     KEYS_WRITE = "keys:write"
     # Claiming and finishing external steps: the work of any scope, so admin keys only.
     EXTERNAL_WORK = "external:work"
@@ -130,6 +133,9 @@ async def authenticate(request: Request) -> Caller:
     record = await store.get_api_key(key_id) if prefix == "jp" and secret else None
     if record is None or not hmac.compare_digest(record.secret_hash, _digest(secret)):
         raise Unauthorized("unknown API key")
+    # Said only to whoever holds the secret: a guesser learns nothing from it.
+    if record.revoked_at is not None:
+        raise Unauthorized(f"API key {record.name!r} was revoked")
     return Caller(record.name, record.role, frozenset(map(parse_scope, record.scopes)))
 
 

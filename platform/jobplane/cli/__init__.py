@@ -16,14 +16,16 @@ from pydantic import BaseModel, ValidationError
 
 from jobplane.cli.client import APIClient, CLIError
 from jobplane.cli.render import (
+    KEY_HEADER,
     RUN_HEADER,
     LiveView,
     event_line,
+    key_row,
     run_row,
     schedule_line,
     template_line,
 )
-from jobplane.model import TERMINAL, Event, Run, RunStatus, Schedule, Template
+from jobplane.model import TERMINAL, ApiKeyPublic, Event, Run, RunStatus, Schedule, Template
 from jobplane.settings import Settings, refusal
 
 
@@ -327,6 +329,16 @@ def _keys_create(args: argparse.Namespace, client: APIClient) -> None:
     print("The secret is shown only this once: only its hash is stored. Keep it safe.")
 
 
+def _keys_list(args: argparse.Namespace, client: APIClient) -> None:
+    params = _present(limit=args.limit)
+    _print_pages(client, "/v1/api-keys", params, args.all, ApiKeyPublic, key_row, KEY_HEADER)
+
+
+def _keys_revoke(args: argparse.Namespace, client: APIClient) -> None:
+    key = client.call("DELETE", f"/v1/api-keys/{_segment(args.key_id)}")
+    print(f"revoked {key['id']} ({key['name']}) at {key['revokedAt']} by {key['revokedBy']}")
+
+
 def _schedules_create(args: argparse.Namespace, client: APIClient) -> None:
     body = _present(
         templateType=args.template,
@@ -347,6 +359,15 @@ def _schedules_list(args: argparse.Namespace, client: APIClient) -> None:
         templateType=args.template, scope=args.scope, scopeId=args.scope_id, limit=args.limit
     )
     _print_pages(client, "/v1/schedules", params, args.all, Schedule, schedule_line)
+
+
+def _schedules_get(args: argparse.Namespace, client: APIClient) -> None:
+    print(json.dumps(client.call("GET", f"/v1/schedules/{_segment(args.schedule_id)}"), indent=2))
+
+
+def _schedules_delete(args: argparse.Namespace, client: APIClient) -> None:
+    client.call("DELETE", f"/v1/schedules/{_segment(args.schedule_id)}")
+    print(f"deleted {args.schedule_id}")
 
 
 def _schedules_act(args: argparse.Namespace, client: APIClient) -> None:
@@ -519,6 +540,10 @@ def _parser() -> argparse.ArgumentParser:
     slist.add_argument("--scope-id")
     slist.add_argument("--limit", type=int, help="schedules per page")
     slist.add_argument("--all", action="store_true", help="every page, not just the first")
+    sget = client_command(ssub, "get", _schedules_get, "a schedule as JSON")
+    sget.add_argument("schedule_id", metavar="ID")
+    sdelete = client_command(ssub, "delete", _schedules_delete, "delete a schedule")
+    sdelete.add_argument("schedule_id", metavar="ID")
     for action, what in (
         ("pause", "stop firing"),
         ("resume", "fire again"),
@@ -539,4 +564,9 @@ def _parser() -> argparse.ArgumentParser:
     key.add_argument(
         "--scope", action="append", default=[], help="for a user key: user:u1 (repeatable)"
     )
+    klist = client_command(ksub, "list", _keys_list, "keys, newest first, revoked ones too")
+    klist.add_argument("--limit", type=int, help="keys per page")
+    klist.add_argument("--all", action="store_true", help="every page, not just the first")
+    revoke = client_command(ksub, "revoke", _keys_revoke, "refuse a key from now on")
+    revoke.add_argument("key_id", metavar="ID")
     return parser

@@ -49,6 +49,8 @@ class APIClient:
             raise CLIError("Unavailable", f"cannot reach {self.http.base_url} ({reason})") from exc
         if response.status_code >= 400:
             raise api_error(response)
+        if response.status_code == 204:  # done, and nothing to say
+            return None
         try:
             return response.json()
         except ValueError as exc:

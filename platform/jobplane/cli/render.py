@@ -3,7 +3,7 @@
 from datetime import datetime
 from zoneinfo import ZoneInfo
 
-from jobplane.model import Event, Run, Schedule, StepStatus, Template
+from jobplane.model import ApiKeyPublic, Event, Run, Schedule, StepStatus, Template
 
 _MARK = {
     StepStatus.PENDING: " ",
@@ -63,6 +63,16 @@ def schedule_line(schedule: Schedule) -> str:
         local = schedule.next_run_at.astimezone(ZoneInfo(schedule.timezone))
         upcoming = f"next {_time(schedule.next_run_at)} ({local.isoformat(timespec='minutes')})"
     return f"{schedule.id}  {state:<7}  {schedule.template_type:<24}  {when:<36}  {upcoming}"
+
+
+KEY_HEADER = f"{'ID':<24}  {'NAME':<24}  {'ROLE':<7}  {'CREATED':<29}  {'REVOKED':<29}  SCOPES"
+
+
+def key_row(key: ApiKeyPublic) -> str:
+    created = _time(key.create_at)
+    revoked = _time(key.revoked_at) if key.revoked_at else "-"
+    scopes = " ".join(key.scopes) or "(all)"
+    return f"{key.id:<24}  {key.name:<24}  {key.role:<7}  {created}  {revoked:<29}  {scopes}"
 
 
 def event_line(event: Event) -> str:

@@ -2,6 +2,7 @@
 
 from jobplane.model.documents import (
     ApiKey,
+    ApiKeyPublic,
     Attempt,
     CancelPolicy,
     Event,
@@ -43,6 +44,7 @@ __all__ = [
     "TERMINAL",
     "TRANSITIONS",
     "ApiKey",
+    "ApiKeyPublic",
     "Attempt",
     "CancelPolicy",
     "Event",

@@ -275,18 +275,26 @@ class Event(Document):
     create_at: datetime
 
 
-class ApiKey(Document):
-    """An API key as stored: the secret only as its SHA-256 (a random 256-bit secret needs no
-    slow hash: there is nothing to guess)."""
+class ApiKeyPublic(Document):
+    """An API key as the API shows it: everything but the secret."""
 
     id: str
     name: Name
     role: Role
     # As stored (`KeyCreate` checks them): a key made before scope ids were checked still works.
     scopes: list[str] = Field(default_factory=list)
-    secret_hash: str
     created_by: str
     create_at: datetime
+    # A revoked key is refused, but its record stays: the list and the audit trail still name it.
+    revoked_at: datetime | None = None
+    revoked_by: str | None = None
+
+
+class ApiKey(ApiKeyPublic):
+    """An API key as stored: the secret only as its SHA-256 (a random 256-bit secret needs no
+    slow hash: there is nothing to guess)."""
+
+    secret_hash: str
 
 
 class ScheduleSpec(Spec):

@@ -12,10 +12,10 @@ import contextlib
 import logging
 import secrets
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Awaitable, Callable, Mapping, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import pymongo
 from bson import ObjectId
@@ -29,6 +29,7 @@ from pymongo import (
     ReturnDocument,
     UpdateOne,
 )
+from pymongo.asynchronous.client_session import AsyncClientSession
 from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import BulkWriteError, DuplicateKeyError, OperationFailure, WriteError
 from pymongo.write_concern import WriteConcern
@@ -42,6 +43,7 @@ from jobplane.model import (
     TERMINAL,
     TRANSITIONS,
     ApiKey,
+    ApiKeyPublic,
     Attempt,
     Event,
     Progress,
@@ -56,6 +58,7 @@ from jobplane.model import (
 )
 
 Doc = dict[str, Any]
+T = TypeVar("T")
 
 log = logging.getLogger("jobplane.store")
 
@@ -208,6 +211,12 @@ _STATE_FIELDS = {
     "attempt": 1,
     "attemptStartedAt": 1,
 }
+# The scope of API keys' events. Its id has a space, which no scope id of a run, a schedule or
+# a key may have: no user key can be bound to it, so only the roles that see every scope (admin,
+# auditor) see these events.
+_KEY_EVENTS_SCOPE = ("system", "api keys")
+# A key as listed: its secret's hash stays in MongoDB.
+_NO_SECRET = {"secretHash": 0}
 # The shard key of a run (see `SHARD_KEYS`).
 _OWNER_FIELDS = {"scope": 1, "scopeId": 1}
 # A run holds these only while a worker owns it.
@@ -697,13 +706,21 @@ class MongoStore:
         return bool(oid and (await self.schedules.delete_one({"_id": oid})).deleted_count)
 
     # -- API keys --------------------------------------------------------------------------------
+    # A key's creation and its revocation are each written with their event in one transaction:
+    # the audit trail never misses one, nor names one that did not happen. Both are rare.
 
     async def insert_api_key(self, key: ApiKey) -> bool:
-        """Store a new key; False if its name is taken."""
-        doc = key.model_dump(by_alias=True)
-        doc["_id"] = ObjectId(doc.pop("id"))
+        """Store a new key and its `api_key_created` event; False if its name is taken."""
+        doc = key.model_dump(by_alias=True, exclude={"id"})
+        doc["_id"] = ObjectId(key.id)
+        event = _key_event(key, "api_key_created", key.created_by, key.create_at)
+
+        async def write(session: AsyncClientSession) -> None:
+            await self.api_keys.insert_one(doc, session=session)
+            await self.events.insert_one(event, session=session)
+
         try:
-            await self.api_keys.insert_one(doc)
+            await self._transaction(write)
         except DuplicateKeyError:
             return False
         return True
@@ -715,6 +732,46 @@ class MongoStore:
             return None
         doc["id"] = str(doc.pop("_id"))
         return ApiKey.model_validate(doc)
+
+    async def list_api_keys(self, before: str | None, limit: int) -> list[ApiKeyPublic]:
+        """Keys newest first, revoked ones too, without their secrets' hashes; `before` is the
+        id the previous page ended at."""
+        find: Doc = {"_id": {"$lt": ObjectId(before)}} if before else {}
+        cursor = self.api_keys.find(find, _NO_SECRET).sort("_id", -1).limit(limit)
+        return [_public_key(d) async for d in cursor]
+
+    async def revoke_api_key(self, key_id: str, actor: str) -> ApiKeyPublic | None:
+        """Mark the key revoked by `actor`, with its `api_key_revoked` event. A key revoked
+        already is left as it was (a repeated revoke changes nothing); None if no key has
+        this id."""
+        oid = object_id(key_id)
+        if oid is None:
+            return None
+        now = self.clock.now()
+
+        async def write(session: AsyncClientSession) -> Doc | None:
+            doc = await self.api_keys.find_one_and_update(
+                {"_id": oid, "revokedAt": None},
+                {"$set": {"revokedAt": now, "revokedBy": actor}},
+                _NO_SECRET,
+                return_document=ReturnDocument.AFTER,
+                session=session,
+            )
+            if doc is not None:
+                event = _key_event(_public_key(doc), "api_key_revoked", actor, now)
+                await self.events.insert_one(event, session=session)
+            return doc
+
+        doc = await self._transaction(write)
+        if doc is None:  # revoked already, or no such key
+            doc = await self.api_keys.find_one({"_id": oid}, _NO_SECRET)
+        return _public_key(doc) if doc else None
+
+    async def _transaction(self, write: Callable[[AsyncClientSession], Awaitable[T]]) -> T:
+        """`write` in one transaction, committed with the store's write concern; a write
+        conflict runs it again."""
+        async with self.client.start_session() as session:
+            return await session.with_transaction(write, write_concern=self.db.write_concern)
 
     # -- runs ----------------------------------------------------------------------------------
 
@@ -2002,6 +2059,27 @@ def _run(doc: Doc) -> Run:
     doc = dict(doc)
     doc["id"] = str(doc.pop("_id"))
     return Run.model_validate(doc)
+
+
+def _public_key(doc: Doc) -> ApiKeyPublic:
+    doc = dict(doc)
+    doc["id"] = str(doc.pop("_id"))
+    return ApiKeyPublic.model_validate(doc)
+
+
+def _key_event(key: ApiKeyPublic, kind: str, actor: str, now: datetime) -> Doc:
+    """An event of `key`'s life, in `_KEY_EVENTS_SCOPE`: `jobId` is the key's id, its version
+    (1 created, 2 revoked) orders the key's trail, and the metadata say what the key may do."""
+    return _event(
+        key.id,
+        kind,
+        actor,
+        *_KEY_EVENTS_SCOPE,
+        1 if key.revoked_at is None else 2,
+        message=f"API key {key.name} ({key.role}) {kind.removeprefix('api_key_')}",
+        metadata={"name": key.name, "role": key.role, "scopes": key.scopes},
+        now=now,
+    )
 
 
 def _event_model(doc: Doc) -> Event:

@@ -1,17 +1,18 @@
-"""API keys: an admin creates them; the secret is shown once."""
+"""API keys: an admin creates them (the secret is shown once), lists and revokes them."""
 
-from datetime import datetime
 from typing import Annotated
 
 from fastapi import APIRouter
 from pydantic import Field, model_validator
 
+from jobplane.api import pages
 from jobplane.api.auth import mint_key
-from jobplane.api.deps import KeyAdmin, StoreDep
+from jobplane.api.deps import KeyAdmin, KeyReader, StoreDep
 from jobplane.api.errors import ERROR_RESPONSES
-from jobplane.api.schema import RequestBody, ResponseBody
-from jobplane.errors import ResourceInvalidState
-from jobplane.model import Role, ScopeRef
+from jobplane.api.pages import Cursor, Limit, Page
+from jobplane.api.schema import RequestBody
+from jobplane.errors import NotFound, ResourceInvalidState
+from jobplane.model import ApiKeyPublic, Role, ScopeRef
 from jobplane.model.documents import Name
 
 router = APIRouter(prefix="/v1/api-keys", tags=["api keys"], responses=ERROR_RESPONSES)
@@ -31,26 +32,42 @@ class KeyCreate(RequestBody):
         return self
 
 
-class KeyCreated(ResponseBody):
-    id: str
-    name: str
-    role: Role
-    scopes: list[str]
-    # The secret: shown here once, stored only as a hash.
+class KeyCreated(ApiKeyPublic):
+    """A new key and its secret, `key`: shown here once, stored only as a hash."""
+
     key: str
-    create_at: datetime
 
 
 @router.post("", status_code=201, response_model=KeyCreated, response_model_by_alias=True)
 async def create(body: KeyCreate, store: StoreDep, caller: KeyAdmin) -> KeyCreated:
+    """A new key, with an `api_key_created` event; `key` is its secret, shown only here."""
     secret, record = mint_key(body.name, body.role, body.scopes, caller.actor, store.clock.now())
     if not await store.insert_api_key(record):
         raise ResourceInvalidState(f"an API key named {body.name!r} exists")
-    return KeyCreated(
-        id=record.id,
-        name=record.name,
-        role=record.role,
-        scopes=record.scopes,
-        key=secret,
-        create_at=record.create_at,
-    )
+    return KeyCreated(**record.model_dump(exclude={"secret_hash"}), key=secret)
+
+
+@router.get("", response_model=Page[ApiKeyPublic], response_model_by_alias=True)
+async def list_keys(
+    store: StoreDep, caller: KeyReader, limit: Limit = 100, cursor: Cursor = None
+) -> Page[ApiKeyPublic]:
+    """Every stored key, newest first, revoked ones too (`revokedAt`, `revokedBy`); never a
+    secret. The bootstrap key (`JOBPLANE_ADMIN_KEY`) is not stored, so not listed."""
+    before = pages.after_run(cursor) if cursor else None
+    found = await store.list_api_keys(before, limit + 1)
+    items = found[:limit]
+    more = len(found) > limit
+    return Page(items=items, next_cursor=pages.run_cursor(items[-1].id) if more else None)
+
+
+@router.delete("/{key_id}", response_model=ApiKeyPublic, response_model_by_alias=True)
+async def revoke(key_id: str, store: StoreDep, caller: KeyAdmin) -> ApiKeyPublic:
+    """Revoke a key: every API process refuses it (401) from its next request on. The record
+    stays, with `revokedAt` and `revokedBy`, and an `api_key_revoked` event is written. A key
+    revoked already is answered as it is, unchanged. Any key may be revoked, even the caller's
+    own or the last admin one: a leaked key must always be revocable, and the bootstrap key
+    (`JOBPLANE_ADMIN_KEY`, which no request can revoke) is the way back in."""
+    revoked = await store.revoke_api_key(key_id, caller.actor)
+    if revoked is None:
+        raise NotFound(f"API key {key_id!r} not found")
+    return revoked

@@ -42,7 +42,7 @@ export async function render(ctx) {
   const from = h("input", { type: "datetime-local", id: "a-from", value: localInput(query.from) });
   const to = h("input", { type: "datetime-local", id: "a-to", value: localInput(query.to) });
   const form = h("form", { class: "filters", role: "search", "aria-label": "Search events" },
-    field("Run or schedule id", inputs.jobId),
+    field("Run, schedule or key id", inputs.jobId),
     field("Type", inputs.type),
     h("datalist", { id: "a-types" }, EVENT_TYPES.map((t) => h("option", { value: t }))),
     field("Scope", scope),
@@ -108,7 +108,7 @@ export async function render(ctx) {
   const results = h("section", { class: "card", "aria-label": "Events" },
     h("div", { class: "form-actions" }, count, h("span", { class: "spacer" }), exportButton),
     h("div", { class: "table-wrap" }, h("table", { class: "dense" },
-      h("thead", {}, h("tr", {}, ["Time", "Type", "Run / schedule", "Move", "Actor", "Scope", "Message and details"].map((c) => h("th", { scope: "col" }, c)))),
+      h("thead", {}, h("tr", {}, ["Time", "Type", "Run / schedule / key", "Move", "Actor", "Scope", "Message and details"].map((c) => h("th", { scope: "col" }, c)))),
       body)),
     h("div", { class: "pager" }, more));
   fill(ctx.main,
@@ -119,12 +119,18 @@ export async function render(ctx) {
   await load();
 }
 
+// What an event is about: a run, a schedule (fire_*), or an API key (api_key_*, no page of its own).
+function subject(e) {
+  if (e.type.startsWith("fire_")) return h("a", { href: `#/schedules/${encodeURIComponent(e.jobId)}`, class: "mono" }, e.jobId);
+  if (e.type.startsWith("api_key_")) return h("span", { class: "mono" }, e.jobId);
+  return runLink(e.jobId);
+}
+
 function row(e) {
-  const schedule = e.type.startsWith("fire_");
   return h("tr", {},
     h("td", { class: "nowrap" }, time(e.createAt)),
     h("td", {}, h("code", {}, e.type)),
-    h("td", {}, schedule ? h("a", { href: `#/schedules/${encodeURIComponent(e.jobId)}`, class: "mono" }, e.jobId) : runLink(e.jobId)),
+    h("td", {}, subject(e)),
     h("td", { class: "nowrap" }, e.from && e.to ? `${e.from} → ${e.to}` : e.to ? `→ ${e.to}` : ""),
     h("td", { class: "mono small" }, e.actor),
     h("td", { class: "mono small" }, e.scope ? `${e.scope}:${e.scopeId}` : ""),
