@@ -6,6 +6,8 @@ A step's `handler` is looked up by its registered name first; a name of the form
 
 import asyncio
 import importlib
+import os
+import traceback
 from collections.abc import Awaitable, Callable
 from typing import Any
 
@@ -41,15 +43,46 @@ class HandlerRegistry:
     def __contains__(self, name: str) -> bool:
         return self.resolve(name) is not None
 
+    def names(self) -> list[str]:
+        """The names registered so far (and `module:function` names resolved so far)."""
+        return sorted(self._handlers)
+
 
 registry = HandlerRegistry()
 handler = registry.register
 
 
+class HandlerModuleError(Exception):
+    """A handler module that would not import, said in one line: a process refuses to start."""
+
+
 def load_modules(modules: list[str]) -> None:
     """Import handler modules (JOBPLANE_HANDLERS) so their decorators register them."""
     for module in modules:
-        importlib.import_module(module)
+        try:
+            importlib.import_module(module)
+        except ModuleNotFoundError as exc:
+            if exc.name and (module + ".").startswith(exc.name + "."):
+                raise HandlerModuleError(
+                    f"handler module {module!r} not found: is its folder on PYTHONPATH?"
+                ) from exc
+            raise HandlerModuleError(_failure(module, exc)) from exc
+        except Exception as exc:
+            raise HandlerModuleError(_failure(module, exc)) from exc
+
+
+# Frames of the import machinery, which say nothing about a module that failed to import.
+_IMPORTLIB = ("<frozen ", os.path.dirname(importlib.__file__))
+
+
+def _failure(module: str, exc: Exception) -> str:
+    """The exception and the line that raised it: the innermost frame outside the import
+    machinery (a SyntaxError names its line itself)."""
+    # The first frame is load_modules' own.
+    frames = traceback.extract_tb(exc.__traceback__)[1:]
+    ours = [f for f in frames if not f.filename.startswith(_IMPORTLIB)]
+    where = f" ({ours[-1].filename}:{ours[-1].lineno})" if ours else ""
+    return f"handler module {module!r} failed to import: {type(exc).__name__}: {exc}{where}"
 
 
 # -- built-ins, so shipped templates work out of the box ------------------------------------------
