@@ -1,5 +1,6 @@
 """Drawing runs, templates and events in a terminal: progress bars, table rows, log lines."""
 
+import logging
 from datetime import datetime
 from zoneinfo import ZoneInfo
 
@@ -83,3 +84,9 @@ class LiveView:
             print(f"\x1b[{len(self._last)}F\x1b[J", end="")
         print("\n".join(lines), flush=True)
         self._last = lines
+
+    def moved_on(self, record: logging.LogRecord) -> bool:
+        """A logging filter letting every record through: a log line was written below the
+        drawing, so the next one starts under it rather than in its place."""
+        self._last = []
+        return True
