@@ -23,10 +23,14 @@ def bar(percentage: float, width: int = 30) -> str:
 
 def render(run: Run) -> list[str]:
     lines = [f"run {run.id}  {run.template_type} v{run.template_version}  {run.status.value}"]
-    lines.append(f"  overall    {bar(run.progress.percentage)}  {run.progress.summary}")
+    # The bars line up, two spaces after the longest label: "overall" or a mark and a step id.
+    width = max([len("overall") - 2, *(len(step.id) for step in run.progress.steps)])
+    overall = bar(run.progress.percentage)
+    lines.append(f"  {'overall':<{width + 2}}  {overall}  {run.progress.summary}")
     for step in run.progress.steps:
         note = step.message or step.error or ""
-        lines.append(f"  {_MARK[step.status]} {step.id:<9}{bar(step.percentage)}  {note}")
+        label = f"{_MARK[step.status]} {step.id:<{width}}"
+        lines.append(f"  {label}  {bar(step.percentage)}  {note}")
     if run.error:
         lines.append(f"  error: {run.error.code}: {run.error.message}")
     return lines
@@ -60,7 +64,12 @@ def schedule_line(schedule: Schedule) -> str:
 
 
 def event_line(event: Event) -> str:
-    moved = f"{event.from_ or ''}→{event.to or ''}" if event.from_ or event.to else "-"
+    if event.from_ or event.to:
+        moved = f"{event.from_ or ''}→{event.to or ''}"
+    elif step := event.metadata.get("step"):  # step_started, step_finished (a failed one says so)
+        moved = f"step {step} {event.metadata.get('status', '')}".rstrip()
+    else:
+        moved = "-"
     line = f"{_time(event.create_at)}  {event.job_id}  {event.type:<20}  {moved:<32}  "
     return (line + f"{event.actor:<20}  {event.message or ''}").rstrip()
 
