@@ -34,7 +34,7 @@ async def open_backends(
     With `stop`, a stop during start-up (MongoDB may not answer yet) raises `Stopped`.
     """
     if not settings.mongodb_url or not settings.redis_url:
-        raise RuntimeError("JOBPLANE_MONGODB_URL and JOBPLANE_REDIS_URL must be set")
+        raise RuntimeError(settings.unset("mongodb_url", "redis_url"))
     target = parse_redis_url(settings.redis_url)
     store = MongoStore.connect(
         settings.mongodb_url,

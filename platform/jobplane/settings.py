@@ -88,6 +88,14 @@ class Settings(BaseSettings):
         Keys(prefix)  # raises, saying what is wrong
         return prefix
 
+    def unset(self, *fields: str) -> str | None:
+        """Which of `fields` a process needs but lacks, naming each variable; None when all
+        are set."""
+        names = [f"JOBPLANE_{field.upper()}" for field in fields if not getattr(self, field)]
+        if not names:
+            return None
+        return f"{' and '.join(names)} {'is' if len(names) == 1 else 'are'} not set"
+
 
 def refusal(exc: ValidationError) -> str:
     """What is wrong with the settings, in one line naming each variable."""

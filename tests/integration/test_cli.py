@@ -23,7 +23,7 @@ from jobplane.settings import Settings
 from jobplane.templates.loader import SUFFIXES
 from jobplane.worker import registry
 from tests.integration.conftest import Register
-from tests.integration.workers import running
+from tests.integration.workers import running, settled
 
 TEMPLATES = Path(__file__).parents[2] / "templates"
 ADMIN = "test-admin-key"  # the `settings` fixture's admin key
@@ -542,3 +542,59 @@ async def test_db_shard_needs_a_sharded_cluster(mongo_url: str, db_name: str, mo
         failed(unset, "InvalidArgument")
         == "error: InvalidArgument: JOBPLANE_MONGODB_URL is not set"
     )
+
+
+async def test_refusals_say_each_thing_once_and_in_words(
+    url: str, cli: CLI, register: Register
+) -> None:
+    await register("t_report", schedulable=True)
+    cron = failed(
+        await cli("schedules", "create", "t_report", "--cron", "61 * * * *"), "ValidationFailed"
+    )
+    assert cron.startswith("error: ValidationFailed: /cron: '61 * * * *' is not a cron expression")
+    assert cron.count("61 * * * *") == 1, cron
+
+    # A scope, or a scope id, is described rather than given as a regular expression.
+    scope = await cli("keys", "create", "acme", "--role", "user", "--scope", "acme")
+    assert "/scopes/0: a scope looks like account:<id>" in failed(scope, "ValidationFailed")
+    spaced = await cli("runs", "create", "t_report", "--scope-id", "a b")
+    assert "/scopeId: 1 to 200 characters, none of them a space" in failed(
+        spaced, "ValidationFailed"
+    )
+    for line in (failed(scope, "ValidationFailed"), failed(spaced, "ValidationFailed")):
+        assert "^" not in line and "\\" not in line, line
+
+    # No key at all: where one goes.
+    keyless = await jobplane("runs", "list", env=clean_env(JOBPLANE_URL=url))
+    assert failed(keyless, "Unauthorized") == (
+        "error: Unauthorized: missing bearer API key: set JOBPLANE_API_KEY or pass --key"
+    )
+    assert "--key" not in failed(await cli("runs", "list", key="jp_wrong"), "Unauthorized")
+
+    # Where a run goes without --scope is said where the options are.
+    usage = ok(await asyncio.to_thread(invoke, ["runs", "create", "--help"])).out
+    assert "default system (with scope id cli)" in " ".join(usage.split())
+
+
+async def test_events_name_the_step_a_step_event_is_about(
+    cli: CLI, register: Register, backends: Backends, settings: Settings
+) -> None:
+    await register(
+        "t_two",
+        steps=[
+            {"id": "transform", "handler": "builtin.noop"},
+            {"id": "load", "handler": "builtin.fail"},
+        ],
+    )
+    run_id = await created(cli, "t_two", "--payload", '{"fatal": true}')
+    async with running(backends, settings):
+        await settled(backends.store, [run_id])
+    trail = ok(await cli("events", "--job-id", run_id)).lines
+    steps = [line.split()[2:6] for line in trail if " step_" in line]
+    assert [s[:3] for s in steps] == [
+        ["step_started", "step", "transform"],
+        ["step_finished", "step", "transform"],
+        ["step_started", "step", "load"],
+        ["step_finished", "step", "load"],
+    ], trail
+    assert steps[-1][3] == "failed" and steps[1][3].startswith("worker:")

@@ -2,6 +2,7 @@
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -61,6 +62,13 @@ def test_dev_demo_runs_to_completion_and_stops_its_servers(tmp_path: Path) -> No
     assert "demo_long_task v1 (new)" in first.stdout
     assert "succeeded" in first.stdout
     assert not any(pid_alive(p) for p in recorded_pids(data)), "servers it started are stopped"
+    # The worker's lines, as text: what it serves, the demo run it finished, its stop.
+    worker = r"\S+ INFO jobplane\.worker "
+    started = rf"{worker}worker \S+ started: queues default, concurrency \d+, handlers .*builtin"
+    assert re.search(started, first.stderr), first.stderr
+    finished = rf"{worker}run \w+ \(demo_long_task\) succeeded in \d+\.\d s \["
+    assert re.search(finished, first.stderr), first.stderr
+    assert re.search(rf"{worker}worker \S+ stopped", first.stderr), first.stderr
 
     # Starting again reuses the data: same key, templates unchanged, a second demo run.
     second = jobplane(*args, env=clean_env(), timeout=120, cwd=tmp_path)

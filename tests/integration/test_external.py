@@ -17,6 +17,7 @@ from jobplane.api import create_app
 from jobplane.backends import Backends
 from jobplane.model import RunStatus, StepStatus
 from jobplane.runs import RunRequest, RunService
+from jobplane.runs.external import ExternalSteps
 from jobplane.settings import Settings
 from jobplane.worker import StepContext, registry
 from jobplane.worker.external import ExternalWorker
@@ -285,3 +286,22 @@ async def test_a_run_finished_by_an_external_worker_is_counted(
         [done] = await settled(backends.store, [run.id], within=30)
     assert done.status == RunStatus.SUCCEEDED
     assert REGISTRY.get_sample_value("jobplane_runs_finished_total", labels) == before + 1
+
+
+async def test_a_claim_whose_caller_went_away_takes_nothing(
+    backends: Backends, settings: Settings, register: Register
+) -> None:
+    """An external worker that stops abandons its long poll: the API's poll must not then
+    lease it a step, which would wait for the lease to expire."""
+    await register(steps=STEPS)
+    run_id = await waiting_step(backends, settings, {"n": 1})
+    steps = ExternalSteps(backends.store, backends.queue, settings.lease_seconds)
+
+    async def gone() -> bool:
+        return True
+
+    assert await steps.claim("external", "stopped", 30, gone) is None
+    run = await backends.store.get_run(run_id)
+    assert run is not None and run.status == RunStatus.WAITING_WORKER
+    claimed = await steps.claim("external", "alive", 0)
+    assert claimed is not None and claimed.run.id == run_id

@@ -94,7 +94,9 @@ async def test_preview_in_utc_and_in_the_zone_across_spring_forward(api: httpx.A
 
 
 async def test_trigger_creates_a_run_with_the_rendered_payload(api: httpx.AsyncClient) -> None:
-    sid = (await created(api))["id"]
+    schedule = await created(api)
+    sid = schedule["id"]
+    assert schedule["lastRunAt"] is None and schedule["lastRunId"] is None
     response = await api.post(f"/v1/schedules/{sid}/trigger")
     assert response.status_code == 201, response.text
     run = response.json()
@@ -103,6 +105,12 @@ async def test_trigger_creates_a_run_with_the_rendered_payload(api: httpx.AsyncC
     assert run["payload"]["day"].startswith(run["scheduledFor"][:16])
     listed = (await api.get(f"/v1/runs?scheduleId={sid}")).json()["items"]
     assert [r["id"] for r in listed] == [run["id"]]
+    # The schedule's last run from then on; when it fires next is not changed.
+    after = (await api.get(f"/v1/schedules/{sid}")).json()
+    assert (after["lastRunAt"], after["lastRunId"]) == (run["scheduledFor"], run["id"])
+    assert after["nextRunAt"] == schedule["nextRunAt"]
+    again = (await api.post(f"/v1/schedules/{sid}/trigger")).json()
+    assert (await api.get(f"/v1/schedules/{sid}")).json()["lastRunId"] == again["id"]
     await api.post("/v1/templates/t_report/disable")
     error_of(await api.post(f"/v1/schedules/{sid}/trigger"), 409, "TemplateDisabled")
 

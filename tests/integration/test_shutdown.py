@@ -178,3 +178,20 @@ def test_dev_stops_in_time_and_stops_its_other_server_when_one_goes_away(
     assert code == 0, log.read_text()
     assert took < limit
     assert not pid_alive(record[left]["pid"]), f"dev left its {left} server running"
+
+
+@pytest.mark.slow
+async def test_an_idle_external_worker_abandons_its_long_poll_on_sigterm(
+    url: str, settings: Settings, tmp_path: Path
+) -> None:
+    """Nothing to claim: its claim is a long poll of 20 s, which a stop does not wait out."""
+    log = tmp_path / "external.log"
+    key = str(settings.admin_key)
+    proc = spawn(settings, "external-worker", log, "--url", url, "--key", key)
+    try:
+        code, took = await asyncio.to_thread(stop_within, proc, SLACK, log, after=RUNNING)
+    finally:
+        terminate(proc)
+    assert code == 0, log.read_text()
+    # Measured 0.07 s (18.7 s while a stop waited the poll out).
+    assert took < SLACK / 2, log.read_text()

@@ -100,7 +100,7 @@ def _external_worker(args: argparse.Namespace) -> None:
     from jobplane.worker.external import serve_external
     from jobplane.worker.worker import default_worker_id
 
-    _start_process(args)
+    _start_process(args, needs=())
     url, key = _endpoint(args)
     worker_id = args.worker_id or default_worker_id()
     modules = [m for m in args.handlers.split(",") if m]
@@ -112,16 +112,27 @@ T = TypeVar("T")
 
 def _run(main: Coroutine[Any, Any, "T"]) -> "T":
     from jobplane.process import run
+    from jobplane.worker.handlers import HandlerModuleError
 
-    return run(main)
+    try:
+        return run(main)
+    except HandlerModuleError as exc:
+        raise CLIError("InvalidSettings", str(exc)) from None
 
 
-def _start_process(args: argparse.Namespace) -> Settings:
+# What every process but the external worker (an API client) needs.
+BACKEND_URLS = ("mongodb_url", "redis_url")
+
+
+def _start_process(args: argparse.Namespace, needs: tuple[str, ...] = BACKEND_URLS) -> Settings:
     """Settings for a long-running process, and its logging set up: JSON lines unless told
     otherwise."""
     from jobplane.process import configure_logging
 
     settings = _settings(args)
+    if unset := settings.unset(*needs):
+        hint = "only `jobplane dev` runs without them: it starts local servers"
+        raise CLIError("InvalidSettings", f"{unset} ({hint})")
     configure_logging(settings.log_format or "json")
     return settings
 
@@ -465,6 +476,8 @@ def _parser() -> argparse.ArgumentParser:
         p.add_argument("--interval", type=float, default=0.5, help="seconds between polls")
 
     scopes = ["user", "account", "system"]
+    # Where a run or schedule goes unless told; a user key may act only in its own scopes.
+    default_scope = "default system (with scope id cli); a user key names one of its scopes"
     templates = sub.add_parser("templates", help="register and manage templates")
     tsub = templates.add_subparsers(required=True, metavar="ACTION")
     apply = client_command(tsub, "apply", _templates_apply, "register templates from DIR or FILE")
@@ -482,8 +495,8 @@ def _parser() -> argparse.ArgumentParser:
     rsub = runs.add_subparsers(required=True, metavar="ACTION")
     create = client_command(rsub, "create", _runs_create, "create a run of TEMPLATE")
     create.add_argument("template", metavar="TEMPLATE")
-    create.add_argument("--scope", default="system", choices=scopes)
-    create.add_argument("--scope-id", default="cli")
+    create.add_argument("--scope", default="system", choices=scopes, help=default_scope)
+    create.add_argument("--scope-id", default="cli", help="default cli")
     create.add_argument("--payload", type=_json_object, default={}, help="a JSON object")
     create.add_argument("--priority", type=int, help="-100 to 100; higher runs first")
     create.add_argument("--delay-seconds", type=float, help="not before this many seconds")
@@ -526,8 +539,8 @@ def _parser() -> argparse.ArgumentParser:
     screate.add_argument("template", metavar="TEMPLATE")
     screate.add_argument("--cron", required=True, help="e.g. '30 2 * * *' or @daily")
     screate.add_argument("--timezone", help="IANA zone, e.g. Asia/Taipei (default UTC)")
-    screate.add_argument("--scope", default="system", choices=scopes)
-    screate.add_argument("--scope-id", default="cli")
+    screate.add_argument("--scope", default="system", choices=scopes, help=default_scope)
+    screate.add_argument("--scope-id", default="cli", help="default cli")
     screate.add_argument(
         "--payload-template", type=_json_object, help="JSON object; {{scheduledFor}} etc."
     )

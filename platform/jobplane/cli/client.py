@@ -23,6 +23,7 @@ class CLIError(Exception):
 
 class APIClient:
     def __init__(self, url: str, key: str | None, timeout: float = 30) -> None:
+        self.keyed = bool(key)
         headers = {"authorization": f"Bearer {key}"} if key else {}
         try:
             self.http = httpx.Client(base_url=url.rstrip("/"), headers=headers, timeout=timeout)
@@ -48,7 +49,10 @@ class APIClient:
             reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
             raise CLIError("Unavailable", f"cannot reach {self.http.base_url} ({reason})") from exc
         if response.status_code >= 400:
-            raise api_error(response)
+            error = api_error(response)
+            if error.code == "Unauthorized" and not self.keyed:
+                raise CLIError(error.code, f"{error.message}: set JOBPLANE_API_KEY or pass --key")
+            raise error
         if response.status_code == 204:  # done, and nothing to say
             return None
         try:
@@ -74,11 +78,20 @@ def api_error(response: httpx.Response) -> CLIError:
         code, message = error["code"], error["message"]
     except (ValueError, KeyError, TypeError):
         return CLIError(f"HTTP {response.status_code}", response.text[:200] or "(no body)")
-    return CLIError(code, message + _details(error.get("details") or {}))
+    return CLIError(code, _said_once(message, error.get("details") or {}))
 
 
-def _details(details: dict[str, Any]) -> str:
+def _said_once(message: str, details: dict[str, Any]) -> str:
+    """The message, then the details it does not say already: a field whose problem is the
+    message itself (a one-field refusal) only has its pointer put before the message."""
     rest = dict(details)
-    notes = [f"{p.get('pointer') or '/'}: {p.get('message')}" for p in rest.pop("errors", [])]
+    problems = rest.pop("errors", [])
+    repeated = [p.get("pointer") or "/" for p in problems if p.get("message") == message]
+    notes = [
+        f"{p.get('pointer') or '/'}: {p.get('message')}"
+        for p in problems
+        if p.get("message") != message
+    ]
     notes += [f"{k}: {v if isinstance(v, str) else json.dumps(v)}" for k, v in rest.items()]
-    return f" ({'; '.join(notes)})" if notes else ""
+    said = f"{', '.join(repeated)}: {message}" if repeated else message
+    return f"{said} ({'; '.join(notes)})" if notes else said

@@ -1,5 +1,6 @@
 """Drawing runs, templates and events in a terminal: progress bars, table rows, log lines."""
 
+import logging
 from datetime import datetime
 from zoneinfo import ZoneInfo
 
@@ -22,12 +23,16 @@ def bar(percentage: float, width: int = 30) -> str:
 
 def render(run: Run) -> list[str]:
     lines = [f"run {run.id}  {run.template_type} v{run.template_version}  {run.status.value}"]
-    lines.append(f"  overall    {bar(run.progress.percentage)}  {run.progress.summary}")
+    # The bars line up, two spaces after the longest label: "overall" or a mark and a step id.
+    width = max([len("overall") - 2, *(len(step.id) for step in run.progress.steps)])
+    overall = bar(run.progress.percentage)
+    lines.append(f"  {'overall':<{width + 2}}  {overall}  {run.progress.summary}")
     if run.waiting_for:
         lines.append(f"  waiting for {run.waiting_for.reason}: {run.waiting_for.detail}")
     for step in run.progress.steps:
         note = step.message or step.error or ""
-        lines.append(f"  {_MARK[step.status]} {step.id:<9}{bar(step.percentage)}  {note}")
+        label = f"{_MARK[step.status]} {step.id:<{width}}"
+        lines.append(f"  {label}  {bar(step.percentage)}  {note}")
     # The attempt the run ended with, if it ended in an error, is its `error`, last.
     for attempt in run.attempts:
         if run.error is None or attempt.attempt != run.error.attempt:
@@ -76,7 +81,12 @@ def key_row(key: ApiKeyPublic) -> str:
 
 
 def event_line(event: Event) -> str:
-    moved = f"{event.from_ or ''}→{event.to or ''}" if event.from_ or event.to else "-"
+    if event.from_ or event.to:
+        moved = f"{event.from_ or ''}→{event.to or ''}"
+    elif step := event.metadata.get("step"):  # step_started, step_finished (a failed one says so)
+        moved = f"step {step} {event.metadata.get('status', '')}".rstrip()
+    else:
+        moved = "-"
     line = f"{_time(event.create_at)}  {event.job_id}  {event.type:<20}  {moved:<32}  "
     return (line + f"{event.actor:<20}  {event.message or ''}").rstrip()
 
@@ -100,3 +110,9 @@ class LiveView:
             print(f"\x1b[{len(self._last)}F\x1b[J", end="")
         print("\n".join(lines), flush=True)
         self._last = lines
+
+    def moved_on(self, record: logging.LogRecord) -> bool:
+        """A logging filter letting every record through: a log line was written below the
+        drawing, so the next one starts under it rather than in its place."""
+        self._last = []
+        return True

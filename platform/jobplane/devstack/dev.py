@@ -1,6 +1,7 @@
 """`jobplane dev`: local servers unless URLs are set; then API, worker and scheduler together."""
 
 import asyncio
+import logging
 import math
 import secrets
 import sys
@@ -37,8 +38,8 @@ SERVER_STOP_SECONDS = 10.0
 
 async def run_dev(settings: Settings, templates: Path, demo: bool, exit_after_demo: bool) -> int:
     """Returns the exit code: 0, or 1 when the demo run did not succeed."""
-    # Warnings and errors only, and for a person unless told otherwise: the demo draws below.
-    configure_logging(settings.log_format or "text", "WARNING")
+    # For a person unless told otherwise: the worker says what it loaded and each run it ends.
+    configure_logging(settings.log_format or "text")
     load_modules(settings.handlers)
     stop = asyncio.Event()
     # The parts' drain and close budgets, then stopping the servers it started.
@@ -126,6 +127,10 @@ async def _demo(backends: Backends, templates: Path, stop: asyncio.Event) -> int
     run, _ = await service.create(request, "user:demo")
     print(f"demo run {run.id} created; watching it:")
     view = LiveView(sys.stdout.isatty())
+    # A log line lands below the drawing, which redrawing in place would overwrite: the view
+    # draws afresh under it instead.
+    for handler in logging.getLogger().handlers:
+        handler.addFilter(view.moved_on)
     while not stop.is_set():
         run = await service.get(run.id)
         view.show(run)

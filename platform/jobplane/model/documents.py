@@ -19,26 +19,57 @@ from pydantic import (
     ConfigDict,
     Field,
     Strict,
+    ValidationError,
+    ValidatorFunctionWrapHandler,
+    WrapValidator,
 )
 from pydantic.alias_generators import to_camel
+from pydantic_core import PydanticCustomError
 
 from jobplane.model.status import RunStatus, StepStatus
 from jobplane.model.storable import INT64
 
+
+def _says(shape: str) -> WrapValidator:
+    """A pattern's refusal that says what a valid value looks like, rather than printing the
+    pattern (which the JSON schema still shows)."""
+
+    def check(value: Any, handler: ValidatorFunctionWrapHandler) -> Any:
+        try:
+            return handler(value)
+        except ValidationError as exc:
+            if any(e["type"] == "string_pattern_mismatch" for e in exc.errors()):
+                raise PydanticCustomError("string_pattern_mismatch", shape) from None
+            raise
+
+    return WrapValidator(check)
+
+
 Scope = Literal["user", "account", "system"]
 # Identifiers authors choose; kept to a safe alphabet so they are fine as key parts and in URLs.
-Name = Annotated[str, Field(pattern=r"^[A-Za-z0-9_.-]{1,100}$")]
+Name = Annotated[
+    str,
+    Field(pattern=r"^[A-Za-z0-9_.-]{1,100}$"),
+    _says("1 to 100 letters, digits, '_', '.' or '-'"),
+]
 # Step ids become MongoDB field names (`outputs.<id>`), so no dots.
-StepId = Annotated[str, Field(pattern=r"^[A-Za-z0-9_-]{1,100}$")]
+StepId = Annotated[
+    str, Field(pattern=r"^[A-Za-z0-9_-]{1,100}$"), _says("1 to 100 letters, digits, '_' or '-'")
+]
 # What a dedupe key is made of: the run's scope fields, or a path into its payload.
 DedupePart = Annotated[str, Field(pattern=r"^(scope|scopeId|payload(\.[^.\s]+)+)$")]
 Role = Literal["admin", "author", "user", "auditor"]
 # A scope id is printable: no whitespace (a key's scope list could not name it) and no control
 # characters such as NUL. The same alphabet in a run, a schedule and a key's scopes.
 _SCOPE_ID = r"[^\s\x00-\x1f\x7f-\x9f]{1,200}"
-ScopeId = Annotated[str, Field(pattern=f"^{_SCOPE_ID}$")]
+_SCOPE_ID_SHAPE = "1 to 200 characters, none of them a space or a control character"
+ScopeId = Annotated[str, Field(pattern=f"^{_SCOPE_ID}$"), _says(_SCOPE_ID_SHAPE)]
 # A scope an API key may act in, as `<scope>:<scopeId>`: `user:user_123`, `account:acme`.
-ScopeRef = Annotated[str, Field(pattern=f"^(user|account|system):{_SCOPE_ID}$")]
+ScopeRef = Annotated[
+    str,
+    Field(pattern=f"^(user|account|system):{_SCOPE_ID}$"),
+    _says("a scope looks like account:<id>, user:<id> or system:<id> (<id> without spaces)"),
+]
 # A template version a client names: MongoDB stores integers up to int64, so a larger one
 # cannot exist (and could not even be looked up).
 Version = Annotated[int, Ge(1), Le(INT64[1])]

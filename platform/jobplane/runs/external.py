@@ -7,6 +7,7 @@ fails it. A completed step that is not the last hands the run back to the inline
 """
 
 import asyncio
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from datetime import datetime, timedelta
 from typing import Any
@@ -39,13 +40,18 @@ class ExternalSteps:
         self.lease_seconds = lease_seconds
 
     async def claim(
-        self, worker_type: str, worker_id: str, wait_seconds: float
+        self,
+        worker_type: str,
+        worker_id: str,
+        wait_seconds: float,
+        gone: Callable[[], Awaitable[bool]] | None = None,
     ) -> ExternalClaim | None:
         """The oldest step waiting for a `worker_type` worker, waiting up to `wait_seconds`
-        for one to come."""
+        for one to come, or until `gone()` says the caller went away (a lease granted to a
+        caller that stopped would hold the step until it expired)."""
         loop = asyncio.get_running_loop()
         until = loop.time() + wait_seconds
-        while True:
+        while gone is None or not await gone():
             claimed = await self.store.claim_external(worker_type, worker_id, self.lease_seconds)
             if claimed is not None:
                 run, lease = claimed
@@ -57,6 +63,7 @@ class ExternalSteps:
             if loop.time() >= until:
                 return None
             await asyncio.sleep(min(CLAIM_POLL_SECONDS, max(0.0, until - loop.time())))
+        return None
 
     async def heartbeat(
         self, lease: Lease, step_id: str, percentage: float | None, message: str | None

@@ -92,10 +92,12 @@ class ScheduleService:
             raise NotFound(f"schedule {schedule_id!r} not found")
 
     async def trigger(self, schedule_id: str, actor: str) -> Run:
-        """A run now, as if the schedule fired (its `scheduledFor` is now)."""
+        """A run now, as if the schedule fired (its `scheduledFor` is now), and the schedule's
+        last run from then on; its `nextRunAt` stays."""
         schedule = await self.get(schedule_id)
-        request = _request(schedule, self.store.clock.now())
-        run, _ = await RunService(self.store, self.queue).create(request, actor)
+        at = self.store.clock.now()
+        run, _ = await RunService(self.store, self.queue).create(_request(schedule, at), actor)
+        await self.store.note_schedule_run(schedule.id, at, run.id)
         return run
 
     async def fire_due(self, now: datetime, limit: int, grace_seconds: float) -> int:

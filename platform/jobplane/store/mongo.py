@@ -677,6 +677,18 @@ class MongoStore:
         )
         return result.modified_count == 1
 
+    async def note_schedule_run(self, schedule_id: str, at: datetime, run_id: str) -> None:
+        """Record a run a schedule made off its cron (a trigger) as its last one, unless a
+        later one is recorded already. A new version, so that a change read before this write
+        does not put the old last run back."""
+        await self.schedules.update_one(
+            {"_id": ObjectId(schedule_id), "lastRunAt": {"$not": {"$gt": at}}},
+            {
+                "$set": {"lastRunAt": at, "lastRunId": run_id, "updateAt": self.clock.now()},
+                "$inc": {"version": 1},
+            },
+        )
+
     async def active_run_of(self, schedule: Schedule) -> Run | None:
         # The schedule's runs carry its scope: the read goes to one shard.
         active = {"scheduleId": schedule.id, "status": {"$in": sorted(ACTIVE)}}

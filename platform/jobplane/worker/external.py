@@ -18,7 +18,7 @@ import httpx
 
 from jobplane.clock import SystemClock
 from jobplane.model import Run, Template
-from jobplane.process import log_context
+from jobplane.process import Stopped, log_context, unless_stopped
 from jobplane.worker.context import CancelRequested, FatalError, StepContext, StepInterrupted
 from jobplane.worker.handlers import HandlerRegistry, registry
 
@@ -52,10 +52,15 @@ class ExternalWorker:
     async def _loop(self, stop: asyncio.Event) -> None:
         while not stop.is_set():
             try:
-                claimed = await self.claim()
+                # A stop abandons a long poll rather than wait it out; the API stops polling
+                # for a claim whose caller went away.
+                claimed = await unless_stopped(self.claim(), stop)
+            except Stopped:
+                return
             except (httpx.HTTPError, ValueError) as exc:
                 log.warning("claim failed: %s; retrying", exc)
-                await asyncio.sleep(RETRY_SECONDS)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), RETRY_SECONDS)
                 continue
             if claimed is not None:
                 with log_context(
@@ -157,5 +162,13 @@ async def serve_external(
     headers = {"authorization": f"Bearer {key}"} if key else {}
     async with httpx.AsyncClient(base_url=url.rstrip("/"), headers=headers) as client:
         worker = ExternalWorker(client, worker_type, worker_id)
-        log.info("external worker %s serving %r at %s", worker_id, worker_type, url)
+        log.info(
+            "external worker %s serving %r at %s: concurrency %d, handlers %s",
+            worker_id,
+            worker_type,
+            url,
+            concurrency,
+            ", ".join(registry.offered()),
+        )
         await worker.run(stop, concurrency)
+    log.info("external worker %s stopped", worker_id)

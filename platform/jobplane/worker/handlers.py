@@ -11,6 +11,8 @@ in advance which other modules it could import.
 import asyncio
 import importlib
 import inspect
+import os
+import traceback
 from collections.abc import Awaitable, Callable
 from types import ModuleType
 from typing import Any
@@ -50,8 +52,19 @@ class HandlerRegistry:
 
     def load(self, modules: list[str]) -> None:
         """Import handler modules (JOBPLANE_HANDLERS): their decorators register their
-        handlers, and their functions are offered by `module:function` name."""
-        self._modules += [importlib.import_module(module) for module in modules]
+        handlers, and their functions are offered by `module:function` name. A module that
+        does not import is a `HandlerModuleError` saying why in one line."""
+        for module in modules:
+            try:
+                self._modules.append(importlib.import_module(module))
+            except ModuleNotFoundError as exc:
+                if exc.name and (module + ".").startswith(exc.name + "."):
+                    raise HandlerModuleError(
+                        f"handler module {module!r} not found: is its folder on PYTHONPATH?"
+                    ) from exc
+                raise HandlerModuleError(_failure(module, exc)) from exc
+            except Exception as exc:
+                raise HandlerModuleError(_failure(module, exc)) from exc
 
     def offered(self) -> list[str]:
         """The handler names this registry offers, sorted."""
@@ -71,9 +84,27 @@ registry = HandlerRegistry()
 handler = registry.register
 
 
+class HandlerModuleError(Exception):
+    """A handler module that would not import, said in one line: a process refuses to start."""
+
+
 def load_modules(modules: list[str]) -> None:
     """Import handler modules (JOBPLANE_HANDLERS) into the default registry."""
     registry.load(modules)
+
+
+# Frames of the import machinery, which say nothing about a module that failed to import.
+_IMPORTLIB = ("<frozen ", os.path.dirname(importlib.__file__))
+
+
+def _failure(module: str, exc: Exception) -> str:
+    """The exception and the line that raised it: the innermost frame outside the import
+    machinery (a SyntaxError names its line itself)."""
+    # The first frame is `load`'s own.
+    frames = traceback.extract_tb(exc.__traceback__)[1:]
+    ours = [f for f in frames if not f.filename.startswith(_IMPORTLIB)]
+    where = f" ({ours[-1].filename}:{ours[-1].lineno})" if ours else ""
+    return f"handler module {module!r} failed to import: {type(exc).__name__}: {exc}{where}"
 
 
 # -- built-ins, so shipped templates work out of the box ------------------------------------------

@@ -21,7 +21,7 @@ from typing import Any, Literal
 
 from jobplane import metrics
 from jobplane.clock import Clock, SystemClock
-from jobplane.model import Run, RunError, RunStatus, StepStatus, Template
+from jobplane.model import TERMINAL, Run, RunError, RunStatus, StepStatus, Template
 from jobplane.process import CANCEL_SECONDS, finish_within, log_context
 from jobplane.queue.redis import Locks, QueueEntry, RedisQueue
 from jobplane.runs import RunService
@@ -138,7 +138,13 @@ class Worker:
         The releases and the loops' ends get `settings.close_seconds` after the drain: past
         that, whatever waits on an engine that does not answer is cancelled. Those runs' leases
         expire and the reaper recovers them, as after a crash."""
-        log.info("worker %s started, queues %s", self.id, self.settings.queues)
+        log.info(
+            "worker %s started: queues %s, concurrency %d, handlers %s",
+            self.id,
+            ", ".join(self.settings.queues),
+            self.settings.worker_concurrency,
+            ", ".join(self.offered),
+        )
         # Tasks copy the context as they are created: the loops', and so the runs', log lines
         # name this worker.
         with log_context(worker_id=self.id):
@@ -276,7 +282,7 @@ class Worker:
             except _Overdue:
                 # Not fenced: if the reaper got there first, the run is expired already.
                 moved = await self.store.expire_deadline(held.run, held.lease.actor)
-                metrics.observe(held.run, moved, self.clock.now())
+                self._observe(held.run, moved)
             except _HandOff as handoff:
                 log.info("run %s: handed on for handler %r", held.run.id, handoff.handler)
                 await self._release(held, handoff.handler)
@@ -312,10 +318,10 @@ class Worker:
         """Hand the run back to the queue (on shutdown, or to the lane of `handler`, which
         this worker lacks), or finish a cancel that was asked for."""
         moved = await self.store.release(held.lease, handler)
-        metrics.observe(held.run, moved, self.clock.now())
+        self._observe(held.run, moved)
         if isinstance(moved, Lost) and moved.status == RunStatus.CANCEL_REQUESTED:
             acked = await self.store.acknowledge_cancel(held.lease, interrupted=True)
-            metrics.observe(held.run, acked, self.clock.now())
+            self._observe(held.run, acked)
         elif not isinstance(moved, Lost):
             await self._push(held.run.model_copy(update={"handler": handler or held.run.handler}))
 
@@ -401,7 +407,7 @@ class Worker:
 
         async def write_start() -> Lost | None:
             written = await self.store.start_step(held.lease, index, step.id, began)
-            metrics.observe(held.run, written, self.clock.now())
+            self._observe(held.run, written)
             return written
 
         def started() -> asyncio.Future[Lost | None]:
@@ -419,7 +425,7 @@ class Worker:
             outcome = await self.store.report_progress(
                 held.lease, index, percentage, overall, message
             )
-            metrics.observe(held.run, outcome, self.clock.now())
+            self._observe(held.run, outcome)
             if isinstance(outcome, Lost):  # progress writes are fenced too
                 held.interrupt("lost")
 
@@ -503,8 +509,17 @@ class Worker:
 
     def _check(self, run: Run, outcome: Moved | Lost | None) -> None:
         """Count what a write did to `run`, and stop the run when the write was lost."""
-        metrics.observe(run, outcome, self.clock.now())
+        self._observe(run, outcome)
         self._stop_if_lost(outcome)
+
+    def _observe(self, run: Run, outcome: Moved | Lost | None) -> None:
+        """Count what a write did to `run`, and say so when it finished the run."""
+        now = self.clock.now()
+        metrics.observe(run, outcome, now)
+        if isinstance(outcome, Moved) and outcome.to in TERMINAL:
+            # From the run's first start, as its duration metric; clocks may disagree a little.
+            took = max(0.0, (now - (run.started_at or run.create_at)).total_seconds())
+            log.info("run %s (%s) %s in %.1f s", run.id, run.template_type, outcome.to.value, took)
 
     def _stop_if_lost(self, outcome: Moved | Lost | None) -> None:
         """Stop the run when a write was lost.
@@ -599,7 +614,7 @@ class Worker:
                     )
                     held.interrupt("lost")
                     lost = await self.store.lease_lost(held.lease, "heartbeat")
-                    metrics.observe(held.run, lost, self.clock.now())
+                    self._observe(held.run, lost)
         owners = {h.run.id: h.lease.owner for h in helds if h.run.id in kept}
         refreshed = await self.queue.refresh_runs(owners, ttl)
         # A lock missing in Redis (flushed, failed over) is restored from MongoDB's word; a lock

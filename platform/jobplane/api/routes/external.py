@@ -79,7 +79,10 @@ async def claim(
 ) -> Claimed | Response:
     """Claim the oldest step waiting for a `worker_type` worker, under a new lease; waits up
     to `waitSeconds` for one. Keep the lease with heartbeats (every third of the lease)."""
-    found = await _steps(request, settings).claim(worker_type, body.worker_id, body.wait_seconds)
+    steps = _steps(request, settings)
+    found = await steps.claim(
+        worker_type, body.worker_id, body.wait_seconds, request.is_disconnected
+    )
     if found is None:
         return Response(status_code=204)
     return Claimed(
