@@ -41,7 +41,13 @@ class KeyCreated(ResponseBody):
     create_at: datetime
 
 
-@router.post("", status_code=201, response_model=KeyCreated, response_model_by_alias=True)
+@router.post(
+    "",
+    summary="Create an API key",
+    status_code=201,
+    response_model=KeyCreated,
+    response_model_by_alias=True,
+)
 async def create(body: KeyCreate, store: StoreDep, caller: KeyAdmin) -> KeyCreated:
     secret, record = mint_key(body.name, body.role, body.scopes, caller.actor, store.clock.now())
     if not await store.insert_api_key(record):
