@@ -1,6 +1,7 @@
 """Every compose file, alone or with its override, through `docker-compose config`: the files
 parse, merge and interpolate as a real compose implementation does it, and the merged model
-has the services, the dependencies and the JOBPLANE_REDIS_URL each variant promises."""
+has the services, the dependencies and the JOBPLANE_REDIS_URL each variant promises, the
+one-off that registers the templates, and the worker built from a directory of one's own."""
 
 import os
 import re
@@ -17,20 +18,29 @@ from tests.deploy.conftest import COMPOSE_MISSING
 
 ROOT = Path(__file__).parents[2]
 BASE = "compose/docker-compose.yml"
+WORKER_IMAGE = "compose/worker-image.yml"
 JOBPLANE = ("api", "worker", "scheduler")
 SENTINEL_URL = "redis+sentinel://sentinel-1:26379,sentinel-2:26379,sentinel-3:26379/mymaster/0"
 CLUSTER_URL = "redis+cluster://redis-1:6379,redis-2:6379,redis-3:6379"
 
+# Every variant runs these besides its Redis servers: the one-off `templates` too.
+SERVICES = {"mongo", "redis", *JOBPLANE, "templates"}
 # files given with -f, in order -> (the services, JOBPLANE_REDIS_URL, the condition on `redis`)
 VARIANTS: dict[tuple[str, ...], tuple[set[str], str, str]] = {
-    (BASE,): ({"mongo", "redis", *JOBPLANE}, "redis://redis:6379/0", "service_healthy"),
+    (BASE,): (SERVICES, "redis://redis:6379/0", "service_healthy"),
     (BASE, "compose/redis-sentinel.yml"): (
-        {"mongo", "redis", "redis-replica", "sentinel-1", "sentinel-2", "sentinel-3", *JOBPLANE},
+        SERVICES | {"redis-replica", "sentinel-1", "sentinel-2", "sentinel-3"},
         SENTINEL_URL,
         "service_healthy",
     ),
     (BASE, "compose/redis-cluster.yml"): (
-        {"mongo", "redis", "redis-1", "redis-2", "redis-3", *JOBPLANE},
+        SERVICES | {"redis-1", "redis-2", "redis-3"},
+        CLUSTER_URL,
+        "service_completed_successfully",
+    ),
+    (BASE, WORKER_IMAGE): (SERVICES, "redis://redis:6379/0", "service_healthy"),
+    (BASE, "compose/redis-cluster.yml", WORKER_IMAGE): (
+        SERVICES | {"redis-1", "redis-2", "redis-3"},
         CLUSTER_URL,
         "service_completed_successfully",
     ),
@@ -39,19 +49,25 @@ VARIANTS: dict[tuple[str, ...], tuple[set[str], str, str]] = {
 needs_compose = pytest.mark.skipif(shutil.which("docker-compose") is None, reason=COMPOSE_MISSING)
 
 
-def compose(files: tuple[str, ...], admin_key: str | None) -> subprocess.CompletedProcess[str]:
-    # Nothing from the caller's environment steers compose (COMPOSE_FILE, a set admin key...).
+def compose(files: tuple[str, ...], **variables: str) -> subprocess.CompletedProcess[str]:
+    """`docker-compose config` of `files` with only `variables` set (JOBPLANE_ADMIN_KEY...):
+    nothing from the caller's environment steers compose (COMPOSE_FILE, a set admin key...)."""
     env = {
         k: v for k, v in os.environ.items() if not k.startswith(("COMPOSE_", "JOBPLANE_", "DOCKER"))
     }
-    if admin_key is not None:
-        env["JOBPLANE_ADMIN_KEY"] = admin_key
+    env.update(variables)
     args = ["docker-compose", *(a for f in files for a in ("-f", f)), "config"]
     return subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=60)
 
 
-def merged(files: tuple[str, ...]) -> dict[str, Any]:
-    done = compose(files, admin_key="a-key-of-the-test")
+@pytest.fixture
+def required(tmp_path: Path) -> dict[str, str]:
+    """The variables the files require, set; the worker's build directory must exist."""
+    return {"JOBPLANE_ADMIN_KEY": "a-key-of-the-test", "JOBPLANE_WORKER_BUILD": str(tmp_path)}
+
+
+def merged(files: tuple[str, ...], variables: dict[str, str]) -> dict[str, Any]:
+    done = compose(files, **variables)
     assert done.returncode == 0, done.stderr
     model: dict[str, Any] = yaml.safe_load(done.stdout)
     return model
@@ -64,9 +80,11 @@ def test_every_compose_file_is_checked() -> None:
 
 @needs_compose
 @pytest.mark.parametrize("files", list(VARIANTS), ids=lambda f: "+".join(Path(p).stem for p in f))
-def test_variant_merges_into_the_promised_services(files: tuple[str, ...]) -> None:
+def test_variant_merges_into_the_promised_services(
+    files: tuple[str, ...], required: dict[str, str]
+) -> None:
     services_wanted, redis_url, redis_condition = VARIANTS[files]
-    services = merged(files)["services"]
+    services = merged(files, required)["services"]
     assert set(services) == services_wanted
     for name in JOBPLANE:
         service = services[name]
@@ -75,6 +93,9 @@ def test_variant_merges_into_the_promised_services(files: tuple[str, ...]) -> No
         assert service["depends_on"]["mongo"] == {"condition": "service_healthy"}
         assert service["depends_on"]["redis"] == {"condition": redis_condition}
         assert service["command"] == [name]
+        own = name == "worker" and WORKER_IMAGE in files
+        context = Path(required["JOBPLANE_WORKER_BUILD"]) if own else ROOT
+        assert Path(service["build"]["context"]) == context
     for name, service in services.items():
         for needed in service.get("depends_on", {}):
             assert needed in services, f"{name} depends on {needed}, which is not a service"
@@ -82,10 +103,46 @@ def test_variant_merges_into_the_promised_services(files: tuple[str, ...]) -> No
 
 @needs_compose
 @pytest.mark.parametrize("files", list(VARIANTS), ids=lambda f: "+".join(Path(p).stem for p in f))
-def test_variant_refuses_to_start_without_an_admin_key(files: tuple[str, ...]) -> None:
-    done = compose(files, admin_key=None)
+def test_variant_refuses_to_start_without_an_admin_key(
+    files: tuple[str, ...], required: dict[str, str]
+) -> None:
+    done = compose(files, **{**required, "JOBPLANE_ADMIN_KEY": ""})
     assert done.returncode != 0
     assert "set JOBPLANE_ADMIN_KEY" in done.stderr
+
+
+@needs_compose
+@pytest.mark.parametrize("files", list(VARIANTS), ids=lambda f: "+".join(Path(p).stem for p in f))
+def test_templates_are_registered_once_the_api_is_ready(
+    files: tuple[str, ...], required: dict[str, str]
+) -> None:
+    services = merged(files, required)["services"]
+    api, once = services["api"], services["templates"]
+    assert "/readyz" in " ".join(api["healthcheck"]["test"])
+    assert once["depends_on"] == {"api": {"condition": "service_healthy"}}
+    assert once["restart"] == "no"
+    assert once["environment"] == {
+        "JOBPLANE_URL": "http://api:8000",
+        "JOBPLANE_API_KEY": required["JOBPLANE_ADMIN_KEY"],
+    }
+    assert once["volumes"] == [f"{ROOT / 'templates'}:/templates:ro"]
+    assert once["command"] == ["templates", "apply", "/templates"]
+    # the port the API listens on in the image, the one the one-off calls
+    assert api["ports"] == [{"published": 8000, "target": 8000}]
+
+
+@needs_compose
+def test_the_templates_directory_can_be_another(required: dict[str, str], tmp_path: Path) -> None:
+    mine = tmp_path / "my-templates"
+    services = merged((BASE,), {**required, "JOBPLANE_TEMPLATES_DIR": str(mine)})["services"]
+    assert services["templates"]["volumes"] == [f"{mine}:/templates:ro"]
+
+
+@needs_compose
+def test_worker_image_needs_the_directory_of_its_dockerfile(required: dict[str, str]) -> None:
+    done = compose((BASE, WORKER_IMAGE), JOBPLANE_ADMIN_KEY=required["JOBPLANE_ADMIN_KEY"])
+    assert done.returncode != 0
+    assert "set JOBPLANE_WORKER_BUILD" in done.stderr
 
 
 def hosts(url: str) -> list[tuple[str, int]]:
@@ -94,8 +151,8 @@ def hosts(url: str) -> list[tuple[str, int]]:
 
 
 @needs_compose
-def test_sentinel_url_names_the_sentinels_and_their_master() -> None:
-    services = merged((BASE, "compose/redis-sentinel.yml"))["services"]
+def test_sentinel_url_names_the_sentinels_and_their_master(required: dict[str, str]) -> None:
+    services = merged((BASE, "compose/redis-sentinel.yml"), required)["services"]
     master = urlsplit(SENTINEL_URL).path.split("/")[1]
     for host, port in hosts(SENTINEL_URL):
         script = services[host]["command"][-1]
@@ -113,8 +170,8 @@ def test_sentinel_url_names_the_sentinels_and_their_master() -> None:
 
 
 @needs_compose
-def test_cluster_url_names_the_nodes_that_announce_themselves() -> None:
-    services = merged((BASE, "compose/redis-cluster.yml"))["services"]
+def test_cluster_url_names_the_nodes_that_announce_themselves(required: dict[str, str]) -> None:
+    services = merged((BASE, "compose/redis-cluster.yml"), required)["services"]
     nodes = hosts(CLUSTER_URL)
     for host, port in nodes:
         command = services[host]["command"]

@@ -101,7 +101,26 @@ def test_cli_against_a_running_dev_stack(tmp_path: Path) -> None:
                 pass
             assert time.monotonic() < deadline, "dev stack did not become ready"
             time.sleep(0.2)
-        env = clean_env(JOBPLANE_URL=url, JOBPLANE_API_KEY=(data / "admin_key").read_text().strip())
+        # What it wrote for a second shell (the README's first hour sources it) reaches it.
+        sourced = subprocess.run(
+            ["bash", "-c", f". {data / 'env'} && env -0"],
+            env=clean_env(),
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
+        written = dict(v.split("=", 1) for v in sourced.split("\0") if v.startswith("JOBPLANE_"))
+        ports = json.loads((data / "stack.json").read_text())
+        assert written == {
+            "JOBPLANE_URL": url,
+            "JOBPLANE_API_KEY": (data / "admin_key").read_text().strip(),
+            "JOBPLANE_MONGODB_URL": f"mongodb://127.0.0.1:{ports['mongo']['port']}/?replicaSet=rs0",
+            "JOBPLANE_REDIS_URL": f"redis://127.0.0.1:{ports['redis']['port']}/0",
+            "JOBPLANE_DB": "jobplane",
+            "JOBPLANE_REDIS_PREFIX": "",
+        }
+        assert (data / "env").stat().st_mode & 0o077 == 0, "it holds the admin key"
+        env = clean_env(**written)
 
         applied = jobplane("templates", "apply", str(ROOT / "templates"), env=env)
         assert applied.returncode == 0, applied.stderr

@@ -89,6 +89,16 @@ def install(app: FastAPI) -> None:
         return error_response(500, "Internal", "internal error; it was logged", {})
 
 
+# What each error status of a /v1 route means, with the codes it carries (docs/contract.md).
+_ERRORS = {
+    401: "Unauthorized: no bearer API key, or one the platform does not know",
+    403: "Forbidden: the key's role lacks the permission, or the scope is not the key's",
+    404: "NotFound: no such resource, or one outside the key's scopes",
+    409: "ResourceInvalidState, ConcurrencyConflict or TemplateDisabled",
+    413: "PayloadTooLarge: the body or the run payload is over its limit",
+    422: "ValidationFailed: `details.errors` lists each bad field with a JSON pointer",
+    503: "Unavailable: MongoDB or Redis did not answer; the call may be repeated",
+}
 ERROR_RESPONSES: dict[int | str, dict[str, Any]] = {
-    status: {"model": ErrorResponse} for status in (401, 403, 404, 409, 413, 422)
+    status: {"model": ErrorResponse, "description": text} for status, text in _ERRORS.items()
 }

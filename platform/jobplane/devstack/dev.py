@@ -4,6 +4,7 @@ import asyncio
 import logging
 import math
 import secrets
+import shlex
 import sys
 from pathlib import Path
 
@@ -102,6 +103,7 @@ async def _serve(
     print(f"  MongoDB: {settings.mongodb_url}")
     print(f"  Redis:   {settings.redis_url}")
     print(f"  data:    {settings.data_dir.resolve()}")
+    print(f"  shell:   . {_write_env(settings, url)}  (these, for a worker or the CLI elsewhere)")
     code = 0
     if demo_templates is not None:
         try:
@@ -138,6 +140,26 @@ async def _demo(backends: Backends, templates: Path, stop: asyncio.Event) -> int
             return 0 if run.status == "succeeded" else 1
         await asyncio.sleep(0.2)
     return 1
+
+
+def _write_env(settings: Settings, url: str) -> Path:
+    """What a second shell needs to reach this stack, as `export` lines to source: a worker
+    of one's own handlers (the README's first hour) and the CLI. The ports of the local
+    servers are chosen at their first start, so they cannot be written down in advance."""
+    values = {
+        "JOBPLANE_URL": url,
+        "JOBPLANE_API_KEY": settings.admin_key or "",
+        "JOBPLANE_MONGODB_URL": settings.mongodb_url or "",
+        "JOBPLANE_REDIS_URL": settings.redis_url or "",
+        "JOBPLANE_DB": settings.db,
+        "JOBPLANE_REDIS_PREFIX": settings.redis_prefix,
+    }
+    path = settings.data_dir / "env"
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # It holds the admin key: readable by its owner only, like `admin_key`.
+    path.touch(mode=0o600)
+    path.write_text("".join(f"export {k}={shlex.quote(v)}\n" for k, v in values.items()))
+    return path
 
 
 def _admin_key(settings: Settings) -> str:

@@ -14,7 +14,9 @@ from jobplane.store import EventQuery
 router = APIRouter(prefix="/v1/events", tags=["events"], responses=ERROR_RESPONSES)
 
 
-@router.get("", response_model=Page[Event], response_model_by_alias=True)
+@router.get(
+    "", summary="Search the audit trail", response_model=Page[Event], response_model_by_alias=True
+)
 async def search(
     store: StoreDep,
     caller: EventReader,

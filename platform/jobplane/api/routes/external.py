@@ -66,6 +66,7 @@ def _steps(request: Request, settings: SettingsDep) -> ExternalSteps:
 
 @router.post(
     "/v1/external/{worker_type}/claim",
+    summary="Claim a step waiting for an external worker",
     response_model=Claimed,
     response_model_by_alias=True,
     responses={204: {"description": "no step was waiting within `waitSeconds`"}},
@@ -95,7 +96,11 @@ async def claim(
     )
 
 
-@router.post("/v1/runs/{run_id}/steps/{step_id}/heartbeat", response_model=Beat)
+@router.post(
+    "/v1/runs/{run_id}/steps/{step_id}/heartbeat",
+    summary="Renew an external step's lease and report progress",
+    response_model=Beat,
+)
 async def heartbeat(
     run_id: str,
     step_id: str,
@@ -114,7 +119,10 @@ async def heartbeat(
 
 
 @router.post(
-    "/v1/runs/{run_id}/steps/{step_id}/complete", response_model=Run, response_model_by_alias=True
+    "/v1/runs/{run_id}/steps/{step_id}/complete",
+    summary="Complete an external step",
+    response_model=Run,
+    response_model_by_alias=True,
 )
 async def complete(
     run_id: str,
@@ -131,7 +139,10 @@ async def complete(
 
 
 @router.post(
-    "/v1/runs/{run_id}/steps/{step_id}/fail", response_model=Run, response_model_by_alias=True
+    "/v1/runs/{run_id}/steps/{step_id}/fail",
+    summary="Fail an external step",
+    response_model=Run,
+    response_model_by_alias=True,
 )
 async def fail(
     run_id: str,

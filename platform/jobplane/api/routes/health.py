@@ -1,17 +1,38 @@
 """Liveness and readiness."""
 
+from typing import Literal
+
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
+
+from jobplane.api.schema import ResponseBody
 
 router = APIRouter(tags=["health"])
 
 
-@router.get("/healthz")
-async def healthz() -> dict[str, str]:
-    return {"status": "ok"}
+class Health(ResponseBody):
+    status: Literal["ok"]
 
 
-@router.get("/readyz")
+class Readiness(ResponseBody):
+    """`ok` per backend, or `error: <why>` for one that did not answer."""
+
+    status: Literal["ok", "unavailable"]
+    mongodb: str
+    redis: str
+
+
+@router.get("/healthz", summary="Liveness: the API process is up", response_model=Health)
+async def healthz() -> Health:
+    return Health(status="ok")
+
+
+@router.get(
+    "/readyz",
+    summary="Readiness: MongoDB and Redis answer",
+    response_model=Readiness,
+    responses={503: {"model": Readiness, "description": "MongoDB or Redis did not answer"}},
+)
 async def readyz(request: Request) -> JSONResponse:
     """Ready when both MongoDB and Redis answer."""
     checks: dict[str, str] = {}

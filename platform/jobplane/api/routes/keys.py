@@ -38,7 +38,13 @@ class KeyCreated(ApiKeyPublic):
     key: str
 
 
-@router.post("", status_code=201, response_model=KeyCreated, response_model_by_alias=True)
+@router.post(
+    "",
+    summary="Create an API key",
+    status_code=201,
+    response_model=KeyCreated,
+    response_model_by_alias=True,
+)
 async def create(body: KeyCreate, store: StoreDep, caller: KeyAdmin) -> KeyCreated:
     """A new key, with an `api_key_created` event; `key` is its secret, shown only here."""
     secret, record = mint_key(body.name, body.role, body.scopes, caller.actor, store.clock.now())

@@ -13,7 +13,12 @@ from jobplane.metrics import read_state, render
 router = APIRouter(tags=["metrics"])
 
 
-@router.get("/metrics", response_class=Response)
+@router.get(
+    "/metrics",
+    summary="Prometheus metrics",
+    response_class=Response,
+    responses={200: {"content": {CONTENT_TYPE_LATEST: {"schema": {"type": "string"}}}}},
+)
 async def metrics(request: Request) -> Response:
     state = request.app.state
     figures = await read_state(state.store, state.queue, state.settings.queues)

@@ -152,7 +152,9 @@ class Overview(ResponseBody):
     backends: Backends
 
 
-@router.get("", response_model=Overview, response_model_by_alias=True)
+@router.get(
+    "", summary="The dashboard's overview", response_model=Overview, response_model_by_alias=True
+)
 async def read_overview(
     request: Request, store: StoreDep, settings: SettingsDep, caller: AnyCaller
 ) -> Overview:

@@ -78,6 +78,7 @@ class CancelBody(RequestBody):
 
 @router.post(
     "",
+    summary="Create a run",
     status_code=201,
     response_model=Run,
     response_model_by_alias=True,
@@ -100,7 +101,12 @@ async def create(
     return run
 
 
-@router.post("/batch", response_model=BatchResult, response_model_by_alias=True)
+@router.post(
+    "/batch",
+    summary="Create up to 1,000 runs",
+    response_model=BatchResult,
+    response_model_by_alias=True,
+)
 async def create_batch(
     body: RunBatch, runs: RunsDep, caller: RunWriter, settings: SettingsDep, waiting: WaitingDep
 ) -> BatchResult:
@@ -152,7 +158,7 @@ def _batch_item(
     return BatchRefused(status=outcome.status, error=error)
 
 
-@router.get("", response_model=Page[Run], response_model_by_alias=True)
+@router.get("", summary="List runs", response_model=Page[Run], response_model_by_alias=True)
 async def list_runs(
     store: StoreDep,
     caller: RunReader,
@@ -176,14 +182,16 @@ async def list_runs(
     return Page(items=items, next_cursor=pages.run_cursor(items[-1].id) if more else None)
 
 
-@router.get("/{run_id}", response_model=Run, response_model_by_alias=True)
+@router.get("/{run_id}", summary="Get a run", response_model=Run, response_model_by_alias=True)
 async def get(run_id: str, runs: RunsDep, caller: RunReader, waiting: WaitingDep) -> Run:
     """The run; `waitingFor` says why, if it could start but does not."""
     [run] = await waiting.explain([caller.visible(await runs.get(run_id))])
     return run
 
 
-@router.post("/{run_id}/cancel", response_model=Run, response_model_by_alias=True)
+@router.post(
+    "/{run_id}/cancel", summary="Cancel a run", response_model=Run, response_model_by_alias=True
+)
 async def cancel(
     run_id: str, runs: RunsDep, caller: RunWriter, body: CancelBody | None = None
 ) -> Run:
@@ -193,7 +201,13 @@ async def cancel(
     return await runs.cancel(run_id, caller.actor, body.reason if body else None)
 
 
-@router.post("/{run_id}/rerun", status_code=201, response_model=Run, response_model_by_alias=True)
+@router.post(
+    "/{run_id}/rerun",
+    summary="Rerun a finished run",
+    status_code=201,
+    response_model=Run,
+    response_model_by_alias=True,
+)
 async def rerun(run_id: str, runs: RunsDep, caller: RunWriter, waiting: WaitingDep) -> Run:
     """A new run with the finished run's template version, scope and payload (`rerunOf`)."""
     caller.visible(await runs.get(run_id))
@@ -201,7 +215,12 @@ async def rerun(run_id: str, runs: RunsDep, caller: RunWriter, waiting: WaitingD
     return run
 
 
-@router.get("/{run_id}/events", response_model=list[Event], response_model_by_alias=True)
+@router.get(
+    "/{run_id}/events",
+    summary="A run's events",
+    response_model=list[Event],
+    response_model_by_alias=True,
+)
 async def events(run_id: str, runs: RunsDep, store: StoreDep, caller: RunReader) -> list[Event]:
     """The run's whole trail, in the order MongoDB applied its writes."""
     run = caller.visible(await runs.get(run_id))

@@ -32,7 +32,13 @@ def _service(request: Request) -> ScheduleService:
     return ScheduleService(request.app.state.store, request.app.state.queue)
 
 
-@router.post("", status_code=201, response_model=Schedule, response_model_by_alias=True)
+@router.post(
+    "",
+    summary="Create a schedule",
+    status_code=201,
+    response_model=Schedule,
+    response_model_by_alias=True,
+)
 async def create(body: ScheduleSpec, request: Request, caller: ScheduleWriter) -> Schedule:
     """Cron (5 fields, 6 with seconds last, or `@daily`-style) in the schedule's IANA
     `timezone`. Everything a fire needs is checked now (422), never at fire time."""
@@ -40,7 +46,9 @@ async def create(body: ScheduleSpec, request: Request, caller: ScheduleWriter) -
     return await _service(request).create(body, caller.actor)
 
 
-@router.get("", response_model=Page[Schedule], response_model_by_alias=True)
+@router.get(
+    "", summary="List schedules", response_model=Page[Schedule], response_model_by_alias=True
+)
 async def list_schedules(
     store: StoreDep,
     caller: ScheduleReader,
@@ -61,12 +69,22 @@ async def list_schedules(
     return Page(items=items, next_cursor=pages.run_cursor(items[-1].id) if more else None)
 
 
-@router.get("/{schedule_id}", response_model=Schedule, response_model_by_alias=True)
+@router.get(
+    "/{schedule_id}",
+    summary="Get a schedule",
+    response_model=Schedule,
+    response_model_by_alias=True,
+)
 async def get(schedule_id: str, request: Request, caller: ScheduleReader) -> Schedule:
     return caller.sees_schedule(await _service(request).get(schedule_id))
 
 
-@router.patch("/{schedule_id}", response_model=Schedule, response_model_by_alias=True)
+@router.patch(
+    "/{schedule_id}",
+    summary="Change a schedule",
+    response_model=Schedule,
+    response_model_by_alias=True,
+)
 async def change(
     schedule_id: str,
     request: Request,
@@ -85,7 +103,7 @@ async def change(
     return await service.update(schedule_id, changes)
 
 
-@router.delete("/{schedule_id}", status_code=204)
+@router.delete("/{schedule_id}", summary="Delete a schedule", status_code=204)
 async def delete(schedule_id: str, request: Request, caller: ScheduleWriter) -> Response:
     service = _service(request)
     caller.sees_schedule(await service.get(schedule_id))
@@ -93,14 +111,24 @@ async def delete(schedule_id: str, request: Request, caller: ScheduleWriter) -> 
     return Response(status_code=204)
 
 
-@router.post("/{schedule_id}/pause", response_model=Schedule, response_model_by_alias=True)
+@router.post(
+    "/{schedule_id}/pause",
+    summary="Pause a schedule",
+    response_model=Schedule,
+    response_model_by_alias=True,
+)
 async def pause(schedule_id: str, request: Request, caller: ScheduleWriter) -> Schedule:
     service = _service(request)
     caller.sees_schedule(await service.get(schedule_id))
     return await service.update(schedule_id, {"enabled": False})
 
 
-@router.post("/{schedule_id}/resume", response_model=Schedule, response_model_by_alias=True)
+@router.post(
+    "/{schedule_id}/resume",
+    summary="Resume a schedule",
+    response_model=Schedule,
+    response_model_by_alias=True,
+)
 async def resume(schedule_id: str, request: Request, caller: ScheduleWriter) -> Schedule:
     service = _service(request)
     caller.sees_schedule(await service.get(schedule_id))
@@ -108,7 +136,11 @@ async def resume(schedule_id: str, request: Request, caller: ScheduleWriter) -> 
 
 
 @router.post(
-    "/{schedule_id}/trigger", status_code=201, response_model=Run, response_model_by_alias=True
+    "/{schedule_id}/trigger",
+    summary="Trigger a schedule now",
+    status_code=201,
+    response_model=Run,
+    response_model_by_alias=True,
 )
 async def trigger(schedule_id: str, request: Request, caller: ScheduleWriter) -> Run:
     """A run now, with the schedule's payload template (`scheduledFor` is now)."""
@@ -117,7 +149,12 @@ async def trigger(schedule_id: str, request: Request, caller: ScheduleWriter) ->
     return await service.trigger(schedule_id, caller.actor)
 
 
-@router.get("/{schedule_id}/preview", response_model=Preview, response_model_by_alias=True)
+@router.get(
+    "/{schedule_id}/preview",
+    summary="Preview a schedule's next fire times",
+    response_model=Preview,
+    response_model_by_alias=True,
+)
 async def preview(
     schedule_id: str,
     request: Request,

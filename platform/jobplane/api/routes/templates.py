@@ -50,6 +50,7 @@ class Registered(Template):
 
 @router.post(
     "",
+    summary="Register a template",
     status_code=201,
     response_model=Registered,
     response_model_by_alias=True,
@@ -85,18 +86,33 @@ async def _unserved(template: Template, waiting: Waiting) -> list[str]:
     ]
 
 
-@router.get("", response_model=list[Template], response_model_by_alias=True)
+@router.get(
+    "",
+    summary="List templates (latest versions)",
+    response_model=list[Template],
+    response_model_by_alias=True,
+)
 async def latest_of_each(store: StoreDep, caller: TemplateReader) -> list[Template]:
     """The latest version of every template."""
     return await store.latest_templates()
 
 
-@router.get("/{type_}", response_model=Template, response_model_by_alias=True)
+@router.get(
+    "/{type_}",
+    summary="Get a template's latest version",
+    response_model=Template,
+    response_model_by_alias=True,
+)
 async def latest(type_: str, store: StoreDep, caller: TemplateReader) -> Template:
     return _found(await store.get_template(type_), type_)
 
 
-@router.get("/{type_}/versions/{version}", response_model=Template, response_model_by_alias=True)
+@router.get(
+    "/{type_}/versions/{version}",
+    summary="Get one version of a template",
+    response_model=Template,
+    response_model_by_alias=True,
+)
 async def version(
     type_: str, version: Version, store: StoreDep, caller: TemplateReader
 ) -> Template:
@@ -106,12 +122,22 @@ async def version(
     return template
 
 
-@router.post("/{type_}/enable", response_model=Template, response_model_by_alias=True)
+@router.post(
+    "/{type_}/enable",
+    summary="Enable a template",
+    response_model=Template,
+    response_model_by_alias=True,
+)
 async def enable(type_: str, store: StoreDep, caller: TemplateAuthor) -> Template:
     return _found(await store.set_template_enabled(type_, True), type_)
 
 
-@router.post("/{type_}/disable", response_model=Template, response_model_by_alias=True)
+@router.post(
+    "/{type_}/disable",
+    summary="Disable a template",
+    response_model=Template,
+    response_model_by_alias=True,
+)
 async def disable(type_: str, store: StoreDep, caller: TemplateAuthor) -> Template:
     """New runs (and schedule fires) are refused with 409 `TemplateDisabled`; runs already
     created go on."""
