@@ -53,7 +53,9 @@ async def create(body: KeyCreate, store: StoreDep, caller: KeyAdmin) -> KeyCreat
     return KeyCreated(**record.model_dump(exclude={"secret_hash"}), key=secret)
 
 
-@router.get("", response_model=Page[ApiKeyPublic], response_model_by_alias=True)
+@router.get(
+    "", summary="List API keys", response_model=Page[ApiKeyPublic], response_model_by_alias=True
+)
 async def list_keys(
     store: StoreDep, caller: KeyReader, limit: Limit = 100, cursor: Cursor = None
 ) -> Page[ApiKeyPublic]:
@@ -66,7 +68,12 @@ async def list_keys(
     return Page(items=items, next_cursor=pages.run_cursor(items[-1].id) if more else None)
 
 
-@router.delete("/{key_id}", response_model=ApiKeyPublic, response_model_by_alias=True)
+@router.delete(
+    "/{key_id}",
+    summary="Revoke an API key",
+    response_model=ApiKeyPublic,
+    response_model_by_alias=True,
+)
 async def revoke(key_id: str, store: StoreDep, caller: KeyAdmin) -> ApiKeyPublic:
     """Revoke a key: every API process refuses it (401) from its next request on. The record
     stays, with `revokedAt` and `revokedBy`, and an `api_key_revoked` event is written. A key
