@@ -18,7 +18,9 @@ from pathlib import Path
 
 import pytest
 
+from jobplane.backends import Backends
 from jobplane.settings import Settings
+from tests.integration.workers import running
 
 README = Path(__file__).parents[2] / "README.md"
 BLOCK = re.compile(r"<!-- ([a-z-]+): (\S+) -->\n```[a-z]*\n(.*?)```", re.S)
@@ -86,41 +88,47 @@ def test_the_first_hour_starts_where_jobplane_dev_leaves_its_variables() -> None
     assert len(kinds) >= 4, "the handler, the template, a worker and commands"
 
 
-async def test_the_first_hour_runs_as_written(url: str, settings: Settings, tmp_path: Path) -> None:
+async def test_the_first_hour_runs_as_written(
+    url: str, settings: Settings, backends: Backends, tmp_path: Path
+) -> None:
+    """Beside a worker with the built-in handlers only, as `jobplane dev` runs one: it must
+    leave the first hour's runs to the worker that offers their handler."""
     env = environment(url, settings)
     worker_log = tmp_path / "worker.log"
     worker = None
     out = ""
-    try:
-        for name, text in blocks("first-hour"):
-            if name == "run":
-                out = await bash(text, tmp_path, env)
-            elif name == "worker":
-                with worker_log.open("wb") as log:
-                    # Its own process group: bash and the worker it starts stop together.
-                    worker = await asyncio.create_subprocess_exec(
-                        "bash",
-                        "-c",
-                        text,
-                        cwd=tmp_path,
-                        env=env,
-                        stdin=asyncio.subprocess.DEVNULL,
-                        stdout=log,
-                        stderr=log,
-                        start_new_session=True,
-                    )
-            else:
-                (tmp_path / name).write_text(text)
-    finally:
-        if worker is not None and worker.returncode is None:
-            os.killpg(worker.pid, signal.SIGTERM)
-            async with asyncio.timeout(60):
-                await worker.wait()
+    async with running(backends, settings):
+        try:
+            for name, text in blocks("first-hour"):
+                if name == "run":
+                    out = await bash(text, tmp_path, env)
+                elif name == "worker":
+                    with worker_log.open("wb") as log:
+                        # Its own process group: bash and the worker it starts stop together.
+                        worker = await asyncio.create_subprocess_exec(
+                            "bash",
+                            "-c",
+                            text,
+                            cwd=tmp_path,
+                            env=env,
+                            stdin=asyncio.subprocess.DEVNULL,
+                            stdout=log,
+                            stderr=log,
+                            start_new_session=True,
+                        )
+                else:
+                    (tmp_path / name).write_text(text)
+        finally:
+            if worker is not None and worker.returncode is None:
+                os.killpg(worker.pid, signal.SIGTERM)
+                async with asyncio.timeout(60):
+                    await worker.wait()
     # The last block ends with `jobplane runs get`: the run as JSON.
     shown = json.loads(out[out.index("\n{") + 1 :])
     assert shown["status"] == "succeeded", worker_log.read_text()
     assert shown["result"] == {"greeting": "HELLO, ADA!"}
     assert [s["status"] for s in shown["progress"]["steps"]] == ["succeeded", "succeeded"]
+    assert shown["attempt"] == 1 and shown["attempts"] == []
 
 
 def test_the_worker_image_adds_the_first_hours_handlers() -> None:
