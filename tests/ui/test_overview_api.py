@@ -97,8 +97,15 @@ async def test_a_user_key_counts_only_its_own_scopes(
     assert _counts(everyone["runs"]["finishedLastHour"])["failed"] == 3
     assert _counts(everyone["runs"]["active"])["queued"] == 1
     assert sum(m["created"] for m in everyone["runs"]["perMinute"]) == 5
+    # No worker runs in this test: the delayed run waits for its handler too.
     assert everyone["queues"] == [
-        {"name": "default", "ready": 0, "delayed": 1, "oldestReadyAgeSeconds": 0.0}
+        {
+            "name": "default",
+            "ready": 0,
+            "delayed": 1,
+            "oldestReadyAgeSeconds": 0.0,
+            "waitingForHandlers": [{"handler": "builtin.noop", "runs": 1}],
+        }
     ]
     assert everyone["backends"] == {"mongodb": True, "redis": True}
 

@@ -12,7 +12,6 @@ import time
 from collections.abc import Sequence
 
 from jobplane.model import CLAIMABLE, Run, WaitingFor
-from jobplane.queue.connect import REDIS_DOWN
 from jobplane.queue.redis import RedisQueue
 
 log = logging.getLogger("jobplane.runs")
@@ -32,8 +31,11 @@ class Waiting:
         if self._offered is None or time.monotonic() - self._read_at > self.max_age:
             try:
                 live = await self.queue.live_workers()
-            except REDIS_DOWN as exc:
-                log.debug("worker registry unreadable: %s", exc)
+            except Exception as exc:
+                # Only an explanation: it must never fail the answer it is part of. Beyond
+                # `REDIS_DOWN`, redis-py's cluster client was seen to raise AttributeError and
+                # RuntimeError from a connection torn down under it while a node restarted.
+                log.warning("worker registry unreadable: %s", exc or type(exc).__name__)
                 return None
             lanes = {(q, h) for o in live.values() for q in o.queues for h in o.handlers}
             self._offered, self._read_at = frozenset(lanes), time.monotonic()
