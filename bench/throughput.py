@@ -141,7 +141,7 @@ class Processes:
         async with asyncio.timeout(60):
             for child in self.children:
                 while (
-                    child.command == "worker" and b" started, queues " not in child.log.read_bytes()
+                    child.command == "worker" and b" started: queues " not in child.log.read_bytes()
                 ):
                     self.check()
                     await asyncio.sleep(0.02)
