@@ -230,7 +230,7 @@ class RedisQueue:
             wanted = n - 1 if blocking else n
             _eval(pipe, self._claim, keys, [epoch_ms(now), wanted, 1000, *counts])
             replies = await pipe.execute()
-        waited, popped = replies[0] if blocking else None, replies[-1]
+        waited, popped = replies[-2] if blocking else None, replies[-1]
         ids = [_text(waited[1])] if waited else []
         ids.extend(_text(v) for v in popped[:-1])
         due = int(float(_text(popped[-1]))) if popped[-1] else None
