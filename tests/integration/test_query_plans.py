@@ -506,7 +506,8 @@ async def test_claims_and_worker_writes_never_scan(
 
         # The worker itself, on runs it claims: template read, writes, Redis, admitting keys.
         worker = Worker(store, queue, settings, worker_id="w-real")
-        assert await worker.claim([*seeded.claimable()[40:80], *pending[20:40]])
+        await worker.claim([*seeded.claimable()[40:80], *pending[20:40]])
+        assert worker.held
         async with asyncio.timeout(30):
             while worker.held:  # noqa: ASYNC110  (the worker's run tasks end by themselves)
                 await asyncio.sleep(0.02)

@@ -1,4 +1,4 @@
-"""The Redis fast path: queue order, delayed promotion, owner-checked locks."""
+"""The Redis fast path: queue order, delayed promotion, the scheduler lock, cancel signals."""
 
 import asyncio
 import time
@@ -10,7 +10,7 @@ from redis.asyncio import RedisCluster
 from jobplane.backends import Backends
 from jobplane.clock import ManualClock
 from jobplane.queue.connect import RedisClient
-from jobplane.queue.redis import Locks, QueueEntry, RedisQueue
+from jobplane.queue.redis import QueueEntry, RedisQueue
 from jobplane.runs import RunRequest, RunService
 from jobplane.scheduler import Scheduler
 from jobplane.settings import Settings
@@ -21,44 +21,34 @@ from tests.integration.conftest import Register
 pytestmark = REDIS_TOPOLOGIES
 
 
-async def test_lock_refresh_and_release_need_the_owner(queue: RedisQueue) -> None:
-    key = queue.keys.lock("run1")
-    assert await queue.acquire_lock(key, "w1:tok1", 10)
-    assert not await queue.acquire_lock(key, "w2:tok2", 10), "held by another owner"
+async def test_the_scheduler_lock_is_taken_extended_and_released_by_its_owner_only(
+    queue: RedisQueue,
+) -> None:
+    key = queue.keys.scheduler_lock
+    assert await queue.acquire_lock(key, "s1", 10)
+    assert not await queue.acquire_lock(key, "s2", 100), "held by another owner"
+    assert not await queue.release_lock(key, "s2")
+    assert await queue.redis.get(key) == b"s1"
+    assert 0 < await queue.redis.pttl(key) <= 10_000, "a stranger's acquire did not extend it"
 
-    assert not await queue.refresh_lock(key, "w2:tok2", 100)
-    assert not await queue.release_lock(key, "w2:tok2")
-    assert await queue.redis.get(key) == b"w1:tok1"
-    assert 0 < await queue.redis.pttl(key) <= 10_000, "a stranger's refresh did not extend it"
-
-    assert await queue.refresh_lock(key, "w1:tok1", 100)
+    assert await queue.acquire_lock(key, "s1", 100)
     assert 10_000 < await queue.redis.pttl(key) <= 100_000
-    assert await queue.release_lock(key, "w1:tok1")
+    assert await queue.release_lock(key, "s1")
     assert await queue.redis.get(key) is None
 
 
-async def test_run_locks_report_lost_owners(queue: RedisQueue) -> None:
-    await queue.lock_runs(Locks({"a": "w1:t1", "b": "w1:t1"}, 10))
-    await queue.lock_runs(Locks({"b": "w2:t2"}, 10))  # a later claim, decided by MongoDB, takes b
-    await queue.lock_runs(Locks({"b": "w1:t1", "c": "w1:t1"}, 10, only_if_free=True))
-    assert await queue.redis.get(queue.keys.lock("c")) == b"w1:t1", "a missing lock is restored"
-    assert await queue.refresh_runs({"a": "w1:t1", "b": "w1:t1"}, 10) == {"a": True, "b": False}
-    assert not await queue.release_run("b", "w1:t1")
-    assert await queue.redis.get(queue.keys.lock("b")) == b"w2:t2"
-
-
-async def test_pipelined_scripts_cost_no_extra_round_trip(queue: RedisQueue) -> None:
+async def test_pipelined_scripts_cost_no_extra_round_trip(
+    queue: RedisQueue, store: MongoStore
+) -> None:
     """redis-py asks SCRIPT EXISTS before a pipeline that calls scripts by hash; ours send
-    their source, so a batch of releases or refreshes is one round trip, even after a flush."""
-    await queue.lock_runs(Locks({"a": "w1:t1", "b": "w1:t1"}, 10))
+    their source, so a blocking pop is one round trip, even after a flush."""
     await queue.redis.script_flush()
     before = await _command_calls(queue.redis)
-    assert await queue.refresh_runs({"a": "w1:t1", "b": "w1:t1"}, 10) == {"a": True, "b": True}
-    assert await queue.release_run("a", "w1:t1")
+    assert (await queue.pop(["q"], 4, store.clock.now(), 0.01)).run_ids == []
     after = await _command_calls(queue.redis)
     calls = {k: n - before.get(k, 0) for k, n in after.items()}
     assert calls.get("cmdstat_script", 0) == 0 and calls.get("cmdstat_evalsha", 0) == 0
-    assert calls["cmdstat_eval"] == 3
+    assert calls["cmdstat_eval"] == 1 and calls["cmdstat_bzpopmin"] == 1
 
 
 async def _command_calls(redis: RedisClient) -> Counter[str]:
@@ -126,13 +116,9 @@ async def test_missing_finds_runs_redis_lost(queue: RedisQueue, store: MongoStor
     assert await queue.missing([ready, delayed]) == [delayed]
 
 
-async def test_a_blocking_pop_waits_for_a_push_and_mirrors_locks_meanwhile(
-    queue: RedisQueue, store: MongoStore
-) -> None:
+async def test_a_blocking_pop_waits_for_a_push(queue: RedisQueue, store: MongoStore) -> None:
     now = store.clock.now()
-    locks = Locks({"x": "w1:t1"}, 10)
-    assert (await queue.pop(["q"], 4, now, 0.05, locks)).run_ids == []
-    assert await queue.redis.get(queue.keys.lock("x")) == b"w1:t1"
+    assert (await queue.pop(["q"], 4, now, 0.05)).run_ids == []
 
     async def push_soon() -> None:
         await asyncio.sleep(0.1)
@@ -147,6 +133,25 @@ async def test_a_blocking_pop_waits_for_a_push_and_mirrors_locks_meanwhile(
     # The wait takes the first id; the pop after it, in the same round trip, the ones pushed
     # with it.
     assert [i[-1] for i in popped.run_ids] == ["a", "b", "c"]
+
+
+async def test_cancel_signals_reach_a_listener_until_it_stops(queue: RedisQueue) -> None:
+    until = asyncio.Event()
+    heard: list[str] = []
+
+    async def listen() -> None:
+        async for run_id in queue.cancel_signals(until):
+            heard.append(run_id)
+            until.set()
+
+    listener = asyncio.create_task(listen())
+    async with asyncio.timeout(10):
+        # A signal sent before the listener subscribed reaches nobody: send until one lands.
+        while not heard:
+            await queue.signal_cancel("00000000000000000000000a")
+            await asyncio.sleep(0.05)
+        await listener
+    assert set(heard) == {"00000000000000000000000a"}
 
 
 async def test_a_wait_under_a_millisecond_is_not_forever(queue: RedisQueue) -> None:

@@ -26,8 +26,8 @@ async def test_a_call_to_a_redis_that_never_answers_fails_within_the_bound() -> 
     calls = {
         "push": queue.push([QueueEntry("r1", "q", 0)], datetime.now(UTC)),
         "pop": queue.pop(["q"], 4, datetime.now(UTC), block_seconds=0.2),
-        "release_run": queue.release_run("r1", "w:t"),
-        "refresh_runs": queue.refresh_runs({"r1": "w:t"}, 10),
+        "promote": queue.promote(["q"], datetime.now(UTC)),
+        "signal_cancel": queue.signal_cancel("r1"),
         "mark_alive": queue.mark_alive("w", 10, 1),
     }
     try:

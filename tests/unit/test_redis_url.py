@@ -69,7 +69,7 @@ def test_a_prefix_with_a_brace_is_refused() -> None:
             Keys(prefix)
 
 
-def test_keys_that_scripts_use_together_share_a_slot_and_run_keys_spread() -> None:
+def test_keys_that_scripts_use_together_share_a_slot() -> None:
     keys = Keys("app:")
 
     def tag(key: str) -> str:
@@ -78,8 +78,8 @@ def test_keys_that_scripts_use_together_share_a_slot_and_run_keys_spread() -> No
     queues = {tag(keys.queue(q)) for q in ["a", "b"]} | {tag(keys.delayed(q)) for q in "ab"}
     assert queues == {"app:queues"}
     assert tag(keys.workers) == tag(keys.workers_held) == "app:workers"
-    assert "{" not in keys.lock("r1") + keys.scheduler_lock + keys.cancel_channel
-    assert all(k.startswith("app:") for k in [keys.queue("a"), keys.workers, keys.lock("r")])
+    assert "{" not in keys.scheduler_lock + keys.cancel_channel
+    assert all(k.startswith("app:") for k in [keys.queue("a"), keys.workers, keys.scheduler_lock])
 
 
 @pytest.mark.parametrize(

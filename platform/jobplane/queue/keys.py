@@ -10,8 +10,8 @@ decides the slot):
 A queue is split into lanes, one per handler: a run waits in the lane of its current step's
 handler, and a worker pops only the lanes of the handlers it offers. A run whose current
 step is external (any worker hands it on) waits in the queue's own lane, `handler` None.
-Run locks and the scheduler lock carry no tag, so per-run keys spread over the
-cluster. Why one slot for all queues rather than one per queue is in docs/architecture.md.
+The scheduler lock carries no tag. Why one slot for all queues rather than one per queue is
+in docs/architecture.md.
 """
 
 from dataclasses import dataclass
@@ -42,10 +42,6 @@ class Keys:
     def lanes(self, queue: str) -> str:
         """The handlers a queue's runs were ever pushed for: a set, read by the metrics."""
         return f"{self.prefix}jobs:lanes:{{{self.prefix}queues}}:{queue}"
-
-    def lock(self, run_id: str) -> str:
-        """The lease mirror of a run; value `<workerId>:<leaseToken>`."""
-        return f"{self.prefix}jobs:lock:{run_id}"
 
     @property
     def scheduler_lock(self) -> str:

@@ -1,4 +1,5 @@
-"""Redis fast path: ready and delayed queues, owner-checked locks, cancel signals.
+"""Redis fast path: ready and delayed queues, the scheduler lock, cancel signals, the worker
+registry.
 
 Nothing here is the truth about a run; MongoDB is. A popped id is only a hint that a run may be
 claimable, and everything in Redis can be rebuilt from MongoDB by the reconciler.
@@ -13,7 +14,6 @@ from collections.abc import (
     Callable,
     Coroutine,
     Iterable,
-    Mapping,
     Sequence,
 )
 from dataclasses import dataclass
@@ -21,6 +21,7 @@ from datetime import datetime
 from importlib import resources
 from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
+from redis.asyncio import RedisCluster
 from redis.commands.core import AsyncScript
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
@@ -112,33 +113,15 @@ class Popped:
     next_due: datetime | None
 
 
-def lock_owner(worker_id: str, lease_token: str) -> str:
-    return f"{worker_id}:{lease_token}"
-
-
-@dataclass(frozen=True)
-class Locks:
-    """Run locks that mirror leases MongoDB granted: run id -> owner, all for one TTL.
-
-    A claim was MongoDB's decision, so an older owner's value is overwritten; `only_if_free`
-    restores a missing lock without touching one that someone else holds.
-    """
-
-    owners: Mapping[str, str]
-    ttl_seconds: float
-    only_if_free: bool = False
-
-    def write(self, pipe: RedisPipeline, keys: Keys) -> None:
-        px = int(self.ttl_seconds * 1000)
-        for run_id, owner in self.owners.items():
-            pipe.set(keys.lock(run_id), owner, px=px, nx=self.only_if_free)
-
-
 # Where a push puts a run: its queue and lane, the sorted set, the member and its score.
 _Placed = tuple[str, str | None, str, str, float]
 
 
 class RedisQueue:
+    """The operations jobplane runs on Redis, grouped as callers use them: push; pop and
+    promote due runs; removal and the reconciler's check; the scheduler lock; cancel signals;
+    the worker registry."""
+
     def __init__(self, redis: RedisClient, keys: Keys, timeout_seconds: float = 10.0) -> None:
         self.redis = redis
         self.keys = keys
@@ -146,15 +129,13 @@ class RedisQueue:
         self.timeout_seconds = timeout_seconds
         self._claim = _script(redis, "claim")
         self._dequeue = _script(redis, "dequeue")
-        self._refresh = _script(redis, "refresh")
-        self._release = _script(redis, "release")
         self._acquire = _script(redis, "acquire")
+        self._release = _script(redis, "release")
         self._alive = _script(redis, "alive")
         self._workers = _script(redis, "workers")
         self._pushes = GroupCommit(self._push_many)
-        self._releases = GroupCommit(self._release_many)
 
-    # -- queues --------------------------------------------------------------------------------
+    # -- push ----------------------------------------------------------------------------------
 
     async def push(self, entries: Iterable[QueueEntry], now: datetime) -> None:
         """Make runs visible to workers: ready now, or delayed until `not_before`.
@@ -194,13 +175,14 @@ class RedisQueue:
         """The handlers of the lanes of `queue` that runs were ever pushed to."""
         return sorted(_text(h) for h in await self.redis.smembers(self.keys.lanes(queue)))
 
+    # -- pop and promote -----------------------------------------------------------------------
+
     async def pop(
         self,
         queues: Sequence[str],
         n: int,
         now: datetime,
         block_seconds: float = 0,
-        locks: Locks | None = None,
         handlers: Sequence[str] = (),
     ) -> Popped:
         """Pop up to `n` ready ids across `queues` in order, promoting due delayed runs first.
@@ -211,14 +193,21 @@ class RedisQueue:
         With `block_seconds` (and `n` > 0) a BZPOPMIN over the ready sets goes first: it takes
         a ready id at once (the first non-empty lane's, so a caller that wants strict
         priority under a backlog does not block), or waits up to that long for one to be
-        pushed. It shares a round trip with the pop of the others, and `locks` (leases just
-        granted) are mirrored in that round trip too: a worker waiting for work pays one round
-        trip a wake-up, not a pop that finds nothing, a wait, and then its lock writes.
+        pushed. It shares a round trip with the pop of the others: a worker waiting for work
+        pays one round trip a wake-up, not a pop that finds nothing and then a wait.
         """
         if not queues:
             return Popped([], None)
         async with _answered_within(self.timeout_seconds + max(block_seconds, 0), "pop"):
-            return await self._pop(queues, handlers, n, now, block_seconds, locks)
+            return await self._pop(queues, handlers, n, now, block_seconds)
+
+    @_bounded
+    async def promote(self, queues: Sequence[str], now: datetime) -> None:
+        """Move the due delayed runs of every lane of `queues` to their ready sets. Workers
+        do it for their own lanes as they pop; this covers lanes no worker pops."""
+        for queue in queues:
+            # A pop of none: the claim script promotes, and takes nothing.
+            await self._pop([queue], await self.lanes(queue), 0, now, 0)
 
     async def _pop(
         self,
@@ -227,15 +216,12 @@ class RedisQueue:
         n: int,
         now: datetime,
         block_seconds: float,
-        locks: Locks | None,
     ) -> Popped:
         blocking = block_seconds > 0 and n > 0
         lanes = [(q, h) for q in queues for h in [None, *handlers]]
         keys = [k for q, h in lanes for k in (self.keys.queue(q, h), self.keys.delayed(q, h))]
         counts = [len(handlers) + 1] * len(queues)
         async with self.redis.pipeline(transaction=False) as pipe:
-            if locks is not None:
-                locks.write(pipe, self.keys)
             if blocking:
                 # Redis truncates a timeout to whole milliseconds (0.001 s can come out as
                 # 0.999 ms) and reads 0 as "forever".
@@ -251,15 +237,11 @@ class RedisQueue:
         next_due = datetime.fromtimestamp(due / 1000, now.tzinfo) if due is not None else None
         return Popped(ids, next_due)
 
-    @_bounded
-    async def promote(self, queues: Sequence[str], now: datetime) -> None:
-        """Move the due delayed runs of every lane of `queues` to their ready sets. Workers
-        do it for their own lanes as they pop; this covers lanes no worker pops."""
-        for queue in queues:
-            await self._pop([queue], await self.lanes(queue), 0, now, 0, None)
+    # -- removal, and the reconciler's check ---------------------------------------------------
 
     @_bounded
     async def remove(self, entry: QueueEntry) -> None:
+        """Take a run out of its lane, ready or delayed."""
         keys = [self.keys.queue(entry.queue, entry.handler)]
         keys.append(self.keys.delayed(entry.queue, entry.handler))
         await self._dequeue(keys=keys, args=[entry.run_id, _delayed(entry)])
@@ -276,58 +258,42 @@ class RedisQueue:
             e for i, e in enumerate(entries) if scores[2 * i] is None and scores[2 * i + 1] is None
         ]
 
-    # -- locks ---------------------------------------------------------------------------------
-
-    @_bounded
-    async def lock_runs(self, locks: Locks) -> None:
-        """Mirror leases MongoDB granted (see `Locks`)."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            locks.write(pipe, self.keys)
-            await pipe.execute()
-
-    @_bounded
-    async def refresh_runs(self, owners: dict[str, str], ttl_seconds: float) -> dict[str, bool]:
-        """Extend each run lock if its owner still holds it; False marks a lost lock."""
-        ttl = int(ttl_seconds * 1000)
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for run_id, owner in owners.items():
-                _eval(pipe, self._refresh, [self.keys.lock(run_id)], [owner, ttl])
-            replies = await pipe.execute()
-        return {run_id: bool(r) for run_id, r in zip(owners, replies, strict=True)}
-
-    async def release_run(self, run_id: str, owner: str) -> bool:
-        """Delete a run's lock if `owner` holds it; concurrent releases share a round trip."""
-        return await self._releases.submit((run_id, owner))
-
-    @_bounded
-    async def _release_many(self, releases: list[tuple[str, str]]) -> list[bool]:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for run_id, owner in releases:
-                _eval(pipe, self._release, [self.keys.lock(run_id)], [owner])
-            replies = await pipe.execute()
-        return [bool(r) for r in replies]
-
-    @_bounded
-    async def refresh_lock(self, key: str, owner: str, ttl_seconds: float) -> bool:
-        ttl = int(ttl_seconds * 1000)
-        return bool(await self._refresh(keys=[key], args=[owner, ttl]))
-
-    @_bounded
-    async def release_lock(self, key: str, owner: str) -> bool:
-        return bool(await self._release(keys=[key], args=[owner]))
+    # -- the scheduler lock --------------------------------------------------------------------
 
     @_bounded
     async def acquire_lock(self, key: str, owner: str, ttl_seconds: float) -> bool:
         """Take `key` if free, or extend it if `owner` already holds it."""
         return bool(await self._acquire(keys=[key], args=[owner, int(ttl_seconds * 1000)]))
 
-    # -- signals and liveness ------------------------------------------------------------------
+    @_bounded
+    async def release_lock(self, key: str, owner: str) -> bool:
+        """Delete `key` if `owner` holds it."""
+        return bool(await self._release(keys=[key], args=[owner]))
+
+    # -- cancel signals ------------------------------------------------------------------------
 
     @_bounded
     async def signal_cancel(self, run_id: str) -> None:
         """Tell every worker listening that `run_id`'s cancel was requested. Only a hint: a
         worker that misses it hears of the cancel from MongoDB at its next heartbeat."""
         await self.redis.publish(self.keys.cancel_channel, run_id)
+
+    async def cancel_signals(self, until: asyncio.Event) -> AsyncIterator[str]:
+        """The id of each run whose cancel is signalled from now on, until `until` is set
+        (looked at every half second). A lost subscription raises a Redis error."""
+        async with self.redis.pubsub(ignore_subscribe_messages=True) as pubsub:
+            async with _answered_within(self.timeout_seconds, "subscribe"):
+                if isinstance(self.redis, RedisCluster):
+                    # A cluster's pub/sub finds its node in the slot map, which the client
+                    # loads with its first command: subscribing first failed with a KeyError.
+                    await self.redis.initialize()
+                await pubsub.subscribe(self.keys.cancel_channel)
+            while not until.is_set():
+                message = await pubsub.get_message(timeout=0.5)
+                if message is not None:
+                    yield _text(message["data"])
+
+    # -- the worker registry -------------------------------------------------------------------
 
     @_bounded
     async def mark_alive(

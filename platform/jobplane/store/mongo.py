@@ -296,11 +296,6 @@ class Lease:
     def actor(self) -> str:
         return f"worker:{self.worker_id}"
 
-    @property
-    def owner(self) -> str:
-        """The value of the run's Redis lock."""
-        return f"{self.worker_id}:{self.token}"
-
 
 @dataclass(frozen=True)
 class Moved:

@@ -23,7 +23,7 @@ from jobplane import metrics
 from jobplane.clock import Clock, SystemClock
 from jobplane.model import TERMINAL, Run, RunError, RunStatus, StepStatus, Template
 from jobplane.process import CANCEL_SECONDS, finish_within, log_context
-from jobplane.queue.redis import Locks, QueueEntry, RedisQueue
+from jobplane.queue.redis import QueueEntry, RedisQueue
 from jobplane.runs import RunService
 from jobplane.settings import Settings
 from jobplane.store import Lease, Lost, MongoStore, Moved
@@ -205,19 +205,9 @@ class Worker:
         # Until when a pop may block: the earliest delayed run's due time, which only a pop
         # promotes. Unknown at first, so the first pop does not block.
         due = self.clock.now()
-        # Leases just granted whose Redis locks are not written yet: they ride with the next
-        # pop, or go alone before the loop waits for a slot.
-        unmirrored: dict[str, str] = {}
         while not stop.is_set():
             free = concurrency - len(self.held)
             if free <= 0 or (backlog and free < concurrency // 4 and gathered < CLAIM_GATHER):
-                if unmirrored:
-                    await self._mirror(unmirrored)
-                    unmirrored = {}
-                    # Runs may have ended while the mirror was sent (for seconds, to a Redis
-                    # that does not answer): their wake-ups came before the clear below would
-                    # erase them, so look at the free slots again first.
-                    continue
                 self._slot_free.clear()
                 waited = time.monotonic()
                 with contextlib.suppress(TimeoutError):
@@ -225,8 +215,6 @@ class Worker:
                 gathered += time.monotonic() - waited
                 continue
             gathered = 0.0
-            locks = Locks(unmirrored, self.settings.lease_seconds) if unmirrored else None
-            unmirrored = {}
             try:
                 now = self.clock.now()
                 # Under a backlog a blocking pop would take its first run lane by lane, not
@@ -234,30 +222,18 @@ class Worker:
                 block = (
                     0 if backlog else min(self.settings.poll_seconds, (due - now).total_seconds())
                 )
-                popped = await self.queue.pop(queues, free, now, block, locks, self.offered)
+                popped = await self.queue.pop(queues, free, now, block, self.offered)
                 due = popped.next_due or now + timedelta(seconds=self.settings.poll_seconds)
                 backlog = len(popped.run_ids) == free
                 if popped.run_ids:
-                    unmirrored = await self.claim(popped.run_ids)
+                    await self.claim(popped.run_ids)
             except Exception:
                 # MongoDB or Redis unreachable: back off, the runs wait safely where they are.
-                # Locks not written are restored by the heartbeat.
                 log.exception("claim failed; retrying")
                 await asyncio.sleep(self.settings.poll_seconds)
-        if unmirrored:
-            await self._mirror(unmirrored)
 
-    async def _mirror(self, owners: dict[str, str]) -> None:
-        try:
-            await self.queue.lock_runs(Locks(owners, self.settings.lease_seconds))
-        except Exception:
-            # MongoDB granted the leases; the heartbeat restores the Redis mirror later.
-            log.warning("could not mirror %d leases in Redis", len(owners))
-
-    async def claim(self, run_ids: list[str]) -> dict[str, str]:
-        """Take the leases MongoDB grants among `run_ids` and start their runs.
-
-        Returns the owners of the leases taken, for the caller to mirror as Redis locks."""
+    async def claim(self, run_ids: list[str]) -> None:
+        """Take the leases MongoDB grants among `run_ids` and start their runs."""
         claimed = await self.store.claim(run_ids, self.id, self.settings.lease_seconds)
         for run, lease in claimed:
             metrics.run_claimed(run)
@@ -268,7 +244,6 @@ class Worker:
             # The task copies the context as it is created: its log lines carry the run.
             with log_context(run_id=run.id, lease_token=lease.token):
                 held.task = asyncio.create_task(self._execute(held))
-        return {run.id: lease.owner for run, lease in claimed}
 
     # -- executing -----------------------------------------------------------------------------
 
@@ -297,12 +272,8 @@ class Worker:
         except Exception:
             log.exception("run %s: worker error", held.run.id)
         finally:
-            # The slot is free before the lock's release, a courtesy (the lock expires by
-            # itself): a Redis that does not answer must not keep the slot taken.
             self.held.pop(held.run.id, None)
             self._slot_free.set()
-            with contextlib.suppress(Exception):
-                await self.queue.release_run(held.run.id, held.lease.owner)
             if held.run.dedupe_key is not None:
                 await self._admit_next(held.run.dedupe_key, held.lease.actor)
 
@@ -590,7 +561,7 @@ class Worker:
                 return
 
     async def _renew(self, helds: list[_Held]) -> None:
-        """Renew leases in MongoDB (the truth) and mirror them in Redis."""
+        """Renew leases in MongoDB, which alone says who holds a run."""
         if not helds:
             return
         ttl = self.settings.lease_seconds
@@ -615,27 +586,13 @@ class Worker:
                     held.interrupt("lost")
                     lost = await self.store.lease_lost(held.lease, "heartbeat")
                     self._observe(held.run, lost)
-        owners = {h.run.id: h.lease.owner for h in helds if h.run.id in kept}
-        refreshed = await self.queue.refresh_runs(owners, ttl)
-        # A lock missing in Redis (flushed, failed over) is restored from MongoDB's word; a lock
-        # another owner holds is left alone (only its owner may change it).
-        missing = {run_id: owners[run_id] for run_id, ok in refreshed.items() if not ok}
-        if missing:
-            await self.queue.lock_runs(Locks(missing, ttl, only_if_free=True))
 
     async def _cancel_listener(self) -> None:
         while not self._closing.is_set():
             try:
-                async with self.queue.redis.pubsub(ignore_subscribe_messages=True) as pubsub:
-                    await pubsub.subscribe(self.queue.keys.cancel_channel)
-                    while not self._closing.is_set():
-                        message = await pubsub.get_message(timeout=0.5)
-                        if message is None:
-                            continue
-                        run_id = message["data"]
-                        run_id = run_id.decode() if isinstance(run_id, bytes) else run_id
-                        if run_id in self.held:
-                            self.held[run_id].cancel.set()
+                async for run_id in self.queue.cancel_signals(until=self._closing):
+                    if run_id in self.held:
+                        self.held[run_id].cancel.set()
             except Exception:
                 # Heartbeats also carry cancels from MongoDB, so a gap here only adds latency.
                 log.warning("cancel listener lost Redis; reconnecting")
