@@ -1,5 +1,5 @@
 from jobplane.model import RetryPolicy
-from jobplane.worker.backoff import backoff_seconds
+from jobplane.runs.policy import backoff_seconds
 
 
 def test_explicit_list_is_used_as_written_and_its_last_value_repeats() -> None:

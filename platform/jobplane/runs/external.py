@@ -9,16 +9,16 @@ fails it. A completed step that is not the last hands the run back to the inline
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 from jobplane import metrics
 from jobplane.errors import NotFound, ResourceInvalidState
 from jobplane.model import Run, RunError, RunStatus, Template
-from jobplane.queue.redis import QueueEntry, RedisQueue
-from jobplane.runs.service import RunService
+from jobplane.queue.redis import RedisQueue
+from jobplane.runs.lifecycle import Lifecycle
+from jobplane.runs.policy import cancel_asked
 from jobplane.store import Lease, Lost, MongoStore, Moved
-from jobplane.worker.backoff import backoff_seconds
 
 # How often a long-polling claim looks for waiting steps.
 CLAIM_POLL_SECONDS = 0.2
@@ -36,7 +36,7 @@ class ExternalClaim:
 class ExternalSteps:
     def __init__(self, store: MongoStore, queue: RedisQueue, lease_seconds: float) -> None:
         self.store = store
-        self.queue = queue
+        self.lifecycle = Lifecycle(store, queue)
         self.lease_seconds = lease_seconds
 
     async def claim(
@@ -76,31 +76,20 @@ class ExternalSteps:
             metrics.STALE_WRITES.inc()
             raise ResourceInvalidState(f"run {run.id}: this lease no longer holds the run")
         if percentage is not None:
-            overall = 100 * (index + percentage / 100) / len(template.steps)
-            await self.store.report_progress(lease, index, percentage, overall, message)
+            await self.lifecycle.report_progress(run, lease, template, index, percentage, message)
         return await self._get(lease.run_id)
 
     async def complete(self, lease: Lease, step_id: str, output: Any) -> Run:
         run, template, index = await self._step(lease, step_id)
         await self._unless_cancelled(run, lease)
-        last = index == len(template.steps) - 1
-        if last:
-            spend = not template.repeatable
-            moved = await self.store.complete(
-                lease, index, step_id, output, output, spend_key=spend
-            )
+        if index == len(template.steps) - 1:
+            moved = await self.lifecycle.complete(run, lease, template, index, output)
         else:
-            percentage = 100 * (index + 1) / len(template.steps)
-            following = template.handler_at(index + 1)
-            lost = await self.store.finish_step(
-                lease, index, step_id, output, percentage, next_handler=following
-            )
-            moved = lost or await self.store.release(lease)
+            # The run goes back to the inline workers, in the lane of its next step.
+            onward = run.model_copy(update={"handler": template.handler_at(index + 1)})
+            lost = await self.lifecycle.finish_step(run, lease, template, index, output)
+            moved = lost or await self.lifecycle.release(onward, lease)
         await self._settle(run, lease, moved)
-        if last:
-            await self._ended(run, lease)
-        else:
-            await self._push(run.model_copy(update={"handler": following, "not_before": None}))
         return await self._get(run.id)
 
     async def fail(
@@ -112,15 +101,8 @@ class ExternalSteps:
         run, template, index = await self._step(lease, step_id)
         await self._unless_cancelled(run, lease)
         error = RunError(code=code, message=message, step=step_id)
-        if not retryable or run.attempt >= run.max_attempts:
-            await self._settle(run, lease, await self.store.fail(lease, index, error))
-            await self._ended(run, lease)
-            return await self._get(run.id)
-        delay = backoff_seconds(template.retry_policy, run.attempt)
-        not_before = self.store.clock.now() + timedelta(seconds=delay)
-        await self._settle(run, lease, await self.store.retry(lease, index, error, not_before))
-        metrics.RUN_RETRIES.labels(run.template_type).inc()
-        await self._push(run.model_copy(update={"not_before": not_before}))
+        failed = await self.lifecycle.attempt_failed(run, lease, template, index, error, retryable)
+        await self._settle(run, lease, failed)
         return await self._get(run.id)
 
     async def _step(self, lease: Lease, step_id: str) -> tuple[Run, Template, int]:
@@ -147,23 +129,12 @@ class ExternalSteps:
     async def _settle(self, run: Run, lease: Lease, moved: Moved | Lost | None) -> None:
         """A write refused because a cancel was asked ends the run cancelled, and the worker is
         told (409): its step's result is not kept."""
-        metrics.observe(run, moved, self.store.clock.now())
         if not isinstance(moved, Lost):
             return
-        if moved.status == RunStatus.CANCEL_REQUESTED:
-            acked = await self.store.acknowledge_cancel(lease, interrupted=True)
-            metrics.observe(run, acked, self.store.clock.now())
-            await self._ended(run, lease)
+        if cancel_asked(moved):
+            await self.lifecycle.acknowledge_cancel(run, lease, interrupted=True)
             raise ResourceInvalidState(f"run {run.id}: a cancel was requested; it is cancelled")
         raise ResourceInvalidState(f"run {run.id}: this lease no longer holds the run")
-
-    async def _ended(self, run: Run, lease: Lease) -> None:
-        """The run let go of its dedupe key (unless it spent it): a waiting run may start."""
-        if run.dedupe_key is not None:
-            await RunService(self.store, self.queue).admit_next(run.dedupe_key, lease.actor)
-
-    async def _push(self, run: Run) -> None:
-        await self.queue.push([QueueEntry.of(run)], self.store.clock.now())
 
     async def _get(self, run_id: str) -> Run:
         run = await self.store.get_run(run_id)

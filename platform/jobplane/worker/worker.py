@@ -13,7 +13,6 @@ import logging
 import os
 import socket
 import time
-import traceback
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime, timedelta
@@ -23,17 +22,17 @@ from jobplane import metrics
 from jobplane.clock import Clock, SystemClock
 from jobplane.model import TERMINAL, Run, RunError, RunStatus, StepStatus, Template
 from jobplane.process import CANCEL_SECONDS, finish_within, log_context
-from jobplane.queue.redis import Locks, QueueEntry, RedisQueue
-from jobplane.runs import RunService
+from jobplane.queue.redis import Locks, RedisQueue
+from jobplane.runs.lifecycle import Lifecycle
+from jobplane.runs.policy import cancel_asked
 from jobplane.settings import Settings
 from jobplane.store import Lease, Lost, MongoStore, Moved
-from jobplane.worker.backoff import backoff_seconds
 from jobplane.worker.context import (
     CancelRequested,
     FatalError,
     StepContext,
-    StepError,
     StepTimeout,
+    step_failure,
 )
 from jobplane.worker.handlers import HandlerRegistry, registry
 
@@ -45,9 +44,6 @@ START_WRITE_AFTER = 0.05
 # With runs waiting and few slots free, how long the claim loop may wait for more slots to
 # free up, so that it claims them together.
 CLAIM_GATHER = 0.005
-# A failed step's error keeps this much of its traceback: the innermost frames.
-TRACEBACK_FRAMES = 5
-TRACEBACK_CHARS = 4000
 
 
 def default_worker_id() -> str:
@@ -119,6 +115,7 @@ class Worker:
         self.handlers = handlers
         self.id = worker_id or settings.worker_id or default_worker_id()
         self.clock = clock or SystemClock()
+        self.lifecycle = Lifecycle(store, queue, self.clock)
         self.held: dict[str, _Held] = {}
         # The handlers this worker claims runs for: the lanes it pops, which its heartbeat
         # advertises. A run whose step needs another is handed on, never failed.
@@ -277,12 +274,14 @@ class Worker:
             try:
                 await self._run_steps(held)
             except CancelRequested as cancel:
-                ack = await self.store.acknowledge_cancel(held.lease, cancel.interrupted)
+                ack = await self.lifecycle.acknowledge_cancel(
+                    held.run, held.lease, cancel.interrupted
+                )
                 self._check(held.run, ack)
             except _Overdue:
                 # Not fenced: if the reaper got there first, the run is expired already.
-                moved = await self.store.expire_deadline(held.run, held.lease.actor)
-                self._observe(held.run, moved)
+                moved = await self.lifecycle.expire_deadline(held.run, held.lease.actor)
+                self._finished(held.run, moved)
             except _HandOff as handoff:
                 log.info("run %s: handed on for handler %r", held.run.id, handoff.handler)
                 await self._release(held, handoff.handler)
@@ -303,27 +302,14 @@ class Worker:
             self._slot_free.set()
             with contextlib.suppress(Exception):
                 await self.queue.release_run(held.run.id, held.lease.owner)
-            if held.run.dedupe_key is not None:
-                await self._admit_next(held.run.dedupe_key, held.lease.actor)
-
-    async def _admit_next(self, key: str, actor: str) -> None:
-        """A run that held a dedupe key stopped: a run waiting for the key may start (if the
-        run still holds it, being queued for a retry, nothing happens)."""
-        try:
-            await RunService(self.store, self.queue).admit_next(key, actor)
-        except Exception:
-            log.exception("admitting the next run for key %s failed; the scheduler will", key)
 
     async def _release(self, held: _Held, handler: str | None = None) -> None:
         """Hand the run back to the queue (on shutdown, or to the lane of `handler`, which
         this worker lacks), or finish a cancel that was asked for."""
-        moved = await self.store.release(held.lease, handler)
-        self._observe(held.run, moved)
-        if isinstance(moved, Lost) and moved.status == RunStatus.CANCEL_REQUESTED:
-            acked = await self.store.acknowledge_cancel(held.lease, interrupted=True)
-            self._observe(held.run, acked)
-        elif not isinstance(moved, Lost):
-            await self._push(held.run.model_copy(update={"handler": handler or held.run.handler}))
+        released = await self.lifecycle.release(held.run, held.lease, handler)
+        if cancel_asked(released):
+            acked = await self.lifecycle.acknowledge_cancel(held.run, held.lease, interrupted=True)
+            self._finished(held.run, acked)
 
     async def _run_steps(self, held: _Held) -> None:
         """Run the steps from the first one not yet done; raises `CancelRequested` to stop."""
@@ -332,7 +318,7 @@ class Worker:
         if template is None:
             missing = f"template {run.template_type} v{run.template_version} not found"
             error = RunError(code="fatal", message=missing)
-            self._check(run, await self.store.fail(lease, 0, error))
+            self._check(run, await self.lifecycle.fail(run, lease, 0, error))
             return
         steps = template.steps
         # Resume, don't restart: steps that succeeded in an earlier attempt keep their outputs.
@@ -340,13 +326,8 @@ class Worker:
         first = next((i for i, s in enumerate(steps) if s.id not in done), len(steps))
         outputs = dict(run.outputs)
         if first == len(steps):  # every step succeeded before a crash cut the final write short
-            last = steps[-1].id
-            output = outputs.get(last)
-            spend = not template.repeatable
-            moved = await self.store.complete(
-                lease, first - 1, last, output, output, spend_key=spend
-            )
-            self._check(run, moved)
+            output = outputs.get(steps[-1].id)
+            self._check(run, await self.lifecycle.complete(run, lease, template, first - 1, output))
             return
         for index in range(first, len(steps)):
             step = steps[index]
@@ -358,8 +339,7 @@ class Worker:
                 raise _Overdue
             if step.worker_type == "external":
                 # The run waits for an external worker's callback; this worker lets go of it.
-                wait = await self.store.wait_worker(lease, index, step.id, step.worker_type)
-                self._check(run, wait)
+                self._check(run, await self.lifecycle.wait_worker(run, lease, template, index))
                 return
             if step.handler not in self.offered:
                 raise _HandOff(step.handler)
@@ -374,22 +354,18 @@ class Worker:
             outputs[step.id] = output
             began = held.unwritten_start
             if index + 1 < len(steps):
-                percentage = 100 * (index + 1) / len(steps)
-                following = template.handler_at(index + 1)
-                finished = await self.store.finish_step(
-                    lease, index, step.id, output, percentage, began, next_handler=following
+                finished = await self.lifecycle.finish_step(
+                    run, lease, template, index, output, began
                 )
                 self._check(run, finished)
-                held.run = held.run.model_copy(update={"handler": following})
+                held.run = held.run.model_copy(update={"handler": template.handler_at(index + 1)})
                 continue
-            moved = await self.store.complete(
-                lease, index, step.id, output, output, began, spend_key=not template.repeatable
-            )
-            if isinstance(moved, Lost) and moved.status == RunStatus.CANCEL_REQUESTED:
+            moved = await self.lifecycle.complete(run, lease, template, index, output, began)
+            if cancel_asked(moved):
                 # The step ran to its end (it may be non-cancelable): keep its output, then
                 # acknowledge the cancel, which the table requires over success.
-                finished = await self.store.finish_step(
-                    lease, index, step.id, output, 100, began, next_handler=None
+                finished = await self.lifecycle.finish_step(
+                    run, lease, template, index, output, began
                 )
                 self._check(run, finished)
                 raise CancelRequested(run.id, interrupted=False)
@@ -402,13 +378,10 @@ class Worker:
         began = held.unwritten_start = self.clock.now()
         handler = self.handlers.resolve(step.handler)
         assert handler is not None, "an offered handler, as checked before the step began"
-        n = len(template.steps)
         start: asyncio.Future[Lost | None] | None = None
 
         async def write_start() -> Lost | None:
-            written = await self.store.start_step(held.lease, index, step.id, began)
-            self._observe(held.run, written)
-            return written
+            return await self.lifecycle.start_step(held.run, held.lease, index, step.id, began)
 
         def started() -> asyncio.Future[Lost | None]:
             # One start write per step, shared: every later write of the step waits for it.
@@ -421,11 +394,9 @@ class Worker:
             if isinstance(await started(), Lost):
                 held.interrupt("lost")
                 return
-            overall = 100 * (index + percentage / 100) / n
-            outcome = await self.store.report_progress(
-                held.lease, index, percentage, overall, message
+            outcome = await self.lifecycle.report_progress(
+                held.run, held.lease, template, index, percentage, message
             )
-            self._observe(held.run, outcome)
             if isinstance(outcome, Lost):  # progress writes are fenced too
                 held.interrupt("lost")
 
@@ -480,26 +451,12 @@ class Worker:
             held.unwritten_start = None if start is not None else began
 
     async def _failed(self, held: _Held, template: Template, index: int, exc: Exception) -> None:
-        run, lease = held.run, held.lease
-        code = exc.code if isinstance(exc, StepError) else "step_error"
-        summary = "".join(traceback.format_exception_only(exc)).strip()
-        frames = "".join(traceback.format_exception(exc, limit=-TRACEBACK_FRAMES))
-        error = RunError(
-            code=code,
-            message=summary,
-            step=template.steps[index].id,
-            traceback=frames[-TRACEBACK_CHARS:],
+        error = step_failure(exc, template.steps[index].id)
+        retryable = not isinstance(exc, FatalError)
+        failed = await self.lifecycle.attempt_failed(
+            held.run, held.lease, template, index, error, retryable, held.unwritten_start
         )
-        began = held.unwritten_start
-        if isinstance(exc, FatalError) or run.attempt >= run.max_attempts:
-            self._check(run, await self.store.fail(lease, index, error, began))
-            return
-        delay = backoff_seconds(template.retry_policy, run.attempt)
-        not_before = self.clock.now() + timedelta(seconds=delay)
-        retried = await self.store.retry(lease, index, error, not_before, began)
-        self._check(run, retried)
-        metrics.RUN_RETRIES.labels(run.template_type).inc()
-        await self._push(held.run.model_copy(update={"not_before": not_before}))
+        self._check(held.run, failed)
 
     def _time_left(self, run: Run) -> float | None:
         """Seconds until the run's deadline (0 once passed), or None without one."""
@@ -508,17 +465,16 @@ class Worker:
         return max(0.0, (run.deadline - self.clock.now()).total_seconds())
 
     def _check(self, run: Run, outcome: Moved | Lost | None) -> None:
-        """Count what a write did to `run`, and stop the run when the write was lost."""
-        self._observe(run, outcome)
+        """Say so when a write finished `run`, and stop the run when the write was lost."""
+        self._finished(run, outcome)
         self._stop_if_lost(outcome)
 
-    def _observe(self, run: Run, outcome: Moved | Lost | None) -> None:
-        """Count what a write did to `run`, and say so when it finished the run."""
-        now = self.clock.now()
-        metrics.observe(run, outcome, now)
+    def _finished(self, run: Run, outcome: Moved | Lost | None) -> None:
+        """Say so when a write finished `run` (the lifecycle counted it)."""
         if isinstance(outcome, Moved) and outcome.to in TERMINAL:
             # From the run's first start, as its duration metric; clocks may disagree a little.
-            took = max(0.0, (now - (run.started_at or run.create_at)).total_seconds())
+            began = run.started_at or run.create_at
+            took = max(0.0, (self.clock.now() - began).total_seconds())
             log.info("run %s (%s) %s in %.1f s", run.id, run.template_type, outcome.to.value, took)
 
     def _stop_if_lost(self, outcome: Moved | Lost | None) -> None:
@@ -528,15 +484,9 @@ class Worker:
         lost any other way, someone else decides the run's fate now.
         """
         if isinstance(outcome, Lost):
-            if outcome.reason == "status" and outcome.status == RunStatus.CANCEL_REQUESTED:
+            if cancel_asked(outcome):
                 raise CancelRequested(outcome.run_id)
             raise _Stopped("lost")
-
-    async def _push(self, run: Run) -> None:
-        try:
-            await self.queue.push([QueueEntry.of(run)], self.clock.now())
-        except Exception:
-            log.warning("run %s: Redis push failed; the reconciler will queue it", run.id)
 
     async def _template(self, run: Run) -> Template | None:
         key = (run.template_type, run.template_version)
@@ -614,7 +564,7 @@ class Worker:
                     )
                     held.interrupt("lost")
                     lost = await self.store.lease_lost(held.lease, "heartbeat")
-                    self._observe(held.run, lost)
+                    self.lifecycle.observe(held.run, lost)
         owners = {h.run.id: h.lease.owner for h in helds if h.run.id in kept}
         refreshed = await self.queue.refresh_runs(owners, ttl)
         # A lock missing in Redis (flushed, failed over) is restored from MongoDB's word; a lock
