@@ -11,6 +11,7 @@ truth, and the scheduler's reconciler pushes and admits whatever was left undone
 import contextlib
 import logging
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
@@ -25,6 +26,26 @@ from jobplane.store import KeyHeld, Lease, Lost, MongoStore, Moved
 log = logging.getLogger("jobplane.runs")
 
 
+@dataclass(frozen=True)
+class HeldStep:
+    """Step `index` of `run`, which `lease` holds: what its holder's writes are about."""
+
+    run: Run
+    lease: Lease
+    template: Template
+    index: int
+
+    @property
+    def id(self) -> str:
+        return self.template.steps[self.index].id
+
+    @property
+    def following(self) -> str | None:
+        """The handler of the step after this one (None: none, or an external step)."""
+        after = self.index + 1
+        return self.template.handler_at(after) if after < len(self.template.steps) else None
+
+
 class Lifecycle:
     def __init__(self, store: MongoStore, queue: RedisQueue, clock: Clock | None = None) -> None:
         self.store = store
@@ -33,90 +54,61 @@ class Lifecycle:
 
     # -- the lease holder's writes: an inline worker's, or an external one's through the API --
 
-    async def start_step(
-        self, run: Run, lease: Lease, index: int, step_id: str, began: datetime
-    ) -> Lost | None:
-        started = await self.store.start_step(lease, index, step_id, began)
-        self.observe(run, started)
+    async def start_step(self, step: HeldStep, began: datetime) -> Lost | None:
+        started = await self.store.start_step(step.lease, step.index, step.id, began)
+        self.observe(step.run, started)
         return started
 
     async def report_progress(
-        self,
-        run: Run,
-        lease: Lease,
-        template: Template,
-        index: int,
-        percentage: float,
-        message: str | None,
+        self, step: HeldStep, percentage: float, message: str | None
     ) -> Lost | None:
         """A step's own progress, and the run's: the steps before it done, it `percentage` done."""
-        overall = 100 * (index + percentage / 100) / len(template.steps)
-        written = await self.store.report_progress(lease, index, percentage, overall, message)
-        self.observe(run, written)
+        overall = 100 * (step.index + percentage / 100) / len(step.template.steps)
+        written = await self.store.report_progress(
+            step.lease, step.index, percentage, overall, message
+        )
+        self.observe(step.run, written)
         return written
 
     async def finish_step(
-        self,
-        run: Run,
-        lease: Lease,
-        template: Template,
-        index: int,
-        output: Any,
-        began: datetime | None = None,
+        self, step: HeldStep, output: Any, began: datetime | None = None
     ) -> Lost | None:
         """Record a step's success, without ending the run: it goes on in the next step's lane
         (or, the last step's success refused for a cancel, it keeps the step's output)."""
-        steps = template.steps
-        percentage = 100 * (index + 1) / len(steps)
-        following = template.handler_at(index + 1) if index + 1 < len(steps) else None
+        percentage = 100 * (step.index + 1) / len(step.template.steps)
         finished = await self.store.finish_step(
-            lease, index, steps[index].id, output, percentage, began, next_handler=following
+            step.lease, step.index, step.id, output, percentage, began, next_handler=step.following
         )
-        self.observe(run, finished)
+        self.observe(step.run, finished)
         return finished
 
     async def complete(
-        self,
-        run: Run,
-        lease: Lease,
-        template: Template,
-        index: int,
-        output: Any,
-        began: datetime | None = None,
+        self, step: HeldStep, output: Any, began: datetime | None = None
     ) -> Moved | Lost:
         """The last step succeeded. A template that is not `repeatable` spends the run's dedupe
         key: it stays the run's, so no later run of the key may start."""
-        step_id = template.steps[index].id
-        spend = not template.repeatable
+        spend = not step.template.repeatable
         completed = await self.store.complete(
-            lease, index, step_id, output, output, began, spend_key=spend
+            step.lease, step.index, step.id, output, output, began, spend_key=spend
         )
-        return await self._ended(run, completed, lease.actor)
+        return await self._ended(step.run, completed, step.lease.actor)
 
-    async def wait_worker(
-        self, run: Run, lease: Lease, template: Template, index: int
-    ) -> Moved | Lost:
+    async def wait_worker(self, step: HeldStep) -> Moved | Lost:
         """Hand the step to an external worker; the run's holder lets go of it."""
-        step = template.steps[index]
-        waiting = await self.store.wait_worker(lease, index, step.id, step.worker_type)
-        self.observe(run, waiting)
+        worker_type = step.template.steps[step.index].worker_type
+        waiting = await self.store.wait_worker(step.lease, step.index, step.id, worker_type)
+        self.observe(step.run, waiting)
         return waiting
 
     async def attempt_failed(
-        self,
-        run: Run,
-        lease: Lease,
-        template: Template,
-        index: int,
-        error: RunError,
-        retryable: bool,
-        began: datetime | None = None,
+        self, step: HeldStep, error: RunError, retryable: bool, began: datetime | None = None
     ) -> Moved | Lost:
         """Fail the run, or queue it again after the template's backoff, as the policy says."""
-        not_before = retry_at(run, template.retry_policy, retryable, self.clock.now())
+        run, lease = step.run, step.lease
+        not_before = retry_at(run, step.template.retry_policy, retryable, self.clock.now())
         if not_before is None:
-            return await self.fail(run, lease, index, error, began)
-        retried = await self.store.retry(lease, index, error, not_before, began)
+            return await self.fail(run, lease, step.index, error, began)
+        retried = await self.store.retry(lease, step.index, error, not_before, began)
         if isinstance(retried, Moved):
             metrics.RUN_RETRIES.labels(run.template_type).inc()
             await self.push([run.model_copy(update={"not_before": not_before})])

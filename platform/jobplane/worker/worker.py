@@ -23,7 +23,7 @@ from jobplane.clock import Clock, SystemClock
 from jobplane.model import TERMINAL, Run, RunError, RunStatus, StepStatus, Template
 from jobplane.process import CANCEL_SECONDS, finish_within, log_context
 from jobplane.queue.redis import Locks, RedisQueue
-from jobplane.runs.lifecycle import Lifecycle
+from jobplane.runs.lifecycle import HeldStep, Lifecycle
 from jobplane.runs.policy import cancel_asked
 from jobplane.settings import Settings
 from jobplane.store import Lease, Lost, MongoStore, Moved
@@ -326,8 +326,8 @@ class Worker:
         first = next((i for i, s in enumerate(steps) if s.id not in done), len(steps))
         outputs = dict(run.outputs)
         if first == len(steps):  # every step succeeded before a crash cut the final write short
-            output = outputs.get(steps[-1].id)
-            self._check(run, await self.lifecycle.complete(run, lease, template, first - 1, output))
+            last = HeldStep(run, lease, template, first - 1)
+            self._check(run, await self.lifecycle.complete(last, outputs.get(last.id)))
             return
         for index in range(first, len(steps)):
             step = steps[index]
@@ -337,43 +337,37 @@ class Worker:
                 raise CancelRequested(run.id, interrupted=False)
             if self._time_left(run) == 0:
                 raise _Overdue
+            at = HeldStep(held.run, lease, template, index)
             if step.worker_type == "external":
                 # The run waits for an external worker's callback; this worker lets go of it.
-                self._check(run, await self.lifecycle.wait_worker(run, lease, template, index))
+                self._check(run, await self.lifecycle.wait_worker(at))
                 return
             if step.handler not in self.offered:
                 raise _HandOff(step.handler)
             try:
                 with log_context(step=step.id):
-                    output = await self._call(held, template, index, outputs)
+                    output = await self._call(held, at, outputs)
             except (CancelRequested, _Stopped, _Overdue):
                 raise
             except Exception as exc:
-                await self._failed(held, template, index, exc)
+                await self._failed(held, at, exc)
                 return
             outputs[step.id] = output
             began = held.unwritten_start
             if index + 1 < len(steps):
-                finished = await self.lifecycle.finish_step(
-                    run, lease, template, index, output, began
-                )
-                self._check(run, finished)
-                held.run = held.run.model_copy(update={"handler": template.handler_at(index + 1)})
+                self._check(run, await self.lifecycle.finish_step(at, output, began))
+                held.run = held.run.model_copy(update={"handler": at.following})
                 continue
-            moved = await self.lifecycle.complete(run, lease, template, index, output, began)
+            moved = await self.lifecycle.complete(at, output, began)
             if cancel_asked(moved):
                 # The step ran to its end (it may be non-cancelable): keep its output, then
                 # acknowledge the cancel, which the table requires over success.
-                finished = await self.lifecycle.finish_step(
-                    run, lease, template, index, output, began
-                )
-                self._check(run, finished)
+                self._check(run, await self.lifecycle.finish_step(at, output, began))
                 raise CancelRequested(run.id, interrupted=False)
             self._check(run, moved)
 
-    async def _call(
-        self, held: _Held, template: Template, index: int, outputs: dict[str, Any]
-    ) -> Any:
+    async def _call(self, held: _Held, at: HeldStep, outputs: dict[str, Any]) -> Any:
+        template, index = at.template, at.index
         step = template.steps[index]
         began = held.unwritten_start = self.clock.now()
         handler = self.handlers.resolve(step.handler)
@@ -381,7 +375,7 @@ class Worker:
         start: asyncio.Future[Lost | None] | None = None
 
         async def write_start() -> Lost | None:
-            return await self.lifecycle.start_step(held.run, held.lease, index, step.id, began)
+            return await self.lifecycle.start_step(at, began)
 
         def started() -> asyncio.Future[Lost | None]:
             # One start write per step, shared: every later write of the step waits for it.
@@ -394,9 +388,7 @@ class Worker:
             if isinstance(await started(), Lost):
                 held.interrupt("lost")
                 return
-            outcome = await self.lifecycle.report_progress(
-                held.run, held.lease, template, index, percentage, message
-            )
+            outcome = await self.lifecycle.report_progress(at, percentage, message)
             if isinstance(outcome, Lost):  # progress writes are fenced too
                 held.interrupt("lost")
 
@@ -450,12 +442,9 @@ class Worker:
                     )
             held.unwritten_start = None if start is not None else began
 
-    async def _failed(self, held: _Held, template: Template, index: int, exc: Exception) -> None:
-        error = step_failure(exc, template.steps[index].id)
-        retryable = not isinstance(exc, FatalError)
-        failed = await self.lifecycle.attempt_failed(
-            held.run, held.lease, template, index, error, retryable, held.unwritten_start
-        )
+    async def _failed(self, held: _Held, at: HeldStep, exc: Exception) -> None:
+        error, retryable = step_failure(exc, at.id), not isinstance(exc, FatalError)
+        failed = await self.lifecycle.attempt_failed(at, error, retryable, held.unwritten_start)
         self._check(held.run, failed)
 
     def _time_left(self, run: Run) -> float | None:
