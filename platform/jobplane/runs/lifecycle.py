@@ -47,6 +47,8 @@ class HeldStep:
 
 
 class Lifecycle:
+    """Every process's run writes, each followed by the push, admission and metrics it entails."""
+
     def __init__(self, store: MongoStore, queue: RedisQueue, clock: Clock | None = None) -> None:
         self.store = store
         self.queue = queue
