@@ -16,12 +16,12 @@ import re
 import socket
 import threading
 import time
-from collections.abc import Callable, Coroutine, Iterable, Iterator, Mapping, Sequence
+from collections.abc import Coroutine, Iterable, Iterator, Mapping, Sequence
 from contextlib import AsyncExitStack, contextmanager
 from dataclasses import dataclass
 from datetime import datetime
 from types import TracebackType
-from typing import TYPE_CHECKING, Any, Protocol, Self, TypeVar
+from typing import Any, Protocol, Self, TypeVar
 from urllib.parse import quote
 
 import httpx
@@ -29,26 +29,13 @@ from pydantic import BaseModel, ValidationError
 from pymongo.errors import ConnectionFailure
 
 from jobplane.backends import open_backends
-from jobplane.errors import (
-    ConcurrencyConflict,
-    Forbidden,
-    JobplaneError,
-    NotFound,
-    PayloadTooLarge,
-    ResourceInvalidState,
-    TemplateDisabled,
-    Unauthorized,
-    Unavailable,
-    ValidationFailed,
-)
+from jobplane.errors import JobplaneError, ServerError, Unavailable, ValidationFailed, answered
 from jobplane.model import TERMINAL, Run, Scope
 from jobplane.queue.connect import REDIS_DOWN
 from jobplane.runs import RunRequest, RunService
+from jobplane.runs.request import read_request
 from jobplane.runs.waiting import Waiting
 from jobplane.settings import Settings, refusal
-
-if TYPE_CHECKING:
-    from jobplane.api.routes.runs import RunCreate
 
 __all__ = ["Client", "CreateRequest", "ServerError", "SyncClient"]
 
@@ -59,12 +46,6 @@ BATCH = 1000
 CHUNKS_IN_FLIGHT = 4
 MAX_POLL_SECONDS = 1.0
 T = TypeVar("T")
-
-
-class ServerError(JobplaneError):
-    """The server failed (a 5xx other than 503 `Unavailable`) or did not answer as the API does."""
-
-    code, status = "ServerError", 500
 
 
 @dataclass(frozen=True)
@@ -362,12 +343,8 @@ class HTTPTransport:
 
 
 class DirectTransport:
-    """MongoDB and Redis through `RunService`, as the API process uses them (no HTTP)."""
-
-    # Set by `open`: the API's own body model and checks, so both transports refuse the same
-    # requests. Imported there, as they bring FastAPI, which an HTTP producer need not load.
-    _body_model: "type[RunCreate]"
-    _run_request: "Callable[[RunCreate, int], RunRequest]"
+    """MongoDB and Redis through `RunService`, as the API process uses them (no HTTP); requests
+    are checked as the API checks them, so both transports refuse the same ones."""
 
     def __init__(self, settings: Settings, actor: str) -> None:
         self.settings = settings
@@ -376,39 +353,24 @@ class DirectTransport:
         self._service: RunService | None = None
 
     async def open(self) -> None:
-        from jobplane.api.routes.runs import RunCreate, run_request
-
-        self._body_model, self._run_request = RunCreate, run_request
         with _reachable():
             backends = await self._stack.enter_async_context(open_backends(self.settings))
         self._service = RunService(backends.store, backends.queue)
         self._waiting = Waiting(backends.queue)
 
     async def create(self, request: CreateRequest) -> Run:
+        checked = read_request(request.body(), self.settings.max_payload_bytes)
         with _reachable():
-            run, _ = await self.service.create(self._request(request), self.actor)
+            run, _ = await self.service.create(checked, self.actor)
             [run] = await self._waiting.explain([run])
         return run
 
     async def create_batch(self, requests: Sequence[CreateRequest]) -> list[Run | JobplaneError]:
-        results: list[Run | JobplaneError | None] = [None] * len(requests)
-        accepted: list[int] = []
-        valid: list[RunRequest] = []
-        for i, request in enumerate(requests):
-            try:
-                valid.append(self._request(request))
-            except JobplaneError as error:
-                results[i] = error
-                continue
-            accepted.append(i)
+        checked = [self._item_request(r) for r in requests]
         with _reachable():
-            created = await self.service.create_many(valid, self.actor)
-            runs = iter(
-                await self._waiting.explain([o[0] for o in created if isinstance(o, tuple)])
-            )
-        for i, outcome in zip(accepted, created, strict=True):
-            results[i] = outcome if isinstance(outcome, JobplaneError) else next(runs)
-        return [r for r in results if r is not None]
+            created = await self.service.create_many(checked, self.actor)
+            outcomes = await self._waiting.explain_created(created)
+        return [o if isinstance(o, JobplaneError) else o[0] for o in outcomes]
 
     async def get(self, run_id: str) -> Run:
         with _reachable():
@@ -427,16 +389,12 @@ class DirectTransport:
         assert self._service is not None, "opened by Client before any call"
         return self._service
 
-    def _request(self, request: CreateRequest) -> RunRequest:
+    def _item_request(self, request: CreateRequest) -> RunRequest | JobplaneError:
+        """The service's request for a batch item, or why it is refused."""
         try:
-            body = self._body_model.model_validate(request.body())
-        except ValidationError as exc:
-            problems = [
-                {"pointer": "".join(f"/{p}" for p in e["loc"]), "message": e["msg"]}
-                for e in exc.errors()
-            ]
-            raise ValidationFailed("invalid request", problems) from None
-        return self._run_request(body, self.settings.max_payload_bytes)
+            return read_request(request.body(), self.settings.max_payload_bytes)
+        except JobplaneError as error:
+            return error
 
 
 @contextmanager
@@ -546,20 +504,6 @@ class SyncClient:
 
 # -- answers of the HTTP API -----------------------------------------------------------------------
 
-_ERRORS: dict[str, type[JobplaneError]] = {
-    kind.code: kind
-    for kind in (
-        Unauthorized,
-        Forbidden,
-        NotFound,
-        ResourceInvalidState,
-        ConcurrencyConflict,
-        TemplateDisabled,
-        PayloadTooLarge,
-        ValidationFailed,
-        Unavailable,
-    )
-}
 # A batch item's error points into the batch (`/runs/3/payload/x`); a result into its run.
 _ITEM_POINTER = re.compile(r"^/runs/(\d+)(?=/|$)")
 
@@ -587,7 +531,7 @@ class _Item(BaseModel):
                 for p in problems
                 if isinstance(p, dict)
             ]
-        return _error(self.error.code, self.error.message, details, self.status)
+        return answered(self.error.code, self.error.message, details, self.status)
 
 
 class _Batch(BaseModel):
@@ -610,24 +554,7 @@ def _error_of(response: httpx.Response) -> JobplaneError:
             f"{response.url} answered {response.status_code} without a jobplane error: {text}",
             {"status": response.status_code},
         )
-    return _error(error.code, error.message, error.details, response.status_code)
-
-
-def _error(code: str, message: str, details: dict[str, Any], status: int) -> JobplaneError:
-    """The `jobplane.errors` class of an API error code, as the service would have raised it."""
-    kind = _ERRORS.get(code)
-    error: JobplaneError
-    if kind is ConcurrencyConflict:
-        error = ConcurrencyConflict(details.get("activeRunId"))
-    elif kind is ValidationFailed:
-        error = ValidationFailed(message, list(details.get("errors") or []))
-    elif kind is not None:
-        error = kind(message, details)
-    else:  # a 500 `Internal`, or a code this client does not know yet
-        error = ServerError(f"{code}: {message}", details)
-        error.status = status
-    error.details = details
-    return error
+    return answered(error.code, error.message, error.details, response.status_code)
 
 
 def _problems_by_item(refused: ValidationFailed) -> dict[int, list[dict[str, Any]]]:

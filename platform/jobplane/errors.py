@@ -57,3 +57,43 @@ class ValidationFailed(JobplaneError):
 
 class Unavailable(JobplaneError):
     code, status = "Unavailable", 503
+
+
+class ServerError(JobplaneError):
+    """The server failed (a 5xx other than 503 `Unavailable`) or did not answer as the API does."""
+
+    code, status = "ServerError", 500
+
+
+# The errors the API answers with, by code.
+_ANSWERED: dict[str, type[JobplaneError]] = {
+    kind.code: kind
+    for kind in (
+        Unauthorized,
+        Forbidden,
+        NotFound,
+        ResourceInvalidState,
+        ConcurrencyConflict,
+        TemplateDisabled,
+        PayloadTooLarge,
+        ValidationFailed,
+        Unavailable,
+    )
+}
+
+
+def answered(code: str, message: str, details: dict[str, Any], status: int) -> JobplaneError:
+    """The error an API answer carrying `code` stands for, as the service would have raised it."""
+    kind = _ANSWERED.get(code)
+    error: JobplaneError
+    if kind is ConcurrencyConflict:
+        error = ConcurrencyConflict(details.get("activeRunId"))
+    elif kind is ValidationFailed:
+        error = ValidationFailed(message, list(details.get("errors") or []))
+    elif kind is not None:
+        error = kind(message, details)
+    else:  # a 500 `Internal`, or a code this client does not know yet
+        error = ServerError(f"{code}: {message}", details)
+        error.status = status
+    error.details = details
+    return error

@@ -28,7 +28,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 from pymongo.errors import PyMongoError
 
-from jobplane.model import TERMINAL, Run, RunStatus
+from jobplane.model import TERMINAL, Run
 from jobplane.queue.connect import REDIS_DOWN
 from jobplane.queue.redis import Offer, RedisQueue, epoch_ms
 from jobplane.settings import Settings
@@ -99,13 +99,6 @@ SCHEDULER_LAST_TICK = Gauge(
     "When this process's scheduler last completed a maintenance tick (0: never)",
 )
 
-# The reaper's transition for a run whose lease expired, by where it sent the run.
-_REAPED = {
-    RunStatus.QUEUED: "reap_requeue",
-    RunStatus.EXPIRED: "reap_expire",
-    RunStatus.CANCELLED: "reap_cancel",
-}
-
 
 def run_claimed(run: Run) -> None:
     """Count a claim; a run's first claim also gives its start delay."""
@@ -132,13 +125,11 @@ def observe(run: Run, outcome: Moved | Lost | None, now: datetime) -> None:
         )
 
 
-def reaped(run: Run, transition: str, moved: Moved, now: datetime) -> None:
-    """Count a reaper move; `transition` "reap" is an expired lease, named by its outcome."""
-    if transition == "reap":
+def reaped(run: Run, transition: str) -> None:
+    """Count a reaper move by its transition; a `reap_*` one recovered an expired lease."""
+    if transition.startswith("reap_"):
         LEASE_EXPIRIES.labels(run.template_type).inc()
-        transition = _REAPED[moved.to]
     REAPER_ACTIONS.labels(transition).inc()
-    observe(run, moved, now)
 
 
 def serve_metrics(settings: Settings) -> None:

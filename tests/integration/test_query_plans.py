@@ -598,7 +598,7 @@ async def test_creating_reading_and_cancelling_runs_never_scan(
         with pytest.raises(ResourceInvalidState):
             await service.cancel(runs[RunStatus.FAILED][0], "user:qp", None)
         await store.request_cancel(runs[RunStatus.WAITING_WORKER][-1], "user:qp", "stop")
-        await service.admit_next(seeded.free_keys[0], "user:qp")
+        await service.lifecycle.admit_next(seeded.free_keys[0], "user:qp")
         # Reads, of live runs and of archived ones.
         assert await store.archive_runs(now - 30 * DAY, 10) == 10
         archived = await store.archive.find_one({})

@@ -174,7 +174,7 @@ async def test_every_write_to_a_run_names_its_shard_key(
     assert (await service.get(second)).status == RunStatus.PENDING
     [key_lease] = await claim(first)
     await store.complete(key_lease, 0, "only", None, None)
-    await service.admit_next((await service.get(second)).dedupe_wait or "", "worker:w1")
+    await service.lifecycle.admit_next((await service.get(second)).dedupe_wait or "", "worker:w1")
     assert (await service.get(second)).status == RunStatus.QUEUED
 
     lost, slow, late = await create(), await create(), await create(timed.type)

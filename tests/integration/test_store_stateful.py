@@ -750,7 +750,7 @@ class Reap(Op):
 
 @dataclass
 class Admit(Op):
-    """A freed key goes to the oldest run waiting for it (RunService.admit_next's store part)."""
+    """A freed key goes to the oldest run waiting for it (Lifecycle.admit_next's store part)."""
 
     key: str
 

@@ -1,16 +1,8 @@
-"""The base models of request and response bodies that are the API's own (not documents)."""
+"""The base model of the API's own response bodies (not documents); request bodies have
+`model.bodies.RequestBody`, which the direct client checks with too."""
 
 from pydantic import BaseModel, ConfigDict
 from pydantic.alias_generators import to_camel
-
-
-class RequestBody(BaseModel):
-    """camelCase, no unknown fields, and strict: "5" is not a number and 1 is not a string
-    (a field that parses text, such as a time, says so with `Field(strict=False)`)."""
-
-    model_config = ConfigDict(
-        alias_generator=to_camel, populate_by_name=True, extra="forbid", strict=True
-    )
 
 
 class ResponseBody(BaseModel):

@@ -9,16 +9,17 @@ fails it. A completed step that is not the last hands the run back to the inline
 import asyncio
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from datetime import datetime, timedelta
+from datetime import datetime
 from typing import Any
 
 from jobplane import metrics
 from jobplane.errors import NotFound, ResourceInvalidState
 from jobplane.model import Run, RunError, RunStatus, Template
-from jobplane.queue.redis import QueueEntry, RedisQueue
+from jobplane.queue.redis import RedisQueue
+from jobplane.runs.lifecycle import HeldStep
+from jobplane.runs.policy import cancel_asked
 from jobplane.runs.service import RunService
 from jobplane.store import Lease, Lost, MongoStore, Moved
-from jobplane.worker.backoff import backoff_seconds
 
 # How often a long-polling claim looks for waiting steps.
 CLAIM_POLL_SECONDS = 0.2
@@ -36,7 +37,8 @@ class ExternalClaim:
 class ExternalSteps:
     def __init__(self, store: MongoStore, queue: RedisQueue, lease_seconds: float) -> None:
         self.store = store
-        self.queue = queue
+        self.runs = RunService(store, queue)
+        self.lifecycle = self.runs.lifecycle
         self.lease_seconds = lease_seconds
 
     async def claim(
@@ -69,39 +71,28 @@ class ExternalSteps:
         self, lease: Lease, step_id: str, percentage: float | None, message: str | None
     ) -> Run:
         """Renew the lease (and record progress); the run says whether a cancel was asked."""
-        run, template, index = await self._step(lease, step_id)
+        step = await self._step(lease, step_id)
         held, _ = await self.store.heartbeat(lease.worker_id, [lease], self.lease_seconds)
         if lease.run_id not in held:
             await self.store.lease_lost(lease, "heartbeat")
             metrics.STALE_WRITES.inc()
-            raise ResourceInvalidState(f"run {run.id}: this lease no longer holds the run")
+            raise ResourceInvalidState(f"run {lease.run_id}: this lease no longer holds the run")
         if percentage is not None:
-            overall = 100 * (index + percentage / 100) / len(template.steps)
-            await self.store.report_progress(lease, index, percentage, overall, message)
-        return await self._get(lease.run_id)
+            await self.lifecycle.report_progress(step, percentage, message)
+        return await self.runs.get(lease.run_id)
 
     async def complete(self, lease: Lease, step_id: str, output: Any) -> Run:
-        run, template, index = await self._step(lease, step_id)
-        await self._unless_cancelled(run, lease)
-        last = index == len(template.steps) - 1
-        if last:
-            spend = not template.repeatable
-            moved = await self.store.complete(
-                lease, index, step_id, output, output, spend_key=spend
-            )
+        step = await self._step(lease, step_id)
+        await self._unless_cancelled(step)
+        if step.index == len(step.template.steps) - 1:
+            moved = await self.lifecycle.complete(step, output)
         else:
-            percentage = 100 * (index + 1) / len(template.steps)
-            following = template.handler_at(index + 1)
-            lost = await self.store.finish_step(
-                lease, index, step_id, output, percentage, next_handler=following
-            )
-            moved = lost or await self.store.release(lease)
-        await self._settle(run, lease, moved)
-        if last:
-            await self._ended(run, lease)
-        else:
-            await self._push(run.model_copy(update={"handler": following, "not_before": None}))
-        return await self._get(run.id)
+            # The run goes back to the inline workers, in the lane of its next step.
+            onward = step.run.model_copy(update={"handler": step.following})
+            lost = await self.lifecycle.finish_step(step, output)
+            moved = lost or await self.lifecycle.release(onward, lease)
+        await self._settle(step, moved)
+        return await self.runs.get(lease.run_id)
 
     async def fail(
         self, lease: Lease, step_id: str, code: str, message: str, retryable: bool
@@ -109,22 +100,15 @@ class ExternalSteps:
         """A retryable failure queues the run again after the template's backoff (the inline
         workers send it back to an external worker); otherwise, or with no attempts left, the
         run fails."""
-        run, template, index = await self._step(lease, step_id)
-        await self._unless_cancelled(run, lease)
+        step = await self._step(lease, step_id)
+        await self._unless_cancelled(step)
         error = RunError(code=code, message=message, step=step_id)
-        if not retryable or run.attempt >= run.max_attempts:
-            await self._settle(run, lease, await self.store.fail(lease, index, error))
-            await self._ended(run, lease)
-            return await self._get(run.id)
-        delay = backoff_seconds(template.retry_policy, run.attempt)
-        not_before = self.store.clock.now() + timedelta(seconds=delay)
-        await self._settle(run, lease, await self.store.retry(lease, index, error, not_before))
-        metrics.RUN_RETRIES.labels(run.template_type).inc()
-        await self._push(run.model_copy(update={"not_before": not_before}))
-        return await self._get(run.id)
+        await self._settle(step, await self.lifecycle.attempt_failed(step, error, retryable))
+        return await self.runs.get(lease.run_id)
 
-    async def _step(self, lease: Lease, step_id: str) -> tuple[Run, Template, int]:
-        run = await self._get(lease.run_id)
+    async def _step(self, lease: Lease, step_id: str) -> HeldStep:
+        """The step `lease` holds, as the worker names it."""
+        run = await self.runs.get(lease.run_id)
         template = await self.store.get_template(run.template_type, run.template_version)
         if template is None or step_id not in {s.id for s in template.steps}:
             raise NotFound(f"run {run.id} has no step {step_id!r}")
@@ -135,38 +119,23 @@ class ExternalSteps:
             await self.store.lease_lost(lease, "external")
             metrics.STALE_WRITES.inc()
             raise ResourceInvalidState(f"run {run.id}: step {step_id!r} is not held by this lease")
-        return run, template, template.step_index(step_id)
+        return HeldStep(run, lease, template, template.step_index(step_id))
 
-    async def _unless_cancelled(self, run: Run, lease: Lease) -> None:
+    async def _unless_cancelled(self, step: HeldStep) -> None:
         """Once a cancel was asked, the worker's report is refused and the run ends cancelled.
         (A cancel landing during the report itself keeps the finished step's output, as an
         inline step that ran to its end does.)"""
+        run = step.run
         if run.status == RunStatus.CANCEL_REQUESTED:
-            await self._settle(run, lease, Lost(run.id, "status", run.status))
+            await self._settle(step, Lost(run.id, "status", run.status))
 
-    async def _settle(self, run: Run, lease: Lease, moved: Moved | Lost | None) -> None:
+    async def _settle(self, step: HeldStep, moved: Moved | Lost | None) -> None:
         """A write refused because a cancel was asked ends the run cancelled, and the worker is
         told (409): its step's result is not kept."""
-        metrics.observe(run, moved, self.store.clock.now())
         if not isinstance(moved, Lost):
             return
-        if moved.status == RunStatus.CANCEL_REQUESTED:
-            acked = await self.store.acknowledge_cancel(lease, interrupted=True)
-            metrics.observe(run, acked, self.store.clock.now())
-            await self._ended(run, lease)
-            raise ResourceInvalidState(f"run {run.id}: a cancel was requested; it is cancelled")
-        raise ResourceInvalidState(f"run {run.id}: this lease no longer holds the run")
-
-    async def _ended(self, run: Run, lease: Lease) -> None:
-        """The run let go of its dedupe key (unless it spent it): a waiting run may start."""
-        if run.dedupe_key is not None:
-            await RunService(self.store, self.queue).admit_next(run.dedupe_key, lease.actor)
-
-    async def _push(self, run: Run) -> None:
-        await self.queue.push([QueueEntry.of(run)], self.store.clock.now())
-
-    async def _get(self, run_id: str) -> Run:
-        run = await self.store.get_run(run_id)
-        if run is None:
-            raise NotFound(f"run {run_id!r} not found")
-        return run
+        run_id = step.run.id
+        if cancel_asked(moved):
+            await self.lifecycle.acknowledge_cancel(step.run, step.lease, interrupted=True)
+            raise ResourceInvalidState(f"run {run_id}: a cancel was requested; it is cancelled")
+        raise ResourceInvalidState(f"run {run_id}: this lease no longer holds the run")

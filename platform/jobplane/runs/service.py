@@ -1,9 +1,7 @@
 """The run service: template lookup, payload validation, durable insert, then enqueue."""
 
 import asyncio
-import contextlib
 import json
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
@@ -19,13 +17,12 @@ from jobplane.errors import (
     TemplateDisabled,
     ValidationFailed,
 )
-from jobplane.model import CLAIMABLE, TERMINAL, Run, RunStatus, Template
+from jobplane.model import TERMINAL, Run, Template
 from jobplane.model.storable import unstorable
-from jobplane.queue.connect import REDIS_DOWN
-from jobplane.queue.redis import QueueEntry, RedisQueue
-from jobplane.store import DuplicateRun, KeyHeld, Lost, MongoStore, NewRun
-
-log = logging.getLogger("jobplane.runs")
+from jobplane.queue.redis import RedisQueue
+from jobplane.runs.lifecycle import Lifecycle
+from jobplane.runs.policy import spent
+from jobplane.store import DuplicateRun, KeyHeld, MongoStore, Moved, NewRun
 
 
 @dataclass(frozen=True)
@@ -50,7 +47,7 @@ class RunRequest:
 class RunService:
     def __init__(self, store: MongoStore, queue: RedisQueue) -> None:
         self.store = store
-        self.queue = queue
+        self.lifecycle = Lifecycle(store, queue)
 
     async def create(self, request: RunRequest, actor: str) -> tuple[Run, bool]:
         """Validate, write the run to MongoDB, then queue it in Redis.
@@ -64,7 +61,7 @@ class RunService:
         The template's dedupe key is taken through MongoDB's unique index, so of many
         concurrent creates for one key exactly one becomes active. The others are refused
         (`reject_same_scope`) or wait (`queue_same_scope`): a waiting run stays `pending` and
-        out of Redis until the active run ends and `admit_next` hands it the key.
+        out of Redis until the active run ends and `Lifecycle.admit_next` hands it the key.
         """
         template, new = await self._prepare(request)
         try:
@@ -75,33 +72,37 @@ class RunService:
         return run, True
 
     async def create_many(
-        self, requests: Sequence[RunRequest], actor: str
+        self, requests: Sequence[RunRequest | JobplaneError], actor: str
     ) -> list[tuple[Run, bool] | JobplaneError]:
         """Create many runs at once; each item gets what `create` would return, or the error
-        `create` would raise, and one bad item does not stop the others.
+        `create` would raise, and one bad item does not stop the others. An item its caller
+        refused already (an error) stays refused, in its place.
 
         Runs without a dedupe key are written in one bulk insert and queued in one Redis round
         trip; runs with one go through `create`.
         """
         outcomes: list[tuple[Run, bool] | JobplaneError | None] = [None] * len(requests)
-        plain: list[tuple[int, Template, NewRun]] = []
+        plain: list[tuple[int, RunRequest, Template, NewRun]] = []
         keyed: list[tuple[int, RunRequest]] = []
         for i, request in enumerate(requests):
+            if isinstance(request, JobplaneError):
+                outcomes[i] = request
+                continue
             try:
                 template, new = await self._prepare(request)
             except JobplaneError as error:
                 outcomes[i] = error
                 continue
             if new.dedupe_key is None:
-                plain.append((i, template, new))
+                plain.append((i, request, template, new))
             else:
                 keyed.append((i, request))
-        inserted = await self.store.insert_runs([new for _, _, new in plain], actor)
+        inserted = await self.store.insert_runs([new for *_, new in plain], actor)
         fresh: list[Run] = []
-        for (i, template, _), result in zip(plain, inserted, strict=True):
+        for (i, request, template, _), result in zip(plain, inserted, strict=True):
             if isinstance(result, DuplicateRun):
                 try:
-                    outcomes[i] = _repeated(result, template, requests[i]), False
+                    outcomes[i] = _repeated(result, template, request), False
                 except JobplaneError as error:
                     outcomes[i] = error
             elif isinstance(result, Exception):
@@ -111,7 +112,7 @@ class RunService:
                 fresh.append(result)
                 outcomes[i] = result, True
                 metrics.RUNS_CREATED.labels(template.type).inc()
-        await self._push(fresh)
+        await self.lifecycle.push(fresh)
 
         async def one(i: int, request: RunRequest) -> None:
             try:
@@ -157,14 +158,14 @@ class RunService:
                 if held.holder is None:
                     continue
                 queueing = queueing or template.concurrency_policy == "queue_same_scope"
-                if not queueing or _spent(held):
+                if not queueing or spent(held):
                     raise _refusal(held) from None
                 waiting = replace(new, dedupe_key=None, dedupe_wait=held.key)
                 run = await self.store.insert_run(waiting, actor)
                 # The holder may have ended before this run was written: nobody would admit it.
-                await self.admit_next(held.key, actor)
+                await self.lifecycle.admit_next(held.key, actor)
                 return await self.get(run.id)
-            await self._push([run])
+            await self.lifecycle.push([run])
             return run
         raise ResourceInvalidState("the run's dedupe key kept changing hands; try again")
 
@@ -185,82 +186,17 @@ class RunService:
         new, _ = await self.create(request, actor)
         return new
 
-    async def admit_next(self, key: str, actor: str) -> None:
-        """Hand a free dedupe key to the oldest run waiting for it, and queue that run.
-
-        Called when a run holding the key ends, and by the scheduler as a backstop (the caller
-        may have died). If the key is spent (a non-repeatable template's run succeeded), the
-        waiting runs can never run: they are cancelled, saying why.
-        """
-        while (waiting := await self.store.next_waiting(key)) is not None:
-            try:
-                taken = await self.store.take_key(waiting, actor)
-            except KeyHeld as held:
-                if not _spent(held):
-                    return  # an active run has it; its end admits the next
-                assert held.holder is not None
-                reason = f"run {held.holder.id} already succeeded for this key"
-                cancelled = await self.store.cancel(waiting.id, actor, reason, _scope(waiting))
-                metrics.observe(waiting, cancelled, self.store.clock.now())
-                continue
-            if isinstance(taken, Lost):
-                continue  # cancelled meanwhile; look at the next
-            if isinstance(await self.store.enqueue(waiting.id, actor, _scope(waiting)), Lost):
-                continue  # cancelled since it took the key; the cancel admits the next
-            await self._push([waiting])
-            return
-
-    async def _push(self, runs: Sequence[Run]) -> None:
-        """Put `queued` runs in Redis. MongoDB has them already, so a push Redis refused is
-        left to the reconciler, which pushes the queued runs Redis is missing."""
-        if not runs:
-            return
-        entries = [QueueEntry.of(r) for r in runs]
-        try:
-            await self.queue.push(entries, self.store.clock.now())
-        except REDIS_DOWN as exc:
-            log.warning(
-                "%d queued runs wait for the reconciler, Redis push failed: %s", len(runs), exc
-            )
-
     async def cancel(self, run_id: str, actor: str, reason: str | None) -> Run:
-        """SPEC rule 4: a run no worker holds ends `cancelled` at once and leaves the queue; a
-        held one goes `cancel_requested` and its worker is signalled; a finished one is refused.
-        Cancelling a run whose cancel was already requested changes nothing.
-        """
+        """Cancel the run as the policy says (`policy.cancel_of`); a finished one is refused,
+        and cancelling a run whose cancel was already requested changes nothing."""
         # A run that moves between the read and the guarded write (claimed, say) is looked at
         # again; each retry means another writer made progress, so a few tries are plenty.
         for _ in range(5):
             run = await self.get(run_id)
-            if run.status in TERMINAL:
-                raise ResourceInvalidState(f"run {run_id} is {run.status.value}")
-            if run.status == RunStatus.CANCEL_REQUESTED:
+            moved = await self.lifecycle.cancel(run, actor, reason)
+            if moved is None:
                 return run
-            if run.status in CLAIMABLE:
-                cancelled = await self.store.cancel(run.id, actor, reason, _scope(run))
-                metrics.observe(run, cancelled, self.store.clock.now())
-                if not isinstance(cancelled, Lost):
-                    with contextlib.suppress(*REDIS_DOWN):  # a popped id is skipped
-                        await self.queue.remove(QueueEntry.of(run))
-                    # The run may have taken the key it waited for since it was read.
-                    if key := run.dedupe_key or run.dedupe_wait:
-                        await self.admit_next(key, actor)
-                    return await self.get(run_id)
-            # A run waiting for an external worker has no one to acknowledge the cancel: the
-            # reaper ends it at its next tick.
-            elif not isinstance(
-                await self.store.request_cancel(
-                    run.id,
-                    actor,
-                    reason,
-                    0 if run.status == RunStatus.WAITING_WORKER else run.cancel_grace_seconds,
-                    _scope(run),
-                ),
-                Lost,
-            ):
-                # Heartbeats bring the cancel from MongoDB too, should the signal be lost.
-                with contextlib.suppress(*REDIS_DOWN):
-                    await self.queue.signal_cancel(run.id)
+            if isinstance(moved, Moved):
                 return await self.get(run_id)
         raise ResourceInvalidState(f"run {run_id} kept changing; try again")
 
@@ -269,11 +205,6 @@ class RunService:
         if run is None:
             raise NotFound(f"run {run_id!r} not found")
         return run
-
-
-def _scope(run: Run) -> tuple[str, str]:
-    """The run's scope, which its writes carry so that they go to its shard alone."""
-    return run.scope, run.scope_id
 
 
 def validate_payload(template: Template, payload: dict[str, Any]) -> None:
@@ -333,12 +264,8 @@ def _repeated(duplicate: DuplicateRun, template: Template, request: RunRequest) 
     return first
 
 
-def _spent(held: KeyHeld) -> bool:
-    return held.holder is not None and held.holder.status == RunStatus.SUCCEEDED
-
-
 def _refusal(held: KeyHeld) -> ConcurrencyConflict | ResourceInvalidState:
-    if _spent(held):
+    if spent(held):
         assert held.holder is not None
         return ResourceInvalidState(
             f"template is not repeatable and run {held.holder.id} already succeeded for this key",

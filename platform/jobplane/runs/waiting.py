@@ -11,6 +11,7 @@ import logging
 import time
 from collections.abc import Sequence
 
+from jobplane.errors import JobplaneError
 from jobplane.model import CLAIMABLE, Run, WaitingFor
 from jobplane.queue.redis import RedisQueue
 
@@ -47,6 +48,13 @@ class Waiting:
         if any(r.status in CLAIMABLE and r.handler is not None for r in runs):
             offered = await self.offered()
         return [r.model_copy(update={"waiting_for": _reason(r, offered)}) for r in runs]
+
+    async def explain_created(
+        self, outcomes: Sequence[tuple[Run, bool] | JobplaneError]
+    ) -> list[tuple[Run, bool] | JobplaneError]:
+        """What `RunService.create_many` answered, each run in it explained."""
+        runs = iter(await self.explain([o[0] for o in outcomes if isinstance(o, tuple)]))
+        return [(next(runs), o[1]) if isinstance(o, tuple) else o for o in outcomes]
 
 
 def _reason(run: Run, offered: frozenset[Lane] | None) -> WaitingFor | None:

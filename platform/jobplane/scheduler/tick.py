@@ -20,10 +20,11 @@ from jobplane.clock import Clock, SystemClock
 from jobplane.model import RunStatus
 from jobplane.process import finish_within
 from jobplane.queue.redis import QueueEntry, RedisQueue
-from jobplane.runs import RunService
+from jobplane.runs.lifecycle import Lifecycle
+from jobplane.runs.policy import lease_expired
 from jobplane.schedules import ScheduleService
 from jobplane.settings import Settings
-from jobplane.store import Lost, MongoStore
+from jobplane.store import MongoStore, Moved
 
 log = logging.getLogger("jobplane.scheduler")
 
@@ -46,6 +47,7 @@ class Scheduler:
         self.queue = queue
         self.settings = settings
         self.clock = clock or SystemClock()
+        self.lifecycle = Lifecycle(store, queue, self.clock)
         self.owner = owner or f"scheduler-{os.getpid()}-{os.urandom(4).hex()}"
         self._swept = -SWEEP_SECONDS
 
@@ -139,34 +141,26 @@ class Scheduler:
         late, slow = await self.store.overdue(batch)
         outcomes = [
             *[
-                (run, "deadline_expire", await self.store.expire_deadline(run, "reaper"))
+                ("deadline_expire", run, await self.lifecycle.expire_deadline(run, "reaper"))
                 for run in late
             ],
-            *[(run, "cancel_timeout", await self.store.time_out_cancel(run)) for run in slow],
+            *[("cancel_timeout", run, await self.lifecycle.time_out_cancel(run)) for run in slow],
             *[
-                (run, "reap", await self.store.reap(run))
+                (lease_expired(run), run, await self.lifecycle.reap(run))
                 for run in await self.store.expired_leases(batch)
             ],
         ]
-        moved = 0
-        for run, transition, outcome in outcomes:
-            if isinstance(outcome, Lost):
-                continue
-            moved += 1
-            metrics.reaped(run, transition, outcome, self.clock.now())
-            if outcome.to == RunStatus.QUEUED:
-                await self.queue.push([QueueEntry.of(run)], self.clock.now())
-            elif run.dedupe_key is not None:
-                await RunService(self.store, self.queue).admit_next(run.dedupe_key, "reaper")
-        return moved
+        moved = [(transition, run) for transition, run, o in outcomes if isinstance(o, Moved)]
+        for transition, run in moved:
+            metrics.reaped(run, transition)
+        return len(moved)
 
     async def reconcile(self) -> int:
         """Queue pending runs, re-push queued runs that Redis lost, and admit runs waiting for
         a dedupe key that is free (the process that freed it may have died before it could)."""
-        service = RunService(self.store, self.queue)
         for key in await self.store.waited_keys(self.settings.reap_batch):
             try:
-                await service.admit_next(key, "scheduler")
+                await self.lifecycle.admit_next(key, "scheduler")
             except Exception:  # one key's trouble must not hold up the rest of the tick
                 log.exception("admitting the next run for key %s failed", key)
         # Workers promote delayed runs as they pop; this covers queues no worker is polling, so

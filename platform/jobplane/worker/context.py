@@ -1,12 +1,18 @@
-"""What a step handler sees: its payload, earlier outputs, progress, heartbeat and cancel."""
+"""What a step handler sees (its payload, earlier outputs, progress, heartbeat and cancel), and
+the errors it raises."""
 
 import asyncio
 import logging
 import time
+import traceback
 from collections.abc import Awaitable, Callable, Coroutine
 from typing import Any
 
-from jobplane.model import Run, StepSpec, Template
+from jobplane.model import Run, RunError, StepSpec, Template
+
+# A failed step's error keeps this much of its traceback: the innermost frames.
+TRACEBACK_FRAMES = 5
+TRACEBACK_CHARS = 4000
 
 
 class StepError(Exception):
@@ -46,6 +52,19 @@ class CancelRequested(Exception):
     def __init__(self, run_id: str, interrupted: bool = True) -> None:
         super().__init__(run_id)
         self.interrupted = interrupted
+
+
+def step_failure(exc: Exception, step_id: str) -> RunError:
+    """The error of a step that raised `exc`: its code (a `StepError`'s own), its one-line
+    summary, and the innermost frames of its traceback."""
+    summary = "".join(traceback.format_exception_only(exc)).strip()
+    frames = "".join(traceback.format_exception(exc, limit=-TRACEBACK_FRAMES))
+    return RunError(
+        code=exc.code if isinstance(exc, StepError) else "step_error",
+        message=summary,
+        step=step_id,
+        traceback=frames[-TRACEBACK_CHARS:],
+    )
 
 
 class StepContext:

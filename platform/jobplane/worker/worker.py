@@ -1,106 +1,40 @@
-"""The worker: claims runs, keeps their leases alive, and runs their steps in order.
+"""The worker: claims runs, keeps their leases alive, and has its runner run their steps.
 
 One claim loop fills free slots (a batch per Redis call), one heartbeat loop renews every
-lease this worker holds, and one listener turns Redis cancel signals into flags. A run whose
-lease is lost has its handler interrupted at once and writes nothing more.
+lease this worker holds, and one listener turns Redis cancel signals into flags. Each run
+claimed gets a task of its own, in which `worker/runner.py` runs its steps in order. A run
+whose lease is lost has its handler interrupted at once and writes nothing more.
 """
 
 import asyncio
 import contextlib
-import contextvars
-import inspect
 import logging
 import os
 import socket
 import time
-import traceback
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
-from datetime import datetime, timedelta
-from typing import Any, Literal
+from datetime import timedelta
 
 from jobplane import metrics
 from jobplane.clock import Clock, SystemClock
-from jobplane.model import TERMINAL, Run, RunError, RunStatus, StepStatus, Template
+from jobplane.model import RunStatus
 from jobplane.process import CANCEL_SECONDS, finish_within, log_context
-from jobplane.queue.redis import QueueEntry, RedisQueue
-from jobplane.runs import RunService
+from jobplane.queue.redis import RedisQueue
+from jobplane.runs.lifecycle import Lifecycle
 from jobplane.settings import Settings
-from jobplane.store import Lease, Lost, MongoStore, Moved
-from jobplane.worker.backoff import backoff_seconds
-from jobplane.worker.context import (
-    CancelRequested,
-    FatalError,
-    StepContext,
-    StepError,
-    StepTimeout,
-)
+from jobplane.store import MongoStore
 from jobplane.worker.handlers import HandlerRegistry, registry
+from jobplane.worker.runner import Held, Runner
 
 log = logging.getLogger("jobplane.worker")
 
-# A step still running after this long gets its start written on its own; a quicker one has
-# its start written together with its end, saving a MongoDB write per step.
-START_WRITE_AFTER = 0.05
 # With runs waiting and few slots free, how long the claim loop may wait for more slots to
 # free up, so that it claims them together.
 CLAIM_GATHER = 0.005
-# A failed step's error keeps this much of its traceback: the innermost frames.
-TRACEBACK_FRAMES = 5
-TRACEBACK_CHARS = 4000
 
 
 def default_worker_id() -> str:
     return f"{socket.gethostname()}-{os.getpid()}-{os.urandom(3).hex()}"
-
-
-@dataclass
-class _Held:
-    """A run this worker holds, with what it needs to stop it."""
-
-    run: Run
-    lease: Lease
-    cancel: asyncio.Event = field(default_factory=asyncio.Event)
-    task: asyncio.Task[None] | None = None
-    # The running handler. Stopping a run interrupts only this, never the worker's own writes,
-    # so a transition and its events are never cut in half.
-    handler: asyncio.Future[Any] | None = None
-    stop: Literal["lost", "shutdown"] | None = None
-    # When the current step began, while its start is not yet written (see START_WRITE_AFTER).
-    unwritten_start: datetime | None = None
-    # When MongoDB last confirmed the lease (monotonic seconds); past the lease length the
-    # worker assumes the reaper may have given the run away and stops its handler itself.
-    renewed: float = field(default_factory=time.monotonic)
-
-    @property
-    def log_fields(self) -> dict[str, str]:
-        """For lines about the run logged outside its own task (whose context has them)."""
-        return {"run_id": self.run.id, "lease_token": self.lease.token}
-
-    def interrupt(self, reason: Literal["lost", "shutdown"]) -> None:
-        self.stop = reason
-        if self.handler is not None:
-            self.handler.cancel()
-
-
-class _Overdue(Exception):
-    """The run's deadline passed: it ends `expired`, whatever its step was doing."""
-
-
-class _HandOff(Exception):
-    """The run's next step needs a handler this worker does not offer."""
-
-    def __init__(self, handler: str) -> None:
-        super().__init__(handler)
-        self.handler = handler
-
-
-class _Stopped(Exception):
-    """The run must stop: its lease was lost (write nothing) or the worker shuts down."""
-
-    def __init__(self, reason: Literal["lost", "shutdown"]) -> None:
-        super().__init__(reason)
-        self.reason = reason
 
 
 class Worker:
@@ -119,15 +53,18 @@ class Worker:
         self.handlers = handlers
         self.id = worker_id or settings.worker_id or default_worker_id()
         self.clock = clock or SystemClock()
-        self.held: dict[str, _Held] = {}
+        self.lifecycle = Lifecycle(store, queue, self.clock)
+        self.held: dict[str, Held] = {}
         # The handlers this worker claims runs for: the lanes it pops, which its heartbeat
         # advertises. A run whose step needs another is handed on, never failed.
         self.offered = handlers.offered()
-        self._templates: dict[tuple[str, int], Template] = {}
         self._slot_free = asyncio.Event()
         self._closing = asyncio.Event()
         # Sync handlers get a thread each, up to the concurrency: none waits for a free thread.
         self._threads = ThreadPoolExecutor(settings.worker_concurrency, "jobplane-step")
+        self.runner = Runner(
+            store, self.lifecycle, handlers, self.offered, self.clock, self._threads, self._renew
+        )
 
     # -- lifecycle -----------------------------------------------------------------------------
 
@@ -237,7 +174,7 @@ class Worker:
         claimed = await self.store.claim(run_ids, self.id, self.settings.lease_seconds)
         for run, lease in claimed:
             metrics.run_claimed(run)
-            held = _Held(run, lease)
+            held = Held(run, lease)
             if run.status == RunStatus.CANCEL_REQUESTED:  # asked between the claim and its read
                 held.cancel.set()
             self.held[run.id] = held
@@ -247,277 +184,12 @@ class Worker:
 
     # -- executing -----------------------------------------------------------------------------
 
-    async def _execute(self, held: _Held) -> None:
+    async def _execute(self, held: Held) -> None:
         try:
-            try:
-                await self._run_steps(held)
-            except CancelRequested as cancel:
-                ack = await self.store.acknowledge_cancel(held.lease, cancel.interrupted)
-                self._check(held.run, ack)
-            except _Overdue:
-                # Not fenced: if the reaper got there first, the run is expired already.
-                moved = await self.store.expire_deadline(held.run, held.lease.actor)
-                self._observe(held.run, moved)
-            except _HandOff as handoff:
-                log.info("run %s: handed on for handler %r", held.run.id, handoff.handler)
-                await self._release(held, handoff.handler)
-        except _Stopped as stopped:
-            if stopped.reason == "shutdown":
-                try:
-                    await self._release(held)
-                except Exception:
-                    log.exception("run %s: release failed; its lease will expire", held.run.id)
-            else:
-                log.warning("run %s: lease lost, stopped without writing", held.run.id)
-        except Exception:
-            log.exception("run %s: worker error", held.run.id)
+            await self.runner.run(held)
         finally:
             self.held.pop(held.run.id, None)
             self._slot_free.set()
-            if held.run.dedupe_key is not None:
-                await self._admit_next(held.run.dedupe_key, held.lease.actor)
-
-    async def _admit_next(self, key: str, actor: str) -> None:
-        """A run that held a dedupe key stopped: a run waiting for the key may start (if the
-        run still holds it, being queued for a retry, nothing happens)."""
-        try:
-            await RunService(self.store, self.queue).admit_next(key, actor)
-        except Exception:
-            log.exception("admitting the next run for key %s failed; the scheduler will", key)
-
-    async def _release(self, held: _Held, handler: str | None = None) -> None:
-        """Hand the run back to the queue (on shutdown, or to the lane of `handler`, which
-        this worker lacks), or finish a cancel that was asked for."""
-        moved = await self.store.release(held.lease, handler)
-        self._observe(held.run, moved)
-        if isinstance(moved, Lost) and moved.status == RunStatus.CANCEL_REQUESTED:
-            acked = await self.store.acknowledge_cancel(held.lease, interrupted=True)
-            self._observe(held.run, acked)
-        elif not isinstance(moved, Lost):
-            await self._push(held.run.model_copy(update={"handler": handler or held.run.handler}))
-
-    async def _run_steps(self, held: _Held) -> None:
-        """Run the steps from the first one not yet done; raises `CancelRequested` to stop."""
-        run, lease = held.run, held.lease
-        template = await self._template(run)
-        if template is None:
-            missing = f"template {run.template_type} v{run.template_version} not found"
-            error = RunError(code="fatal", message=missing)
-            self._check(run, await self.store.fail(lease, 0, error))
-            return
-        steps = template.steps
-        # Resume, don't restart: steps that succeeded in an earlier attempt keep their outputs.
-        done = {s.id for s in run.progress.steps if s.status == StepStatus.SUCCEEDED}
-        first = next((i for i, s in enumerate(steps) if s.id not in done), len(steps))
-        outputs = dict(run.outputs)
-        if first == len(steps):  # every step succeeded before a crash cut the final write short
-            last = steps[-1].id
-            output = outputs.get(last)
-            spend = not template.repeatable
-            moved = await self.store.complete(
-                lease, first - 1, last, output, output, spend_key=spend
-            )
-            self._check(run, moved)
-            return
-        for index in range(first, len(steps)):
-            step = steps[index]
-            if held.stop is not None:
-                raise _Stopped(held.stop)
-            if held.cancel.is_set():
-                raise CancelRequested(run.id, interrupted=False)
-            if self._time_left(run) == 0:
-                raise _Overdue
-            if step.worker_type == "external":
-                # The run waits for an external worker's callback; this worker lets go of it.
-                wait = await self.store.wait_worker(lease, index, step.id, step.worker_type)
-                self._check(run, wait)
-                return
-            if step.handler not in self.offered:
-                raise _HandOff(step.handler)
-            try:
-                with log_context(step=step.id):
-                    output = await self._call(held, template, index, outputs)
-            except (CancelRequested, _Stopped, _Overdue):
-                raise
-            except Exception as exc:
-                await self._failed(held, template, index, exc)
-                return
-            outputs[step.id] = output
-            began = held.unwritten_start
-            if index + 1 < len(steps):
-                percentage = 100 * (index + 1) / len(steps)
-                following = template.handler_at(index + 1)
-                finished = await self.store.finish_step(
-                    lease, index, step.id, output, percentage, began, next_handler=following
-                )
-                self._check(run, finished)
-                held.run = held.run.model_copy(update={"handler": following})
-                continue
-            moved = await self.store.complete(
-                lease, index, step.id, output, output, began, spend_key=not template.repeatable
-            )
-            if isinstance(moved, Lost) and moved.status == RunStatus.CANCEL_REQUESTED:
-                # The step ran to its end (it may be non-cancelable): keep its output, then
-                # acknowledge the cancel, which the table requires over success.
-                finished = await self.store.finish_step(
-                    lease, index, step.id, output, 100, began, next_handler=None
-                )
-                self._check(run, finished)
-                raise CancelRequested(run.id, interrupted=False)
-            self._check(run, moved)
-
-    async def _call(
-        self, held: _Held, template: Template, index: int, outputs: dict[str, Any]
-    ) -> Any:
-        step = template.steps[index]
-        began = held.unwritten_start = self.clock.now()
-        handler = self.handlers.resolve(step.handler)
-        assert handler is not None, "an offered handler, as checked before the step began"
-        n = len(template.steps)
-        start: asyncio.Future[Lost | None] | None = None
-
-        async def write_start() -> Lost | None:
-            written = await self.store.start_step(held.lease, index, step.id, began)
-            self._observe(held.run, written)
-            return written
-
-        def started() -> asyncio.Future[Lost | None]:
-            # One start write per step, shared: every later write of the step waits for it.
-            nonlocal start
-            if start is None:
-                start = asyncio.ensure_future(write_start())
-            return start
-
-        async def write_progress(percentage: float, message: str | None) -> None:
-            if isinstance(await started(), Lost):
-                held.interrupt("lost")
-                return
-            overall = 100 * (index + percentage / 100) / n
-            outcome = await self.store.report_progress(
-                held.lease, index, percentage, overall, message
-            )
-            self._observe(held.run, outcome)
-            if isinstance(outcome, Lost):  # progress writes are fenced too
-                held.interrupt("lost")
-
-        async def renew() -> None:
-            await self._renew([held])
-
-        ctx = StepContext(held.run, template, index, outputs, held.cancel, write_progress, renew)
-        succeeded = False
-        if inspect.iscoroutinefunction(handler):
-            work: asyncio.Future[Any] = asyncio.ensure_future(handler(ctx))
-            held.handler = work
-        else:
-            call = contextvars.copy_context().run
-            work = asyncio.wrap_future(self._threads.submit(call, handler, ctx))
-            # A thread cannot be cancelled: interrupting cancels this shield, not the thread.
-            held.handler = asyncio.shield(work)
-        left = self._time_left(held.run)
-        overdue = left is not None and (step.timeout_seconds is None or left < step.timeout_seconds)
-        try:
-            async with asyncio.timeout(left if overdue else step.timeout_seconds):
-                # A step over at once has its start written with its end: one write, not two.
-                await asyncio.wait([held.handler], timeout=START_WRITE_AFTER)
-                if not held.handler.done():
-                    self._stop_if_lost(await started())
-                output = await held.handler
-            succeeded = True
-            return output
-        except (asyncio.CancelledError, TimeoutError) as exc:
-            ctx.interrupt()
-            if work is not held.handler:
-                # Keep the lease until the thread returns (its checkpoint() now raises), so
-                # a retry or a release never runs the step twice at once.
-                await asyncio.wait([work])
-            if isinstance(exc, TimeoutError) and overdue:
-                raise _Overdue from exc
-            if isinstance(exc, TimeoutError):
-                message = f"step {step.id!r} exceeded {step.timeout_seconds}s"
-                raise StepTimeout(message) from exc
-            current = asyncio.current_task()
-            if held.stop is not None and not (current and current.cancelling()):
-                raise _Stopped(held.stop) from None
-            raise
-        finally:
-            held.handler = None
-            await ctx.close(write_latest=not succeeded and held.stop is None)
-            if start is not None:
-                await asyncio.wait([start])
-                if not start.cancelled() and start.exception() is not None:
-                    log.warning(
-                        "run %s: step start not written: %s", held.run.id, start.exception()
-                    )
-            held.unwritten_start = None if start is not None else began
-
-    async def _failed(self, held: _Held, template: Template, index: int, exc: Exception) -> None:
-        run, lease = held.run, held.lease
-        code = exc.code if isinstance(exc, StepError) else "step_error"
-        summary = "".join(traceback.format_exception_only(exc)).strip()
-        frames = "".join(traceback.format_exception(exc, limit=-TRACEBACK_FRAMES))
-        error = RunError(
-            code=code,
-            message=summary,
-            step=template.steps[index].id,
-            traceback=frames[-TRACEBACK_CHARS:],
-        )
-        began = held.unwritten_start
-        if isinstance(exc, FatalError) or run.attempt >= run.max_attempts:
-            self._check(run, await self.store.fail(lease, index, error, began))
-            return
-        delay = backoff_seconds(template.retry_policy, run.attempt)
-        not_before = self.clock.now() + timedelta(seconds=delay)
-        retried = await self.store.retry(lease, index, error, not_before, began)
-        self._check(run, retried)
-        metrics.RUN_RETRIES.labels(run.template_type).inc()
-        await self._push(held.run.model_copy(update={"not_before": not_before}))
-
-    def _time_left(self, run: Run) -> float | None:
-        """Seconds until the run's deadline (0 once passed), or None without one."""
-        if run.deadline is None:
-            return None
-        return max(0.0, (run.deadline - self.clock.now()).total_seconds())
-
-    def _check(self, run: Run, outcome: Moved | Lost | None) -> None:
-        """Count what a write did to `run`, and stop the run when the write was lost."""
-        self._observe(run, outcome)
-        self._stop_if_lost(outcome)
-
-    def _observe(self, run: Run, outcome: Moved | Lost | None) -> None:
-        """Count what a write did to `run`, and say so when it finished the run."""
-        now = self.clock.now()
-        metrics.observe(run, outcome, now)
-        if isinstance(outcome, Moved) and outcome.to in TERMINAL:
-            # From the run's first start, as its duration metric; clocks may disagree a little.
-            took = max(0.0, (now - (run.started_at or run.create_at)).total_seconds())
-            log.info("run %s (%s) %s in %.1f s", run.id, run.template_type, outcome.to.value, took)
-
-    def _stop_if_lost(self, outcome: Moved | Lost | None) -> None:
-        """Stop the run when a write was lost.
-
-        Lost to a cancel request, the worker still holds the lease and must acknowledge it;
-        lost any other way, someone else decides the run's fate now.
-        """
-        if isinstance(outcome, Lost):
-            if outcome.reason == "status" and outcome.status == RunStatus.CANCEL_REQUESTED:
-                raise CancelRequested(outcome.run_id)
-            raise _Stopped("lost")
-
-    async def _push(self, run: Run) -> None:
-        try:
-            await self.queue.push([QueueEntry.of(run)], self.clock.now())
-        except Exception:
-            log.warning("run %s: Redis push failed; the reconciler will queue it", run.id)
-
-    async def _template(self, run: Run) -> Template | None:
-        key = (run.template_type, run.template_version)
-        if key not in self._templates:
-            template = await self.store.get_template(*key)
-            if template is None:
-                return None
-            # Versions are immutable, so a cached one never goes stale.
-            self._templates[key] = template
-        return self._templates[key]
 
     # -- leases and signals --------------------------------------------------------------------
 
@@ -560,7 +232,7 @@ class Worker:
             if await self._closed_within(beat - time.monotonic()):
                 return
 
-    async def _renew(self, helds: list[_Held]) -> None:
+    async def _renew(self, helds: list[Held]) -> None:
         """Renew leases in MongoDB, which alone says who holds a run."""
         if not helds:
             return
@@ -585,7 +257,7 @@ class Worker:
                     )
                     held.interrupt("lost")
                     lost = await self.store.lease_lost(held.lease, "heartbeat")
-                    self._observe(held.run, lost)
+                    self.lifecycle.observe(held.run, lost)
 
     async def _cancel_listener(self) -> None:
         while not self._closing.is_set():

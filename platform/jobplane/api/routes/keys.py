@@ -10,9 +10,9 @@ from jobplane.api.auth import mint_key
 from jobplane.api.deps import KeyAdmin, KeyReader, StoreDep
 from jobplane.api.errors import ERROR_RESPONSES
 from jobplane.api.pages import Cursor, Limit, Page
-from jobplane.api.schema import RequestBody
 from jobplane.errors import NotFound, ResourceInvalidState
 from jobplane.model import ApiKeyPublic, Role, ScopeRef
+from jobplane.model.bodies import RequestBody
 from jobplane.model.documents import Name
 
 router = APIRouter(prefix="/v1/api-keys", tags=["api keys"], responses=ERROR_RESPONSES)

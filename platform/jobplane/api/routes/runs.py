@@ -1,12 +1,12 @@
 """Creating (one or a batch), listing, reading, cancelling and rerunning runs."""
 
-import json
-from typing import Annotated, Any, Literal
+from typing import Annotated, Literal
 
 from fastapi import APIRouter, Query, Response
-from pydantic import AfterValidator, Field, StrictInt, StrictStr
+from pydantic import Field, StrictStr
 
 from jobplane.api import pages
+from jobplane.api.auth import Caller
 from jobplane.api.deps import (
     RunReader,
     RunsDep,
@@ -17,11 +17,12 @@ from jobplane.api.deps import (
 )
 from jobplane.api.errors import ERROR_RESPONSES, ErrorBody
 from jobplane.api.pages import Cursor, Limit, Page
-from jobplane.api.schema import RequestBody, ResponseBody
-from jobplane.errors import JobplaneError, PayloadTooLarge
-from jobplane.model import Event, Instant, Run, RunStatus, ScopeId, Version
-from jobplane.model.storable import storable
+from jobplane.api.schema import ResponseBody
+from jobplane.errors import JobplaneError
+from jobplane.model import Event, Run, RunStatus
+from jobplane.model.bodies import RequestBody
 from jobplane.runs import RunRequest
+from jobplane.runs.request import RunCreate, run_request
 from jobplane.store import RunQuery
 
 router = APIRouter(prefix="/v1/runs", tags=["runs"], responses=ERROR_RESPONSES)
@@ -30,20 +31,6 @@ router = APIRouter(prefix="/v1/runs", tags=["runs"], responses=ERROR_RESPONSES)
 # (`JOBPLANE_MAX_BATCH_BYTES`, applied to BATCH_PATH by the app's `BodyLimit`).
 MAX_BATCH = 1000
 BATCH_PATH = "/v1/runs/batch"
-
-
-class RunCreate(RequestBody):
-    # Not a `Name`: a type no template has is looked up and not found (404). Only a string
-    # that cannot even be sent to MongoDB (a lone surrogate) is refused.
-    template_type: Annotated[StrictStr, AfterValidator(storable)]
-    template_version: Version | None = None
-    scope: Literal["user", "account", "system"]
-    scope_id: ScopeId
-    payload: dict[str, Any] = Field(default_factory=dict)
-    priority: Annotated[StrictInt, Field(ge=-100, le=100)] | None = None
-    delay_seconds: Annotated[float, Field(ge=0, le=366 * 86400)] | None = None
-    not_before: Instant | None = None
-    idempotency_key: Annotated[StrictStr, Field(min_length=1, max_length=200)] | None = None
 
 
 class RunBatch(RequestBody):
@@ -113,35 +100,20 @@ async def create_batch(
     """Create up to 1,000 runs; `items` answers each in request order, as `POST /v1/runs` would
     have: `{status: 201|200, run}` or `{status: 4xx, error}`. One refused item (another scope,
     a payload too large or invalid, a disabled template) does not stop the others."""
-    outcomes: list[tuple[Run, bool] | JobplaneError | None] = [None] * len(body.runs)
-    accepted: list[int] = []
-    requests: list[RunRequest] = []
-    for i, item in enumerate(body.runs):
-        try:
-            caller.may_act_in(item.scope, item.scope_id)
-            requests.append(run_request(item, settings.max_payload_bytes))
-        except JobplaneError as error:
-            outcomes[i] = error
-            continue
-        accepted.append(i)
-    created = await runs.create_many(requests, caller.actor) if requests else []
-    explained = iter(await waiting.explain([o[0] for o in created if isinstance(o, tuple)]))
-    for i, outcome in zip(accepted, created, strict=True):
-        outcomes[i] = (next(explained), outcome[1]) if isinstance(outcome, tuple) else outcome
-    return BatchResult(items=[_batch_item(i, o) for i, o in enumerate(outcomes) if o is not None])
+    requests = [_item_request(item, caller, settings.max_payload_bytes) for item in body.runs]
+    outcomes = await waiting.explain_created(await runs.create_many(requests, caller.actor))
+    return BatchResult(items=[_batch_item(i, o) for i, o in enumerate(outcomes)])
 
 
-def run_request(body: RunCreate, max_payload_bytes: int) -> RunRequest:
-    """The service's request for a valid body, unless its payload is over the size limit."""
-    # `surrogatepass`: a string UTF-8 cannot encode is measured here and refused by the service.
-    compact = json.dumps(body.payload, ensure_ascii=False, separators=(",", ":"))
-    size = len(compact.encode(errors="surrogatepass"))
-    if size > max_payload_bytes:
-        raise PayloadTooLarge(
-            f"payload is {size} bytes; the limit is {max_payload_bytes}",
-            {"limit": max_payload_bytes, "size": size},
-        )
-    return RunRequest(**body.model_dump())
+def _item_request(
+    item: RunCreate, caller: Caller, max_payload_bytes: int
+) -> RunRequest | JobplaneError:
+    """The service's request for a batch item, or why it is refused."""
+    try:
+        caller.may_act_in(item.scope, item.scope_id)
+        return run_request(item, max_payload_bytes)
+    except JobplaneError as error:
+        return error
 
 
 def _batch_item(

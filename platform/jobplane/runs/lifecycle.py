@@ -1,0 +1,246 @@
+"""Run transitions with what follows them: the Redis hint, the next run admitted, the metrics.
+
+MongoDB decides and Redis hints. A write that queues a run (a retry, a release, a reap, an
+admission) is followed here by its push to Redis; one that ends a run, by the admission of the
+next run waiting for its dedupe key; every write, by its metrics. Workers, external steps, the
+scheduler and the API make their run writes through `Lifecycle`, so none of them follows a
+transition up by itself. A follow-up that fails does not undo its write: MongoDB holds the
+truth, and the scheduler's reconciler pushes and admits whatever was left undone.
+"""
+
+import contextlib
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
+from typing import Any
+
+from jobplane import metrics
+from jobplane.clock import Clock
+from jobplane.model import Run, RunError, RunStatus, Template
+from jobplane.queue.connect import REDIS_DOWN
+from jobplane.queue.redis import QueueEntry, RedisQueue
+from jobplane.runs.policy import cancel_grace, cancel_of, retry_at, spent
+from jobplane.store import KeyHeld, Lease, Lost, MongoStore, Moved
+
+log = logging.getLogger("jobplane.runs")
+
+
+@dataclass(frozen=True)
+class HeldStep:
+    """Step `index` of `run`, which `lease` holds: what its holder's writes are about."""
+
+    run: Run
+    lease: Lease
+    template: Template
+    index: int
+
+    @property
+    def id(self) -> str:
+        return self.template.steps[self.index].id
+
+    @property
+    def following(self) -> str | None:
+        """The handler of the step after this one (None: none, or an external step)."""
+        after = self.index + 1
+        return self.template.handler_at(after) if after < len(self.template.steps) else None
+
+
+class Lifecycle:
+    """Every process's run writes, each followed by the push, admission and metrics it entails."""
+
+    def __init__(self, store: MongoStore, queue: RedisQueue, clock: Clock | None = None) -> None:
+        self.store = store
+        self.queue = queue
+        self.clock = clock or store.clock
+
+    # -- the lease holder's writes: an inline worker's, or an external one's through the API --
+
+    async def start_step(self, step: HeldStep, began: datetime) -> Lost | None:
+        started = await self.store.start_step(step.lease, step.index, step.id, began)
+        self.observe(step.run, started)
+        return started
+
+    async def report_progress(
+        self, step: HeldStep, percentage: float, message: str | None
+    ) -> Lost | None:
+        """A step's own progress, and the run's: the steps before it done, it `percentage` done."""
+        overall = 100 * (step.index + percentage / 100) / len(step.template.steps)
+        written = await self.store.report_progress(
+            step.lease, step.index, percentage, overall, message
+        )
+        self.observe(step.run, written)
+        return written
+
+    async def finish_step(
+        self, step: HeldStep, output: Any, began: datetime | None = None
+    ) -> Lost | None:
+        """Record a step's success, without ending the run: it goes on in the next step's lane
+        (or, the last step's success refused for a cancel, it keeps the step's output)."""
+        percentage = 100 * (step.index + 1) / len(step.template.steps)
+        finished = await self.store.finish_step(
+            step.lease, step.index, step.id, output, percentage, began, next_handler=step.following
+        )
+        self.observe(step.run, finished)
+        return finished
+
+    async def complete(
+        self, step: HeldStep, output: Any, began: datetime | None = None
+    ) -> Moved | Lost:
+        """The last step succeeded. A template that is not `repeatable` spends the run's dedupe
+        key: it stays the run's, so no later run of the key may start."""
+        spend = not step.template.repeatable
+        completed = await self.store.complete(
+            step.lease, step.index, step.id, output, output, began, spend_key=spend
+        )
+        return await self._ended(step.run, completed, step.lease.actor)
+
+    async def wait_worker(self, step: HeldStep) -> Moved | Lost:
+        """Hand the step to an external worker; the run's holder lets go of it."""
+        worker_type = step.template.steps[step.index].worker_type
+        waiting = await self.store.wait_worker(step.lease, step.index, step.id, worker_type)
+        self.observe(step.run, waiting)
+        return waiting
+
+    async def attempt_failed(
+        self, step: HeldStep, error: RunError, retryable: bool, began: datetime | None = None
+    ) -> Moved | Lost:
+        """Fail the run, or queue it again after the template's backoff, as the policy says."""
+        run, lease = step.run, step.lease
+        not_before = retry_at(run, step.template.retry_policy, retryable, self.clock.now())
+        if not_before is None:
+            return await self.fail(run, lease, step.index, error, began)
+        retried = await self.store.retry(lease, step.index, error, not_before, began)
+        if isinstance(retried, Moved):
+            metrics.RUN_RETRIES.labels(run.template_type).inc()
+            await self.push([run.model_copy(update={"not_before": not_before})])
+        self.observe(run, retried)
+        return retried
+
+    async def fail(
+        self, run: Run, lease: Lease, index: int, error: RunError, began: datetime | None = None
+    ) -> Moved | Lost:
+        failed = await self.store.fail(lease, index, error, began)
+        return await self._ended(run, failed, lease.actor)
+
+    async def release(self, run: Run, lease: Lease, handler: str | None = None) -> Moved | Lost:
+        """Hand the run back to the queue without spending its attempt: to the lane of `handler`
+        when given (a handler its holder lacks), else to the run's own. It is ready at once:
+        having been claimed, it is past its `notBefore`."""
+        released = await self.store.release(lease, handler)
+        if isinstance(released, Moved):
+            ready = {"handler": handler or run.handler, "not_before": None}
+            await self.push([run.model_copy(update=ready)])
+        self.observe(run, released)
+        return released
+
+    async def acknowledge_cancel(self, run: Run, lease: Lease, interrupted: bool) -> Moved | Lost:
+        acked = await self.store.acknowledge_cancel(lease, interrupted)
+        return await self._ended(run, acked, lease.actor)
+
+    async def expire_deadline(self, run: Run, actor: str) -> Moved | Lost:
+        """End a run past its deadline, as its worker found it or the reaper did."""
+        return await self._ended(run, await self.store.expire_deadline(run, actor), actor)
+
+    # -- the reaper's -------------------------------------------------------------------------
+
+    async def time_out_cancel(self, run: Run) -> Moved | Lost:
+        return await self._ended(run, await self.store.time_out_cancel(run), "reaper")
+
+    async def reap(self, run: Run) -> Moved | Lost:
+        """Recover a run whose lease expired: queued again (and pushed), cancelled or expired."""
+        reaped = await self.store.reap(run)
+        if isinstance(reaped, Moved) and reaped.to == RunStatus.QUEUED:
+            await self.push([run])
+            self.observe(run, reaped)
+            return reaped
+        return await self._ended(run, reaped, "reaper")
+
+    # -- the API's ----------------------------------------------------------------------------
+
+    async def cancel(self, run: Run, actor: str, reason: str | None) -> Moved | Lost | None:
+        """Cancel `run` as the policy says: a run no worker holds ends at once and leaves the
+        queue; a held one is asked to stop, and its worker signalled. None: it was asked already.
+        """
+        way = cancel_of(run)
+        if way is None:
+            return None
+        scope = _scope(run)
+        if way == "request_cancel":
+            grace = cancel_grace(run)
+            asked = await self.store.request_cancel(run.id, actor, reason, grace, scope)
+            if isinstance(asked, Moved):
+                # Heartbeats bring the cancel from MongoDB too, should the signal be lost.
+                with contextlib.suppress(*REDIS_DOWN):
+                    await self.queue.signal_cancel(run.id)
+            return asked
+        cancelled = await self.store.cancel(run.id, actor, reason, scope)
+        if isinstance(cancelled, Moved):
+            with contextlib.suppress(*REDIS_DOWN):  # a popped id is skipped
+                await self.queue.remove(QueueEntry.of(run))
+            # The run may have taken the key it waited for since it was read.
+            if key := run.dedupe_key or run.dedupe_wait:
+                await self.admit_next(key, actor)
+        self.observe(run, cancelled)
+        return cancelled
+
+    # -- what follows -------------------------------------------------------------------------
+
+    async def admit_next(self, key: str, actor: str) -> None:
+        """Hand a free dedupe key to the oldest run waiting for it, and queue that run.
+
+        Follows the end of a run that held the key; the scheduler calls it too, as a backstop
+        (the process that freed the key may have died). If the key is spent, the waiting runs
+        can never run: they are cancelled, saying why.
+        """
+        while (waiting := await self.store.next_waiting(key)) is not None:
+            try:
+                taken = await self.store.take_key(waiting, actor)
+            except KeyHeld as held:
+                if not spent(held):
+                    return  # an active run has it; its end admits the next
+                assert held.holder is not None
+                reason = f"run {held.holder.id} already succeeded for this key"
+                cancelled = await self.store.cancel(waiting.id, actor, reason, _scope(waiting))
+                self.observe(waiting, cancelled)
+                continue
+            if isinstance(taken, Lost):
+                continue  # cancelled meanwhile; look at the next
+            if isinstance(await self.store.enqueue(waiting.id, actor, _scope(waiting)), Lost):
+                continue  # cancelled since it took the key; the cancel admits the next
+            await self.push([waiting])
+            return
+
+    async def push(self, runs: Sequence[Run]) -> None:
+        """Put `queued` runs in Redis. MongoDB has them already, so a push Redis refused is
+        left to the reconciler, which pushes the queued runs Redis is missing."""
+        if not runs:
+            return
+        try:
+            await self.queue.push([QueueEntry.of(r) for r in runs], self.clock.now())
+        except REDIS_DOWN as exc:
+            log.warning(
+                "%d queued runs wait for the reconciler, Redis push failed: %s", len(runs), exc
+            )
+
+    def observe(self, run: Run, outcome: Moved | Lost | None) -> None:
+        """Count what a write did to `run`."""
+        metrics.observe(run, outcome, self.clock.now())
+
+    async def _ended(self, run: Run, outcome: Moved | Lost, actor: str) -> Moved | Lost:
+        """A run that ended let go of its dedupe key (unless it spent it): a run waiting for the
+        key may start."""
+        self.observe(run, outcome)
+        if isinstance(outcome, Moved) and run.dedupe_key is not None:
+            try:
+                await self.admit_next(run.dedupe_key, actor)
+            except Exception:
+                log.exception(
+                    "admitting the next run for key %s failed; the scheduler will", run.dedupe_key
+                )
+        return outcome
+
+
+def _scope(run: Run) -> tuple[str, str]:
+    """The run's scope, which its writes carry so that they go to its shard alone."""
+    return run.scope, run.scope_id

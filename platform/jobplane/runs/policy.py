@@ -1,0 +1,92 @@
+"""What becomes of a run when an attempt fails, its lease runs out or a cancel is asked.
+
+Decisions only, the same for inline and external steps: made from the run, its template and
+what happened; `runs.lifecycle` carries them out. The store's filters repeat the facts a
+decision was made on (the status, the lease), so a run that moved meanwhile is not overruled.
+"""
+
+import random
+from collections.abc import Callable
+from datetime import datetime, timedelta
+from typing import Literal
+
+from jobplane.errors import ResourceInvalidState
+from jobplane.model import CLAIMABLE, TERMINAL, RetryPolicy, Run, RunStatus
+from jobplane.store import KeyHeld, Lost, Moved
+
+# The reaper's transitions for a run whose lease ran out.
+LeaseExpiry = Literal["reap_cancel", "reap_requeue", "reap_expire"]
+
+
+def backoff_seconds(
+    policy: RetryPolicy, attempt: int, rand: Callable[[], float] = random.random
+) -> float:
+    """The delay after failed attempt number `attempt` (1-based).
+
+    An explicit `backoffSeconds` list is used as written, its last value repeating. Otherwise
+    the delay grows exponentially up to `maxSeconds`, with full jitter (uniform in [0, d]),
+    equal jitter (uniform in [d/2, d]) or none; jitter keeps many failing runs from retrying
+    in lockstep.
+    """
+    if policy.backoff_seconds:
+        return policy.backoff_seconds[min(attempt, len(policy.backoff_seconds)) - 1]
+    delay = min(policy.max_seconds, policy.initial_seconds * policy.multiplier ** (attempt - 1))
+    if policy.jitter == "full":
+        return rand() * delay
+    if policy.jitter == "equal":
+        return delay / 2 + rand() * delay / 2
+    return delay
+
+
+def retry_at(run: Run, policy: RetryPolicy, retryable: bool, now: datetime) -> datetime | None:
+    """When a run whose attempt failed tries again, after the template's backoff; None when it
+    fails for good: the error is not retryable, or that was its last attempt."""
+    if not retryable or not _attempts_left(run):
+        return None
+    return now + timedelta(seconds=backoff_seconds(policy, run.attempt))
+
+
+def lease_expired(run: Run) -> LeaseExpiry:
+    """What the reaper makes of a run whose lease ran out: a cancel asked is carried out; a run
+    with attempts left is queued again (the lost lease spent an attempt, so a run that kills
+    its worker cannot loop forever); any other expires."""
+    if run.status == RunStatus.CANCEL_REQUESTED:
+        return "reap_cancel"
+    return "reap_requeue" if _attempts_left(run) else "reap_expire"
+
+
+def _attempts_left(run: Run) -> bool:
+    return run.attempt < run.max_attempts
+
+
+def cancel_of(run: Run) -> Literal["cancel", "request_cancel"] | None:
+    """How a cancel of `run` is carried out (SPEC rule 4): a run no worker holds ends at once
+    (`cancel`), a held one is asked to stop (`request_cancel`), and one asked already is left
+    as it is (None). A finished run cannot be cancelled."""
+    if run.status in TERMINAL:
+        raise ResourceInvalidState(f"run {run.id} is {run.status.value}")
+    if run.status == RunStatus.CANCEL_REQUESTED:
+        return None
+    return "cancel" if run.status in CLAIMABLE else "request_cancel"
+
+
+def cancel_grace(run: Run) -> float:
+    """How long the run's holder has to acknowledge a cancel before the reaper overrules it. A
+    run waiting for an external worker has no one to acknowledge it: it ends at the next tick."""
+    return 0 if run.status == RunStatus.WAITING_WORKER else run.cancel_grace_seconds
+
+
+def cancel_asked(outcome: Moved | Lost | None) -> bool:
+    """The holder's write was refused because a cancel was asked: the holder, whose lease still
+    holds the run, stops and acknowledges the cancel."""
+    return (
+        isinstance(outcome, Lost)
+        and outcome.reason == "status"
+        and outcome.status == RunStatus.CANCEL_REQUESTED
+    )
+
+
+def spent(held: KeyHeld) -> bool:
+    """The dedupe key's holder succeeded (its template is not repeatable): the key is never
+    free again, so a run waiting for it can never start."""
+    return held.holder is not None and held.holder.status == RunStatus.SUCCEEDED
