@@ -51,6 +51,7 @@ import httpx
 from jobplane.backends import Backends, open_backends
 from jobplane.devstack.servers import free_port
 from jobplane.settings import Settings
+from jobplane.store.database import Collections
 
 # bench/ is not a package: Python puts a script's own folder first on sys.path, so the sibling
 # benchmark's process registry, throwaway servers and counters are importable from here.
@@ -249,14 +250,17 @@ class Bench:
 async def settle(stack: Stack, runs: int) -> None:
     """Wait until the events of `runs` creates (`created`, `pending -> queued`) are copied from
     the runs' trails to `job_events`."""
+    events = Collections.of(stack.backends.store.db).events
     async with asyncio.timeout(SETTLE_SECONDS):
-        while await stack.backends.store.events.estimated_document_count() < 2 * runs:  # noqa: ASYNC110
+        while await events.estimated_document_count() < 2 * runs:  # noqa: ASYNC110
             await asyncio.sleep(0.05)
 
 
 async def verify(stack: Stack, created: int) -> None:
     """Every answered create left a `queued` run in MongoDB and its id in the Redis queue."""
-    queued = await stack.backends.store.runs.count_documents({"status": "queued"})
+    queued = await Collections.of(stack.backends.store.db).runs.count_documents(
+        {"status": "queued"}
+    )
     queue = stack.backends.queue
     in_redis = await queue.redis.zcard(queue.keys.queue("default"))
     if queued != created or in_redis != created:

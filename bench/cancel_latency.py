@@ -49,6 +49,7 @@ from jobplane.backends import Backends
 from jobplane.model import TERMINAL, RunStatus, TemplateSpec
 from jobplane.runs import RunService
 from jobplane.runs.service import RunRequest
+from jobplane.store.database import Collections
 from throughput import Counters, run_main
 
 TEMPLATE = TemplateSpec.model_validate(
@@ -69,7 +70,7 @@ class Watcher:
     a query per run, so that watching costs MongoDB little while it serves the workers."""
 
     def __init__(self, backends: Backends, interval: float) -> None:
-        self.runs = backends.store.runs
+        self.runs = Collections.of(backends.store.db).runs
         self.interval = interval
         self.waiting: dict[str, tuple[Callable[[Doc], bool], asyncio.Future[Doc]]] = {}
 
@@ -190,7 +191,7 @@ class Bench(throughput.Bench):
                 began = time.perf_counter()
                 samples = await cancel_many(service, watcher, a.runs, a.in_flight, a.sleep_seconds)
                 seconds = time.perf_counter() - began
-                await backends.store.flush()
+                await backends.store.trail.flush()
                 after = await Counters.read(backends, settings, self.procs)
                 self.procs.check()
             finally:

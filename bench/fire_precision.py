@@ -47,6 +47,7 @@ from typing import Any, ClassVar
 import throughput
 from jobplane.model import ScheduleSpec, TemplateSpec
 from jobplane.schedules import ScheduleService
+from jobplane.store.database import Collections
 from throughput import Counters, run_main
 
 TEMPLATE = TemplateSpec.model_validate(
@@ -151,7 +152,9 @@ class Bench(throughput.Bench):
             expected = schedules * a.seconds
             await asyncio.sleep((end - datetime.now(UTC)).total_seconds())
             deadline = time.monotonic() + SETTLE_SECONDS
-            while (got := await backends.store.runs.count_documents(window)) < expected:
+            while (
+                got := await Collections.of(backends.store.db).runs.count_documents(window)
+            ) < expected:
                 self.procs.check()
                 if time.monotonic() > deadline:
                     raise RuntimeError(f"{got} of {expected} fires after {SETTLE_SECONDS:g} s")
@@ -160,10 +163,12 @@ class Bench(throughput.Bench):
             read_after = datetime.now(UTC)
             self.procs.check()
             created = {"createAt": {"$gte": read_before, "$lt": read_after}}
-            made = await backends.store.runs.count_documents(created)
+            made = await Collections.of(backends.store.db).runs.count_documents(created)
             projection = {"scheduledFor": 1, "createAt": 1}
-            docs = await backends.store.runs.find(window, projection).to_list()
-            skipped = await backends.store.events.count_documents({"type": "fire_skipped"})
+            docs = await Collections.of(backends.store.db).runs.find(window, projection).to_list()
+            skipped = await Collections.of(backends.store.db).events.count_documents(
+                {"type": "fire_skipped"}
+            )
             fires = Fires.of(docs)
             seconds = (read_after - read_before).total_seconds()
             print(

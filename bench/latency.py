@@ -43,6 +43,7 @@ from jobplane.model import TemplateSpec
 from jobplane.runs import RunService
 from jobplane.runs.service import RunRequest
 from jobplane.settings import Settings
+from jobplane.store.database import Collections
 from jobplane.worker import StepContext, handler
 from throughput import Counters, run_main
 
@@ -120,7 +121,7 @@ class Bench(throughput.Bench):
             after = await Counters.read(backends, settings, self.procs)
             latencies: dict[int, float] = {}
             projection = {"payload": 1, "outputs.only.startedAt": 1}
-            async for doc in backends.store.runs.find({}, projection):
+            async for doc in Collections.of(backends.store.db).runs.find({}, projection):
                 i = doc["payload"]["i"]
                 latencies[i] = 1000 * (doc["outputs"]["only"]["startedAt"] - doc["payload"]["t"])
         if sorted(latencies) != list(range(count)):

@@ -54,6 +54,7 @@ from jobplane.backends import Backends
 from jobplane.model import RunStatus, TemplateSpec
 from jobplane.runs.service import RunRequest
 from jobplane.settings import Settings
+from jobplane.store.database import Collections
 from throughput import Counters, run_main
 
 TEMPLATE = TemplateSpec.model_validate(
@@ -200,7 +201,7 @@ class Bench(throughput.Bench):
             watch = Watch()
             await profile_heartbeats(backends)
             await self.until_held(backends, ids, pid, watch, began)
-            first = await backends.store.runs.find_one(
+            first = await Collections.of(backends.store.db).runs.find_one(
                 {"_id": {"$in": ids}}, {"startedAt": 1}, sort=[("startedAt", 1)]
             )
             assert first is not None
@@ -220,8 +221,12 @@ class Bench(throughput.Bench):
 
             await self.until_done(backends, ids, pid, watch)
             await asyncio.sleep(1)  # the worker copies its last events just after its writes
-            bad = await backends.store.events.count_documents({"type": {"$in": BAD_EVENTS}})
-            trailed = await backends.store.runs.count_documents({"trail.type": {"$in": BAD_EVENTS}})
+            bad = await Collections.of(backends.store.db).events.count_documents(
+                {"type": {"$in": BAD_EVENTS}}
+            )
+            trailed = await Collections.of(backends.store.db).runs.count_documents(
+                {"trail.type": {"$in": BAD_EVENTS}}
+            )
             final = memory_kb(pid)
             log = self.procs.children[0].log.read_text()
             gave_up = log.count("lease not renewed in time")
@@ -249,7 +254,11 @@ class Bench(throughput.Bench):
         self.procs.check()
         watch.rss_kb.append((time.perf_counter(), memory_kb(pid)["VmRSS"]))
         started = time.perf_counter()
-        docs = await backends.store.runs.find({"_id": {"$in": ids}}, WATCHED).to_list()
+        docs = (
+            await Collections.of(backends.store.db)
+            .runs.find({"_id": {"$in": ids}}, WATCHED)
+            .to_list()
+        )
         now = datetime.now(UTC)
         watch.read_seconds.append(time.perf_counter() - started)
         watch.held_reads += held

@@ -52,6 +52,7 @@ from jobplane.backends import open_backends
 from jobplane.devstack.servers import free_port
 from jobplane.model import TemplateSpec
 from jobplane.settings import Settings
+from jobplane.store.database import Collections
 
 # bench/ is not a package: Python puts a script's own folder first on sys.path.
 from throughput import Processes, machine, run_main
@@ -86,7 +87,7 @@ class Bench:
         """A client of a fresh database with the template, and (http) an API process."""
         settings = self.settings()
         async with open_backends(settings) as backends:
-            await backends.store.register_template(TEMPLATE)
+            await backends.store.templates.register(TEMPLATE)
         try:
             if transport == "http":
                 self.procs.start(settings, "api")
@@ -179,7 +180,9 @@ async def window(
         seconds = time.perf_counter() - start
         after = bench.procs.cpu()
         async with open_backends(settings) as backends:
-            stored = await backends.store.runs.count_documents({"scopeId": "bench"})
+            stored = await Collections.of(backends.store.db).runs.count_documents(
+                {"scopeId": "bench"}
+            )
     if stored != runs:
         raise RuntimeError(f"{runs} runs created, {stored} in MongoDB")
     used = {name: after.get(name, 0) - before.get(name, 0) for name in after}

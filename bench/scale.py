@@ -61,7 +61,8 @@ from jobplane.backends import Backends, open_backends
 from jobplane.model import TERMINAL, RunStatus, TemplateSpec
 from jobplane.runs import RunService
 from jobplane.runs.service import RunRequest
-from jobplane.store import EventQuery, MongoStore, RunQuery, overview
+from jobplane.store import EventQuery, MongoStore, RunQuery
+from jobplane.store.database import Collections
 from throughput import DRAIN, E2E, Counters, Processes, forget_redis, run_main
 
 Doc = dict[str, Any]
@@ -128,7 +129,7 @@ async def make_shapes(bench: ScaleBench) -> dict[RunStatus, list[Doc]]:
         store, service = backends.store, RunService(backends.store, backends.queue)
         try:
             for template in SHAPE_TEMPLATES:
-                await store.register_template(template)
+                await store.templates.register(template)
             bench.procs.start(settings, "worker")
             await bench.procs.workers_ready()
             made: list[tuple[str, str]] = []
@@ -152,8 +153,8 @@ async def make_shapes(bench: ScaleBench) -> dict[RunStatus, list[Doc]]:
                 for run_id, _ in made:
                     while (await service.get(run_id)).status not in TERMINAL:  # noqa: ASYNC110
                         await asyncio.sleep(0.1)
-            await store.flush()
-            docs = await store.runs.find({}).to_list()
+            await store.trail.flush()
+            docs = await Collections.of(store.db).runs.find({}).to_list()
         finally:
             bench.procs.stop()
             await store.client.drop_database(settings.db)
@@ -300,7 +301,7 @@ async def seed(backends: Backends, db: str, copier: Copier, batch: int, tasks: i
 
     await asyncio.gather(*(worker() for _ in range(tasks)))
     # What a scheduler that ran all along would have left: its trail sweep's mark.
-    await store.meta.update_one(
+    await Collections.of(store.db).meta.update_one(
         {"_id": "trail_sweep"}, {"$set": {"through": copier.newest}}, upsert=True
     )
     seconds = time.perf_counter() - started
@@ -369,48 +370,46 @@ async def plans(store: MongoStore, template_type: str, scope: tuple[str, str], j
     now = store.clock.now()
     within = [scope, ("account", "acct_1")]
     calls: dict[str, Callable[[], Awaitable[Any]]] = {
-        "list_runs (first page)": lambda: store.list_runs(RunQuery(), None, 51),
-        "list_runs status=failed": lambda: store.list_runs(RunQuery(status=S.FAILED), None, 51),
-        f"list_runs templateType={template_type}": lambda: store.list_runs(
+        "list_runs (first page)": lambda: store.runs.page(RunQuery(), None, 51),
+        "list_runs status=failed": lambda: store.runs.page(RunQuery(status=S.FAILED), None, 51),
+        f"list_runs templateType={template_type}": lambda: store.runs.page(
             RunQuery(template_type=template_type), None, 51
         ),
-        f"list_runs status=succeeded, templateType={template_type}": lambda: store.list_runs(
+        f"list_runs status=succeeded, templateType={template_type}": lambda: store.runs.page(
             RunQuery(status=S.SUCCEEDED, template_type=template_type), None, 51
         ),
         # No report_export run ever fails: nothing matches, what is read is the walk.
-        "list_runs status=failed, templateType=report_export": lambda: store.list_runs(
+        "list_runs status=failed, templateType=report_export": lambda: store.runs.page(
             RunQuery(status=S.FAILED, template_type="report_export"), None, 51
         ),
-        "list_runs scope+scopeId": lambda: store.list_runs(
+        "list_runs scope+scopeId": lambda: store.runs.page(
             RunQuery(scope=scope[0], scope_id=scope[1]), None, 51
         ),
-        "list_runs status=expired, scope+scopeId": lambda: store.list_runs(
+        "list_runs status=expired, scope+scopeId": lambda: store.runs.page(
             RunQuery(status=S.EXPIRED, scope=scope[0], scope_id=scope[1]), None, 51
         ),
-        "list_runs status=cancelled, user key (2 scopes)": lambda: store.list_runs(
+        "list_runs status=cancelled, user key (2 scopes)": lambda: store.runs.page(
             RunQuery(status=S.CANCELLED), within, 51
         ),
-        "list_events (first page)": lambda: store.list_events(EventQuery(), None, 101),
-        "list_events jobId": lambda: store.list_events(EventQuery(job_id=job_id), None, 101),
-        "list_events type=status_changed, last day": lambda: store.list_events(
+        "list_events (first page)": lambda: store.trail.page(EventQuery(), None, 101),
+        "list_events jobId": lambda: store.trail.page(EventQuery(job_id=job_id), None, 101),
+        "list_events type=status_changed, last day": lambda: store.trail.page(
             EventQuery(type="status_changed", since=now - timedelta(days=1)), None, 101
         ),
-        "list_events scope+scopeId": lambda: store.list_events(
+        "list_events scope+scopeId": lambda: store.trail.page(
             EventQuery(scope=scope[0], scope_id=scope[1]), None, 101
         ),
-        "list_events actor=reaper": lambda: store.list_events(
-            EventQuery(actor="reaper"), None, 101
-        ),
-        "list_events user key (2 scopes), a week": lambda: store.list_events(
+        "list_events actor=reaper": lambda: store.trail.page(EventQuery(actor="reaper"), None, 101),
+        "list_events user key (2 scopes), a week": lambda: store.trail.page(
             EventQuery(since=now - timedelta(days=8), until=now - timedelta(days=1)), within, 101
         ),
-        "events_of": lambda: store.events_of(job_id),
-        "expired_leases": lambda: store.expired_leases(500),
-        "overdue": lambda: store.overdue(500),
-        "claimable": lambda: store.claimable(None, 500, now),
-        "waited_keys": lambda: store.waited_keys(500),
-        "overview, all scopes": lambda: overview.run_figures(store, None, now),
-        "overview, user key (2 scopes)": lambda: overview.run_figures(store, within, now),
+        "events_of": lambda: store.trail.events_of(job_id),
+        "expired_leases": lambda: store.maintenance.expired_leases(500),
+        "overdue": lambda: store.maintenance.overdue(500),
+        "claimable": lambda: store.maintenance.to_reconcile(None, 500, now),
+        "waited_keys": lambda: store.maintenance.waited_keys(500),
+        "overview, all scopes": lambda: store.overview.run_figures(None, now),
+        "overview, user key (2 scopes)": lambda: store.overview.run_figures(within, now),
     }
     print(f"\n{'call':55} {'ms':>8} {'docs':>9} {'keys':>9} {'returned':>8}  plans")
     for name, call in calls.items():
@@ -570,7 +569,7 @@ async def main_async(empty: ScaleBench, full: ScaleBench) -> None:
         # Only when mongod is local to this machine, as the throwaway one is.
         if dbpath.is_dir():  # noqa: ASYNC240
             print(f"mongod files {du(dbpath):,.1f} GiB; {disk(dbpath)}", flush=True)
-        sample = await seeded.runs.find_one(
+        sample = await Collections.of(seeded.db).runs.find_one(
             {"templateType": "nightly_sync"}, {"scope": 1, "scopeId": 1}
         )
         assert sample is not None

@@ -65,6 +65,7 @@ from jobplane.queue.connect import RedisClient
 from jobplane.runs import RunService
 from jobplane.runs.service import RunRequest
 from jobplane.settings import Settings
+from jobplane.store.database import Collections
 
 CALLERS = 32
 TEMPLATE = TemplateSpec.model_validate(
@@ -342,14 +343,14 @@ class Bench:
         settings = self.settings()
         async with open_backends(settings) as backends:
             try:
-                await backends.store.register_template(self.template)
+                await backends.store.templates.register(self.template)
                 yield settings, backends, RunService(backends.store, backends.queue)
             finally:
                 self.procs.stop()
-                await backends.store.flush()
+                await backends.store.trail.flush()
                 if self.db:
-                    await backends.store.runs.delete_many(self.own_runs())
-                    await backends.store.events.delete_many(self.own_events())
+                    await Collections.of(backends.store.db).runs.delete_many(self.own_runs())
+                    await Collections.of(backends.store.db).events.delete_many(self.own_events())
                 else:
                     await backends.store.client.drop_database(settings.db)
                 await forget_redis(backends, settings)
@@ -398,7 +399,7 @@ class Bench:
             await self.wait_succeeded(backends, settings, n)
             after = await Counters.read(backends, settings, self.procs)
             claim = {"type": "status_changed", "metadata.transition": "claim"}
-            first = await backends.store.events.find_one(
+            first = await Collections.of(backends.store.db).events.find_one(
                 claim | self.own_events(), sort=[("createAt", 1)]
             )
             assert first is not None
@@ -455,7 +456,7 @@ class Bench:
         Returns what was done when progress first paused for `QUIET_SECONDS` short of `n`: the
         runs left then wait for the reconciler. None when there was no such pause.
         """
-        runs = backends.store.runs
+        runs = Collections.of(backends.store.db).runs
         done, moved, quiet = 0, time.monotonic(), None
         succeeded = {"status": RunStatus.SUCCEEDED} | self.own_runs()
         while done < n:
@@ -478,7 +479,7 @@ class Bench:
         return quiet
 
     async def last_completed(self, backends: Backends) -> datetime:
-        doc = await backends.store.runs.find_one(
+        doc = await Collections.of(backends.store.db).runs.find_one(
             {"status": RunStatus.SUCCEEDED} | self.own_runs(), sort=[("completedAt", -1)]
         )
         assert doc is not None
@@ -506,7 +507,7 @@ async def create_many(service: RunService, n: int, callers: int) -> float:
 
     started = time.perf_counter()
     await asyncio.gather(*(caller() for _ in range(min(callers, n))))
-    await service.store.flush()
+    await service.store.trail.flush()
     return time.perf_counter() - started
 
 

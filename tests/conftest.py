@@ -24,7 +24,7 @@ from pymongo import MongoClient
 from jobplane.devstack import MongoServer, RedisServer, free_port
 from jobplane.devstack.topologies import RedisClusterNodes, SentinelGroup
 from jobplane.queue.connect import parse_redis_url
-from jobplane.store.mongo import SHARD_KEYS
+from jobplane.store.indexes import SHARD_KEYS
 
 # Mark a module `pytestmark = REDIS_TOPOLOGIES` to run each of its tests on every topology.
 REDIS_TOPOLOGIES = pytest.mark.parametrize(

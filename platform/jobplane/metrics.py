@@ -32,7 +32,7 @@ from jobplane.model import TERMINAL, Run
 from jobplane.queue.connect import REDIS_DOWN
 from jobplane.queue.redis import Offer, RedisQueue, epoch_ms
 from jobplane.settings import Settings
-from jobplane.store import Lost, MongoStore, Moved
+from jobplane.store import Lost, Moved, Store
 
 # A `_created` timestamp beside every counter and histogram series doubles the series, and
 # nothing needs them: rates work from the counters alone.
@@ -152,7 +152,7 @@ class _Read:
         return self.families
 
 
-async def read_state(store: MongoStore, queue: RedisQueue, queues: Sequence[str]) -> list[Metric]:
+async def read_state(store: Store, queue: RedisQueue, queues: Sequence[str]) -> list[Metric]:
     """The platform's state as gauges, read now. Redis is asked for counts and the head of
     each priority, never whole sets, and MongoDB only for the queues templates name (a small
     collection the scheduler reads every tick too). Live workers are one read of the registry.
@@ -167,7 +167,7 @@ async def read_state(store: MongoStore, queue: RedisQueue, queues: Sequence[str]
     families: list[Metric] = [up]
     try:
         # Every queue a template names, and the ones this process was told of.
-        queues = sorted({*queues, *await store.queues()})
+        queues = sorted({*queues, *await store.templates.queues()})
         up.add_metric(["mongodb"], 1)
     except PyMongoError:
         up.add_metric(["mongodb"], 0)

@@ -52,7 +52,7 @@ async def timed(
     the test says."""
     store = MongoStore(backends.store.client, settings.db, clock=clock)
     yield store
-    await store.flush()  # before the test's database is dropped
+    await store.trail.flush()  # before the test's database is dropped
 
 
 @pytest.fixture
@@ -75,7 +75,7 @@ def template_spec(type_: str = "t_noop", **fields: Any) -> TemplateSpec:
 @pytest.fixture
 def register(store: MongoStore) -> Register:
     async def register(type_: str = "t_noop", **fields: Any) -> Template:
-        template, _ = await store.register_template(template_spec(type_, **fields))
+        template, _ = await store.templates.register(template_spec(type_, **fields))
         return template
 
     return register

@@ -8,7 +8,9 @@ from datetime import timedelta
 from typing import Any
 
 from jobplane.model import TERMINAL, Run, RunStatus, Template
-from jobplane.store import Lease, MongoStore, NewRun
+from jobplane.runs.policy import lease_expired
+from jobplane.store import Lease, Lost, MongoStore, Moved, NewRun
+from tests.integration.db import raw
 
 WORKER = "w-test"
 TOKEN = "token-test"
@@ -18,7 +20,7 @@ async def run_in(
     store: MongoStore, template: Template, status: RunStatus, **fields: Any
 ) -> tuple[Run, Lease]:
     """A run of `template` in `status`, held by WORKER/TOKEN with a lease that has expired."""
-    run = await store.insert_run(NewRun(template, "user", "u1"), "user:test")
+    run = await store.runs.insert(NewRun(template, "user", "u1"), "user:test")
     now = store.clock.now()
     doc: dict[str, Any] = {
         "status": status.value,
@@ -31,10 +33,17 @@ async def run_in(
     if status in TERMINAL:
         doc["completedAt"] = now
     doc.update(fields)
-    await store.runs.update_one({"_id": _oid(run.id)}, {"$set": doc})
-    fresh = await store.get_run(run.id)
+    await raw(store).runs.update_one({"_id": _oid(run.id)}, {"$set": doc})
+    fresh = await store.runs.get(run.id)
     assert fresh is not None
     return fresh, Lease(run.id, WORKER, TOKEN)
+
+
+async def reap(store: MongoStore, run: Run) -> Moved | Lost:
+    """The reaper's write for `run`, read with its lease run out: the transition the policy
+    picks (`runs.policy.lease_expired`)."""
+    moved: Moved | Lost = await getattr(store.transitions, lease_expired(run))(run, "reaper")
+    return moved
 
 
 def _oid(run_id: str) -> Any:

@@ -11,6 +11,7 @@ from jobplane.api import create_app
 from jobplane.backends import Backends
 from jobplane.settings import Settings
 from tests.integration.api_client import error_of, pointers
+from tests.integration.db import raw
 
 TEMPLATES = Path(__file__).parents[2] / "templates"
 DEMO_YAML = (TEMPLATES / "demo_long_task.yaml").read_text()
@@ -56,7 +57,7 @@ async def test_template_versions(api: httpx.AsyncClient, backends: Backends) -> 
     error_of(await api.get("/v1/templates/nope"), 404, "NotFound")
     error_of(await api.get("/v1/templates/demo_long_task/versions/7"), 404, "NotFound")
     error_of(await api.get("/v1/templates/demo_long_task/versions/x"), 422, "ValidationFailed")
-    assert await backends.store.templates.count_documents({}) == 2
+    assert await raw(backends.store).templates.count_documents({}) == 2
 
 
 @pytest.mark.parametrize(
@@ -82,7 +83,7 @@ async def test_bad_templates_write_nothing(
 ) -> None:
     response = await api.post("/v1/templates", content=body, headers={"content-type": content_type})
     assert pointer in pointers(error_of(response, 422, "ValidationFailed"))
-    assert await backends.store.templates.count_documents({}) == 0
+    assert await raw(backends.store).templates.count_documents({}) == 0
 
 
 async def test_create_get_and_follow_a_run(api: httpx.AsyncClient, backends: Backends) -> None:
@@ -133,8 +134,8 @@ async def test_bad_runs_write_nothing(
     error = error_of(await api.post("/v1/runs", json=body), status, code)
     if pointer is not None:
         assert pointer in pointers(error)
-    assert await backends.store.runs.count_documents({}) == 0
-    assert await backends.store.events.count_documents({}) == 0
+    assert await raw(backends.store).runs.count_documents({}) == 0
+    assert await raw(backends.store).events.count_documents({}) == 0
 
 
 async def test_malformed_json_body_is_rejected(api: httpx.AsyncClient) -> None:
@@ -172,4 +173,4 @@ async def test_an_idempotency_key_returns_the_first_run(
     assert error_of(changed, 409, "ResourceInvalidState")["details"]["runId"] == first.json()["id"]
     other = await api.post("/v1/runs", json={**body, "scopeId": "u2", "idempotencyKey": "order-42"})
     assert other.status_code == 201 and other.json()["id"] != first.json()["id"]
-    assert await backends.store.runs.count_documents({}) == 2
+    assert await raw(backends.store).runs.count_documents({}) == 2

@@ -10,6 +10,7 @@ from jobplane.backends import Backends
 from jobplane.settings import Settings
 from tests.integration.api_client import error_of
 from tests.integration.conftest import Client
+from tests.integration.db import raw
 
 NOOP = {"type": "t_noop", "steps": [{"id": "only", "handler": "builtin.noop"}]}
 ROLES = ["admin", "author", "user", "auditor"]
@@ -44,7 +45,7 @@ async def world(client_for: Client, settings: Settings, backends: Backends) -> d
         cancelled = await admin.post(f"/v1/runs/{run['id']}/cancel", json={"reason": "setup"})
         assert cancelled.json()["status"] == "cancelled"
         runs[scope_id] = run["id"]
-    await backends.store.flush()  # the audit query reads the copies in `job_events`
+    await backends.store.trail.flush()  # the audit query reads the copies in `job_events`
     return {"clients": clients, "mine": runs["u1"], "theirs": runs["u2"]}
 
 
@@ -107,7 +108,7 @@ async def test_each_role_on_each_route(
 ) -> None:
     client = world["clients"][role]
     url = path.format(mine=world["mine"], theirs=world["theirs"])
-    runs_before = await backends.store.runs.count_documents({})
+    runs_before = await raw(backends.store).runs.count_documents({})
     response = await client.request(method, url, json=body)
     status = expected[ROLES.index(role)]
     assert response.status_code == status, response.text
@@ -116,7 +117,7 @@ async def test_each_role_on_each_route(
     if status == 404:
         error_of(response, 404, "NotFound")
     if status >= 400:  # a denied call changes nothing
-        assert await backends.store.runs.count_documents({}) == runs_before
+        assert await raw(backends.store).runs.count_documents({}) == runs_before
 
 
 async def test_a_user_key_sees_only_its_scopes(world: dict[str, Any]) -> None:
@@ -161,7 +162,7 @@ async def test_bad_keys_are_refused(
     response = await client_for(settings.admin_key).post("/v1/api-keys", json=body)
     error = error_of(response, 422, "ValidationFailed")
     assert any(e["pointer"].startswith(pointer) for e in error["details"]["errors"])
-    assert await backends.store.api_keys.count_documents({}) == 0
+    assert await raw(backends.store).api_keys.count_documents({}) == 0
 
 
 async def test_key_names_are_unique_and_secrets_are_stored_hashed(
@@ -175,7 +176,7 @@ async def test_key_names_are_unique_and_secrets_are_stored_hashed(
     made = (await admin.post("/v1/api-keys", json={"name": "ci", "role": "auditor"})).json()
     again = await admin.post("/v1/api-keys", json={"name": "ci", "role": "admin"})
     error_of(again, 409, "ResourceInvalidState")
-    [stored] = await backends.store.api_keys.find().to_list()
+    [stored] = await raw(backends.store).api_keys.find().to_list()
     secret = made["key"].split("_", 2)[2]
     assert secret.startswith("_")
     assert made["key"] not in str(stored) and secret not in str(stored)

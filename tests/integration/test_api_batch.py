@@ -13,6 +13,7 @@ from jobplane.queue.redis import QueueEntry
 from jobplane.settings import Settings
 from tests.integration.api_client import error_of, pointers
 from tests.integration.conftest import Client
+from tests.integration.db import raw
 
 TYPED = {
     "type": "t_typed",
@@ -58,11 +59,11 @@ async def assert_durable(backends: Backends, items: list[dict[str, Any]]) -> Non
     ids = {i["run"]["id"] for i in items if "run" in i}
     entries = []
     for run_id in ids:
-        run = await backends.store.get_run(run_id)
+        run = await backends.store.runs.get(run_id)
         assert run is not None and run.status == RunStatus.QUEUED, run
         entries.append(QueueEntry.of(run))
     assert await backends.queue.missing(entries) == []
-    assert await backends.store.runs.count_documents({}) == len(ids)
+    assert await raw(backends.store).runs.count_documents({}) == len(ids)
 
 
 async def test_each_item_is_answered_in_order_and_a_bad_one_does_not_stop_the_others(
@@ -122,9 +123,9 @@ async def test_a_user_key_is_refused_only_the_items_of_other_scopes(
     )
     assert [i["status"] for i in items] == [201, 403, 201]
     assert items[1]["error"]["code"] == "Forbidden"
-    assert await backends.store.runs.count_documents({"scopeId": "u2"}) == 0
-    events = backends.store.events.find({"actor": "user:shop"})
-    await backends.store.flush()
+    assert await raw(backends.store).runs.count_documents({"scopeId": "u2"}) == 0
+    events = raw(backends.store).events.find({"actor": "user:shop"})
+    await backends.store.trail.flush()
     assert {e["scopeId"] async for e in events} <= {"u1"}
     await assert_durable(backends, items)
 
@@ -164,7 +165,7 @@ async def test_a_repeated_idempotency_key_answers_the_first_run_within_and_acros
 async def test_a_batch_of_refused_items_only(admin: httpx.AsyncClient, backends: Backends) -> None:
     items = await batch(admin, [item("t_nowhere"), item("t_off", payload={"n": 1})])
     assert [i["status"] for i in items] == [404, 409]
-    assert await backends.store.runs.count_documents({}) == 0
+    assert await raw(backends.store).runs.count_documents({}) == 0
 
 
 async def test_a_malformed_item_refuses_the_whole_batch_naming_its_pointer(
@@ -175,7 +176,7 @@ async def test_a_malformed_item_refuses_the_whole_batch_naming_its_pointer(
     response = await admin.post("/v1/runs/batch", json={"runs": runs})
     error = error_of(response, 422, "ValidationFailed")
     assert set(pointers(error)) == {"/runs/2/scope", "/runs/3/priority", "/runs/3/colour"}
-    assert await backends.store.runs.count_documents({}) == 0
+    assert await raw(backends.store).runs.count_documents({}) == 0
 
 
 @pytest.mark.parametrize("count", [0, 1001])
@@ -184,7 +185,7 @@ async def test_a_batch_holds_1_to_1000_runs(
 ) -> None:
     response = await admin.post("/v1/runs/batch", json={"runs": [item()] * count})
     assert pointers(error_of(response, 422, "ValidationFailed")) == ["/runs"]
-    assert await backends.store.runs.count_documents({}) == 0
+    assert await raw(backends.store).runs.count_documents({}) == 0
 
 
 async def test_a_full_batch_is_created(admin: httpx.AsyncClient, backends: Backends) -> None:
@@ -220,4 +221,4 @@ async def test_a_body_over_the_batch_cap_is_413(
             "/v1/runs/batch", content=chunks(), headers={"content-type": "application/json"}
         )
         error_of(response, 413, "PayloadTooLarge")
-    assert await backends.store.runs.count_documents({}) == 40
+    assert await raw(backends.store).runs.count_documents({}) == 40

@@ -13,6 +13,7 @@ from jobplane.devstack import free_port
 from jobplane.settings import Settings
 from tests.integration.api_client import error_of
 from tests.integration.conftest import Client
+from tests.integration.db import raw
 from tests.integration.processes import spawn, terminate
 
 ADMIN = "test-admin-key"  # the `settings` fixture's admin key
@@ -58,7 +59,7 @@ async def test_the_list_shows_every_key_and_never_a_secret(
         "revokedAt": None,
         "revokedBy": None,
     }
-    stored = await backends.store.api_keys.find().to_list()
+    stored = await raw(backends.store).api_keys.find().to_list()
     for secret in [secret_of(k) for k in keys] + [d["secretHash"] for d in stored]:
         assert secret not in response.text
 
@@ -99,7 +100,7 @@ async def test_a_revoked_key_is_refused_and_stays_listed(
     again = await admin.delete(f"/v1/api-keys/{ci['id']}")
     assert again.status_code == 200 and again.json() == revoked
     revocations = {"jobId": ci["id"], "type": "api_key_revoked"}
-    assert await backends.store.events.count_documents(revocations) == 1
+    assert await raw(backends.store).events.count_documents(revocations) == 1
 
     for unknown in ("0123456789abcdef01234567", "nope"):
         error_of(await admin.delete(f"/v1/api-keys/{unknown}"), 404, "NotFound")

@@ -19,6 +19,7 @@ from jobplane.settings import Settings
 from jobplane.store import EventQuery
 from tests.integration.api_client import error_of, pointers
 from tests.integration.conftest import Client
+from tests.integration.db import raw
 from tests.integration.workers import running, settled
 
 
@@ -122,7 +123,7 @@ async def test_cancel_follows_rule_4(api: httpx.AsyncClient, backends: Backends)
     error_of(await api.post(f"/v1/runs/{queued['id']}/cancel"), 409, "ResourceInvalidState")
 
     running_run = await create(api)
-    [(_, lease)] = await backends.store.claim([running_run["id"]], "w", 30)
+    [(_, lease)] = await backends.store.transitions.claim([running_run["id"]], "w", 30)
     pubsub = backends.queue.redis.pubsub()
     await pubsub.subscribe(backends.queue.keys.cancel_channel)
     try:
@@ -138,7 +139,7 @@ async def test_cancel_follows_rule_4(api: httpx.AsyncClient, backends: Backends)
         await pubsub.aclose()
     again = await api.post(f"/v1/runs/{running_run['id']}/cancel")
     assert again.json()["status"] == "cancel_requested", "a second cancel changes nothing"
-    await backends.store.acknowledge_cancel(lease, interrupted=True)
+    await backends.store.transitions.acknowledge_cancel(lease, interrupted=True)
     final = (await api.get(f"/v1/runs/{running_run['id']}")).json()
     assert final["status"] == "cancelled"
 
@@ -191,7 +192,7 @@ async def test_payload_and_body_size_limits(
         assert error["details"]["limit"] == 1000
         huge = await api.post("/v1/runs", json=run_body(payload={"x": "a" * (3 << 20)}))
         error_of(huge, 413, "PayloadTooLarge")
-    assert await backends.store.runs.count_documents({}) == 1
+    assert await raw(backends.store).runs.count_documents({}) == 1
 
 
 async def test_delay_and_not_before(api: httpx.AsyncClient) -> None:
@@ -218,7 +219,7 @@ async def test_reject_same_scope_lets_one_of_50_concurrent_creates_win(
     for r in responses:
         if r.status_code != 201:
             assert error_of(r, 409, "ConcurrencyConflict")["details"]["activeRunId"] == winners[0]
-    assert await backends.store.runs.count_documents({}) == 1
+    assert await raw(backends.store).runs.count_documents({}) == 1
     # Another target is another key; the same target in another scope too.
     await create(api, payload={"target": "db-2"})
     await create(api, scope_id="u2", payload={"target": "db-1"})
@@ -300,7 +301,9 @@ async def test_a_cancel_racing_a_claim_ends_in_one_consistent_state(
         runs = await settled(backends.store, ids, within=30)
     outcomes = set()
     for run in runs:
-        trail = [e for e in await backends.store.events_of(run.id) if e.type == "status_changed"]
+        trail = [
+            e for e in await backends.store.trail.events_of(run.id) if e.type == "status_changed"
+        ]
         moves = [(e.from_, e.to) for e in trail]
         assert all(prev[1] == nxt[0] for prev, nxt in pairwise(moves)), moves
         assert all(to in ALLOWED[from_] for from_, to in moves if from_), moves
@@ -323,7 +326,7 @@ async def test_the_audit_query_filters_and_pages(
     await register(api, noop())
     runs = [await create(api, scope_id=f"u{i % 2}") for i in range(4)]
     await api.post(f"/v1/runs/{runs[0]['id']}/cancel", json={"reason": "audit me"})
-    await backends.store.flush()
+    await backends.store.trail.flush()
 
     async def items(query: str) -> list[dict[str, Any]]:
         found: list[dict[str, Any]] = (await api.get(f"/v1/events?{query}")).json()["items"]
@@ -380,15 +383,17 @@ async def test_the_audit_query_never_scans_the_collection(
 ) -> None:
     await register(api, noop())
     await create(api)
-    await backends.store.flush()
+    await backends.store.trail.flush()
     store = backends.store
     if timed:
         now = store.clock.now()
         query = EventQuery(
             **{**query.__dict__, "since": now, "until": now, "after": (now, "0" * 24)}
         )
-    find = store.event_query(query, within)
-    plan = await store.events.find(find).sort([("createAt", 1), ("_id", 1)]).limit(10).explain()
+    find = store.trail.audit_filter(query, within)
+    plan = (
+        await raw(store).events.find(find).sort([("createAt", 1), ("_id", 1)]).limit(10).explain()
+    )
     assert "COLLSCAN" not in str(plan["queryPlanner"]["winningPlan"])
 
 

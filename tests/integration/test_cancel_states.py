@@ -67,7 +67,9 @@ async def test_cancels_racing_completion_end_in_one_terminal_state(
     outcomes = {r.status for r in runs}
     assert outcomes <= {RunStatus.SUCCEEDED, RunStatus.CANCELLED}
     for run in runs:
-        trail = [e for e in await backends.store.events_of(run.id) if e.type == "status_changed"]
+        trail = [
+            e for e in await backends.store.trail.events_of(run.id) if e.type == "status_changed"
+        ]
         moves = [(e.from_, e.to) for e in trail]
         assert all(prev[1] == nxt[0] for prev, nxt in pairwise(moves)), moves
         assert all(to in ALLOWED[from_] for from_, to in moves if from_), moves

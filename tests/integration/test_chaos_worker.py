@@ -62,7 +62,7 @@ async def until(
     """
     async with asyncio.timeout(within):
         while True:
-            run = await backends.store.get_run(run_id)
+            run = await backends.store.runs.get(run_id)
             if run is not None and ok(run):
                 return run
             each()
@@ -131,9 +131,10 @@ async def test_a_run_that_kills_its_worker_expires_after_max_attempts(
         terminate(worker)
         terminate(scheduler)
 
-    done = await backends.store.get_run(run.id)
+    done = await backends.store.runs.get(run.id)
     assert done is not None and done.status == RunStatus.EXPIRED
-    assert done.attempt == 3 and done.locked_by is None
+    # The lease is gone; the worker it killed last stays named as its last holder.
+    assert done.attempt == 3 and done.lease_token is None and done.locked_by is not None
     assert done.error is not None and done.error.code == "lease_expired"
     assert [(a.attempt, a.error.code) for a in done.attempts] == [
         (n, "lease_expired") for n in (1, 2, 3)
@@ -143,7 +144,7 @@ async def test_a_run_that_kills_its_worker_expires_after_max_attempts(
     lines = [line.split() for line in kills.read_text().splitlines()]
     assert lines == [[str(p.pid), run.id, str(n)] for n, p in enumerate(dead, 1)]
 
-    events = await backends.store.events_of(run.id)
+    events = await backends.store.trail.events_of(run.id)
     claims = [e for e in events if e.metadata.get("transition") == "claim"]
     assert [e.metadata["attempt"] for e in claims] == [1, 2, 3]
     assert len({e.actor for e in claims}) == 3, "three different worker processes"
@@ -185,7 +186,7 @@ async def test_a_worker_frozen_past_its_lease_cannot_write_after_waking_up(
         zombie.send_signal(signal.SIGCONT)
 
         async def rejected() -> list[Event]:
-            events = await backends.store.events_of(run.id)
+            events = await backends.store.trail.events_of(run.id)
             return [e for e in events if e.type == "stale_write_rejected"]
 
         # The zombie's step goes on where it froze, so it writes (progress, heartbeat) at once.
@@ -202,7 +203,7 @@ async def test_a_worker_frozen_past_its_lease_cannot_write_after_waking_up(
 
     assert done.status == RunStatus.SUCCEEDED and done.attempt == 2
     assert [s.status for s in done.progress.steps] == [StepStatus.SUCCEEDED] * 2
-    events = await backends.store.events_of(run.id)
+    events = await backends.store.trail.events_of(run.id)
     assert transitions(events) == [
         ("claim", "worker:zombie"),
         ("reap_requeue", "reaper"),
@@ -258,12 +259,12 @@ async def test_sigterm_releases_a_run_whose_step_outlasts_the_drain(
     finally:
         terminate(worker)
 
-    released = await backends.store.get_run(run.id)
+    released = await backends.store.runs.get(run.id)
     assert released is not None and released.status == RunStatus.QUEUED
     assert released.attempt == 0, "a drained run does not spend an attempt"
     assert released.locked_by is None and released.lease_token is None
     assert [s.status for s in released.progress.steps] == [StepStatus.PENDING] * 2
-    events = await backends.store.events_of(run.id)
+    events = await backends.store.trail.events_of(run.id)
     assert transitions(events)[-2:] == [("claim", "worker:drained"), ("release", "worker:drained")]
     assert "lease_expired" not in [e.type for e in events]
     popped = await backends.queue.pop(
@@ -296,12 +297,12 @@ async def test_sigterm_lets_a_step_that_ends_within_the_drain_finish(
     finally:
         terminate(worker)
 
-    done = await backends.store.get_run(run.id)
+    done = await backends.store.runs.get(run.id)
     assert done is not None and done.status == RunStatus.SUCCEEDED and done.attempt == 1
     assert [s.status for s in done.progress.steps] == [StepStatus.SUCCEEDED] * 2
     nap = done.progress.steps[0]
     assert nap.completed_at is not None and signalled < nap.completed_at, "SIGTERM came mid-step"
-    assert transitions(await backends.store.events_of(run.id)) == [
+    assert transitions(await backends.store.trail.events_of(run.id)) == [
         ("claim", "worker:drained"),
         ("complete", "worker:drained"),
     ]

@@ -10,6 +10,7 @@ from jobplane.model import ALLOWED, RunStatus
 from jobplane.runs import RunRequest, RunService
 from jobplane.settings import Settings
 from tests.integration.conftest import Register
+from tests.integration.db import raw
 from tests.integration.processes import spawn, terminate
 from tests.integration.workers import create_many
 
@@ -38,7 +39,7 @@ async def test_four_worker_processes_claim_each_run_exactly_once(
         for i in range(WORKERS)
     ]
     try:
-        runs = backends.store.runs
+        runs = raw(backends.store).runs
         async with asyncio.timeout(180):
             while await runs.count_documents({"status": RunStatus.SUCCEEDED}) < RUNS:
                 assert all(w.poll() is None for w in workers), "a worker died"
@@ -47,9 +48,9 @@ async def test_four_worker_processes_claim_each_run_exactly_once(
         codes = [terminate(w) for w in workers]
     assert codes == [0] * WORKERS, "workers drain and exit 0 on SIGTERM"
 
-    assert await backends.store.runs.count_documents({}) == RUNS
-    assert await backends.store.runs.count_documents({"status": RunStatus.SUCCEEDED}) == RUNS
-    claims = await backends.store.events.aggregate(
+    assert await raw(backends.store).runs.count_documents({}) == RUNS
+    assert await raw(backends.store).runs.count_documents({"status": RunStatus.SUCCEEDED}) == RUNS
+    claims = await raw(backends.store).events.aggregate(
         [
             {"$match": {"type": "status_changed", "to": RunStatus.RUNNING}},
             {"$group": {"_id": "$jobId", "n": {"$sum": 1}}},
@@ -57,16 +58,18 @@ async def test_four_worker_processes_claim_each_run_exactly_once(
     )
     per_run = {doc["_id"]: doc["n"] async for doc in claims}
     assert per_run == dict.fromkeys(ids, 1), "exactly one claim per run"
-    finishes = await backends.store.events.count_documents(
+    finishes = await raw(backends.store).events.count_documents(
         {"type": "status_changed", "to": RunStatus.SUCCEEDED}
     )
     assert finishes == RUNS
-    assert await backends.store.events.count_documents({"type": "stale_write_rejected"}) == 0
+    assert await raw(backends.store).events.count_documents({"type": "stale_write_rejected"}) == 0
     for i in range(WORKERS):
         assert "lease lost" not in (tmp_path / f"worker{i}.log").read_text()
     trails: dict[str, list[tuple[str, str]]] = {}
-    cursor = backends.store.events.find({"type": "status_changed"}).sort(
-        [("jobId", 1), ("runVersion", 1), ("_id", 1)]
+    cursor = (
+        raw(backends.store)
+        .events.find({"type": "status_changed"})
+        .sort([("jobId", 1), ("runVersion", 1), ("_id", 1)])
     )
     async for event in cursor:
         trails.setdefault(event["jobId"], []).append((event["from"], event["to"]))
@@ -76,5 +79,5 @@ async def test_four_worker_processes_claim_each_run_exactly_once(
             assert from_ == status and RunStatus(to) in ALLOWED[status], trail
             status = RunStatus(to)
         assert status == RunStatus.SUCCEEDED
-    by_worker = await backends.store.runs.distinct("lockedBy")
+    by_worker = await raw(backends.store).runs.distinct("lockedBy")
     assert len(by_worker) == WORKERS, "every process took part"

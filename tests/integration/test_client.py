@@ -30,6 +30,7 @@ from jobplane.queue.redis import QueueEntry
 from jobplane.settings import Settings
 from tests.conftest import REDIS_TOPOLOGIES
 from tests.integration.conftest import Register
+from tests.integration.db import raw
 from tests.integration.workers import running
 
 TYPED = {
@@ -68,7 +69,7 @@ async def assert_durable(backends: Backends, runs: list[Run]) -> None:
     """Each run is in MongoDB and in Redis; its `queued` mark may still be on its way."""
     entries = []
     for run in runs:
-        stored = await backends.store.get_run(run.id)
+        stored = await backends.store.runs.get(run.id)
         assert stored is not None and stored.status in CLAIMABLE, stored
         entries.append(QueueEntry.of(stored))
     assert await backends.queue.missing(entries) == []
@@ -95,9 +96,9 @@ async def test_create_repeat_and_get(
     assert again.id == run.id
     got = await client.get(run.id)
     assert got.id == run.id and got.status in CLAIMABLE
-    assert await backends.store.runs.count_documents({}) == 1
-    await backends.store.flush()
-    [created] = [e for e in await backends.store.events_of(run.id) if e.type == "created"]
+    assert await raw(backends.store).runs.count_documents({}) == 1
+    await backends.store.trail.flush()
+    [created] = [e for e in await backends.store.trail.events_of(run.id) if e.type == "created"]
     assert created.actor == ("user:admin" if mode == "http" else "client:test")
 
 
@@ -235,7 +236,7 @@ async def test_create_many_answers_each_item_in_order(
     assert len({r.id for r in repeat if isinstance(r, Run)}) == 1
     created = [r for r in results if isinstance(r, Run)]
     await assert_durable(backends, created)
-    assert await backends.store.runs.count_documents({}) == len({r.id for r in created})
+    assert await raw(backends.store).runs.count_documents({}) == len({r.id for r in created})
 
 
 async def test_sync_client_from_plain_threads(

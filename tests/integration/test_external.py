@@ -52,7 +52,7 @@ async def create(backends: Backends, payload: dict[str, Any]) -> str:
 
 async def until_status(backends: Backends, run_id: str, status: RunStatus) -> None:
     async with asyncio.timeout(30):
-        while (await backends.store.get_run(run_id)).status != status:  # type: ignore[union-attr]  # noqa: ASYNC110
+        while (await backends.store.runs.get(run_id)).status != status:  # type: ignore[union-attr]  # noqa: ASYNC110
             await asyncio.sleep(0.02)
 
 
@@ -82,7 +82,7 @@ async def test_an_external_step_runs_between_inline_steps(
     assert done.attempt == 1, "handing a run back and forth spends no attempt"
     moves = [
         (e.metadata.get("transition"), e.actor)
-        for e in await backends.store.events_of(run_id)
+        for e in await backends.store.trail.events_of(run_id)
         if e.type == "status_changed"
     ]
     names = [name for name, _ in moves]
@@ -141,10 +141,10 @@ async def test_refusals_keep_the_run_as_it_was(
     error_of(await api.post(f"/v1/runs/{run_id}/steps/nope/complete", json=lease), 404, "NotFound")
     wrong_step = await api.post(f"/v1/runs/{run_id}/steps/fetch/complete", json=lease)
     error_of(wrong_step, 409, "ResourceInvalidState")
-    run = await backends.store.get_run(run_id)
+    run = await backends.store.runs.get(run_id)
     assert run is not None and run.status == RunStatus.RUNNING and run.locked_by == "w1"
     rejected = [
-        e for e in await backends.store.events_of(run_id) if e.type == "stale_write_rejected"
+        e for e in await backends.store.trail.events_of(run_id) if e.type == "stale_write_rejected"
     ]
     assert rejected, "forged calls are on the record"
 
@@ -168,7 +168,7 @@ async def test_cancel_reaches_the_external_worker_and_its_complete_is_refused(
     assert beat["cancelRequested"] is True
     late = await api.post(f"/v1/runs/{run_id}/steps/render/complete", json={**lease, "output": 1})
     error_of(late, 409, "ResourceInvalidState")
-    run = await backends.store.get_run(run_id)
+    run = await backends.store.runs.get(run_id)
     assert run is not None and run.status == RunStatus.CANCELLED
     assert [s.status for s in run.progress.steps] == [
         StepStatus.SUCCEEDED,
@@ -222,7 +222,7 @@ async def test_an_expired_external_lease_goes_back_to_the_queue(
     assert done.error is None
     lost = [(a.attempt, a.error.code, a.error.step) for a in done.attempts]
     assert lost == [(1, "lease_expired", "render")]
-    events = await backends.store.events_of(run_id)
+    events = await backends.store.trail.events_of(run_id)
     assert [e.type for e in events].count("lease_expired") == 1
     resumed = [e.actor for e in events if e.metadata.get("transition") == "resume"]
     assert resumed == ["worker:silent", "worker:alive"]
@@ -270,7 +270,7 @@ async def test_the_reference_external_worker_as_a_process(
     assert done.status == RunStatus.SUCCEEDED, (tmp_path / "external.log").read_text()
     assert done.outputs["render"] == {"doubled": 10}
     assert code == 0, "SIGTERM stops it cleanly"
-    actors = {e.actor for e in await backends.store.events_of(run_id)}
+    actors = {e.actor for e in await backends.store.trail.events_of(run_id)}
     assert "worker:proc" in actors
 
 
@@ -301,7 +301,7 @@ async def test_a_claim_whose_caller_went_away_takes_nothing(
         return True
 
     assert await steps.claim("external", "stopped", 30, gone) is None
-    run = await backends.store.get_run(run_id)
+    run = await backends.store.runs.get(run_id)
     assert run is not None and run.status == RunStatus.WAITING_WORKER
     claimed = await steps.claim("external", "alive", 0)
     assert claimed is not None and claimed.run.id == run_id

@@ -8,6 +8,7 @@ from jobplane.model import RunError, RunStatus
 from jobplane.runs import RunRequest, RunService
 from jobplane.store import Lost, MongoStore
 from tests.integration.conftest import Register
+from tests.integration.runs import reap
 
 
 async def test_zombie_writes_are_rejected_and_recorded(
@@ -20,32 +21,32 @@ async def test_zombie_writes_are_rejected_and_recorded(
     run, _ = await RunService(store, backends.queue).create(
         RunRequest("t_noop", "user", "u1"), "user:a"
     )
-    [(_, zombie)] = await store.claim([run.id], "zombie", lease_seconds=5)
-    assert await store.start_step(zombie, 0, "a") is None
+    [(_, zombie)] = await store.transitions.claim([run.id], "zombie", lease_seconds=5)
+    assert await store.leases.start_step(zombie, 0, "a") is None
 
     # The zombie stalls past its lease; the reaper requeues the run and another worker claims it.
     clock.advance(6)
-    [expired] = await store.expired_leases(10)
-    assert (await store.reap(expired)).to == RunStatus.QUEUED  # type: ignore[union-attr]
-    [(_, fresh)] = await store.claim([run.id], "healthy", lease_seconds=5)
+    [expired] = await store.maintenance.expired_leases(10)
+    assert (await reap(store, expired)).to == RunStatus.QUEUED  # type: ignore[union-attr]
+    [(_, fresh)] = await store.transitions.claim([run.id], "healthy", lease_seconds=5)
     assert fresh.token != zombie.token
-    before = await store.get_run(run.id)
+    before = await store.runs.get(run.id)
     assert before is not None and before.attempt == 2
 
     error = RunError(code="x", message="x", step="a", attempt=1)
     outcomes = [
-        await store.report_progress(zombie, 0, 50, 25, "still here"),
-        await store.finish_step(zombie, 0, "a", "out", 50, next_handler=None),
-        await store.complete(zombie, 1, "b", "out", "result"),
-        await store.fail(zombie, 1, error),
-        await store.retry(zombie, 1, error, clock.now() + timedelta(seconds=1)),
+        await store.leases.report_progress(zombie, 0, 50, 25, "still here"),
+        await store.leases.finish_step(zombie, 0, "a", "out", 50, next_handler=None),
+        await store.transitions.complete(zombie, 1, "b", "out", "result"),
+        await store.transitions.fail(zombie, 1, error),
+        await store.transitions.retry(zombie, 1, error, clock.now() + timedelta(seconds=1)),
     ]
     assert outcomes == [Lost(run.id, "lease", RunStatus.RUNNING)] * 5
-    assert await store.get_run(run.id) == before, "the zombie changed nothing"
-    held, _ = await store.heartbeat("zombie", [zombie], 5)
+    assert await store.runs.get(run.id) == before, "the zombie changed nothing"
+    held, _ = await store.leases.heartbeat("zombie", [zombie], 5)
     assert held == set()
 
-    rejected = [e for e in await store.events_of(run.id) if e.type == "stale_write_rejected"]
+    rejected = [e for e in await store.trail.events_of(run.id) if e.type == "stale_write_rejected"]
     assert [e.metadata["write"] for e in rejected] == [
         "progress",
         "finish_step",
@@ -56,7 +57,7 @@ async def test_zombie_writes_are_rejected_and_recorded(
     assert all(e.actor == "worker:zombie" for e in rejected)
 
     # The healthy worker's writes still go through.
-    assert await store.start_step(fresh, 0, "a") is None
-    assert await store.finish_step(fresh, 0, "a", 1, 50, next_handler=None) is None
-    done = await store.complete(fresh, 1, "b", 2, 2)
+    assert await store.leases.start_step(fresh, 0, "a") is None
+    assert await store.leases.finish_step(fresh, 0, "a", 1, 50, next_handler=None) is None
+    done = await store.transitions.complete(fresh, 1, "b", 2, 2)
     assert not isinstance(done, Lost) and done.to == RunStatus.SUCCEEDED

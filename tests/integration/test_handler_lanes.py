@@ -22,6 +22,7 @@ from jobplane.settings import Settings
 from jobplane.worker import StepContext, Worker
 from jobplane.worker.handlers import HandlerRegistry
 from tests.integration.conftest import Client, Register
+from tests.integration.db import raw
 from tests.integration.processes import spawn, terminate
 from tests.integration.workers import settled
 
@@ -87,7 +88,7 @@ async def test_a_mixed_fleet_runs_each_step_on_a_worker_that_offers_its_handler(
     assert {r.attempt for r in runs} == {1}, "no attempt spent on a missing handler"
     ran_by = {"prepare": {"worker:cpu"}, "render": {"worker:gpu"}}
     for run in runs:
-        events = await backends.store.events_of(run.id)
+        events = await backends.store.trail.events_of(run.id)
         transitions = {e.metadata.get("transition") for e in events}
         assert not transitions & {"retry", "fail"}, run.id
         for e in events:
@@ -149,7 +150,9 @@ async def test_a_worker_hands_on_a_run_whose_step_it_lacks_without_spending_an_a
     service = RunService(backends.store, backends.queue)
     run, _ = await service.create(RunRequest("t_noop", "user", "u"), "user:a")
     await backends.queue.remove(QueueEntry.of(run))
-    await backends.store.runs.update_one({"_id": ObjectId(run.id)}, {"$unset": {"handler": ""}})
+    await raw(backends.store).runs.update_one(
+        {"_id": ObjectId(run.id)}, {"$unset": {"handler": ""}}
+    )
     legacy = run.model_copy(update={"handler": None})
     await backends.queue.push([QueueEntry.of(legacy)], backends.store.clock.now())
 
@@ -179,7 +182,7 @@ async def test_a_worker_hands_on_a_run_whose_step_it_lacks_without_spending_an_a
     assert handed.attempt == 0 and handed.progress.steps[0].status == "succeeded"
     [release] = [
         e
-        for e in await backends.store.events_of(run.id)
+        for e in await backends.store.trail.events_of(run.id)
         if e.metadata.get("transition") == "release"
     ]
     assert release.actor == "worker:lacking" and release.message == "handed on for handler 'x.two'"

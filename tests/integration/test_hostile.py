@@ -18,6 +18,7 @@ from jobplane.backends import Backends
 from jobplane.settings import Settings
 from tests.integration.api_client import error_of, pointers
 from tests.integration.conftest import Client
+from tests.integration.db import raw
 from tests.integration.workers import running, settled
 
 # A hostile input that hangs the server fails its case instead of stalling the session.
@@ -56,9 +57,9 @@ async def written(backends: Backends) -> tuple[int, int, int]:
     """Runs, templates and schedules in MongoDB: a refused request must not change them."""
     store = backends.store
     return (
-        await store.runs.count_documents({}),
-        await store.templates.count_documents({}),
-        await store.schedules.count_documents({}),
+        await raw(store).runs.count_documents({}),
+        await raw(store).templates.count_documents({}),
+        await raw(store).schedules.count_documents({}),
     )
 
 
@@ -200,7 +201,7 @@ async def test_an_infinite_number_in_a_yaml_template_is_refused(
     body = b"type: t_x\ntimeoutSeconds: .inf\n" + STEPS_YAML
     response = await api.post("/v1/templates", content=body, headers={"content-type": YAML})
     refused(response, "/timeoutSeconds")
-    assert await backends.store.templates.count_documents({"type": "t_x"}) == 0
+    assert await raw(backends.store).templates.count_documents({"type": "t_x"}) == 0
 
 
 @pytest.mark.parametrize(
@@ -248,7 +249,7 @@ async def test_hostile_run_fields_are_refused(
 ) -> None:
     body = as_json({**RUN, **change})
     refused(await api.post("/v1/runs", content=body, headers={"content-type": JSON}), pointer)
-    assert await backends.store.runs.count_documents({}) == 0
+    assert await raw(backends.store).runs.count_documents({}) == 0
 
 
 async def test_a_template_type_with_a_nul_is_not_found(
@@ -256,7 +257,7 @@ async def test_a_template_type_with_a_nul_is_not_found(
 ) -> None:
     response = await api.post("/v1/runs", json={**RUN, "templateType": "t_noop\0"})
     error_of(response, 404, "NotFound")
-    assert await backends.store.runs.count_documents({}) == 0
+    assert await raw(backends.store).runs.count_documents({}) == 0
 
 
 # `$` and `.` in keys, operators as values, a NUL inside a string: all data to the platform.
@@ -283,7 +284,7 @@ async def test_operators_and_dots_in_a_payload_are_stored_as_data(
     run = await create_run(api, templateType="t_echo", payload=ODD_PAYLOAD)
     assert run["payload"] == ODD_PAYLOAD
     assert (await api.get(f"/v1/runs/{run['id']}")).json()["payload"] == ODD_PAYLOAD
-    doc = await backends.store.runs.find_one({"_id": ObjectId(run["id"])})
+    doc = await raw(backends.store).runs.find_one({"_id": ObjectId(run["id"])})
     assert doc is not None and doc["payload"] == ODD_PAYLOAD
     async with running(backends, settings):
         [done] = await settled(backends.store, [run["id"]], within=20)
@@ -362,7 +363,7 @@ async def test_an_operator_in_another_body_is_refused(
     run = await create_run(api)
     refused(await api.post(path.replace("{run}", run["id"]), json=body), pointer)
     assert (await api.get(f"/v1/runs/{run['id']}")).json()["status"] == "queued"
-    assert await backends.store.api_keys.count_documents({}) == 0
+    assert await raw(backends.store).api_keys.count_documents({}) == 0
 
 
 @pytest.mark.parametrize(
@@ -385,7 +386,7 @@ async def test_hostile_key_scopes_are_refused(
     body = as_json({"name": "k", "role": "user", "scopes": [scope]})
     response = await api.post("/v1/api-keys", content=body, headers={"content-type": JSON})
     refused(response, "/scopes/0")
-    assert await backends.store.api_keys.count_documents({}) == 0
+    assert await raw(backends.store).api_keys.count_documents({}) == 0
 
 
 @pytest.mark.parametrize(
@@ -430,7 +431,7 @@ async def test_operators_in_filters_do_not_widen_a_list(
     assert (await api.post("/v1/schedules", json={**RUN, "cron": "@daily"})).status_code == 201
     key = {"name": "u1", "role": "user", "scopes": ["user:u1"]}
     user = client_for((await api.post("/v1/api-keys", json=key)).json()["key"])
-    await backends.store.flush()
+    await backends.store.trail.flush()
 
     # A user key sees its own scope whatever the query string says; a bracketed operator is
     # an unknown parameter (ignored), one in a value is a plain string.
@@ -524,7 +525,7 @@ async def test_a_schedule_stored_before_scope_ids_were_checked_still_loads(
     change to it must fix it."""
     schedule = (await api.post("/v1/schedules", json=SCHEDULE)).json()
     stored = {"_id": ObjectId(schedule["id"])}
-    await backends.store.schedules.update_one(stored, {"$set": {"scopeId": "u 1"}})
+    await raw(backends.store).schedules.update_one(stored, {"$set": {"scopeId": "u 1"}})
     assert [s["scopeId"] for s in (await api.get("/v1/schedules")).json()["items"]] == ["u 1"]
     url = f"/v1/schedules/{schedule['id']}"
     assert (await api.post(f"{url}/trigger")).json()["scopeId"] == "u 1"

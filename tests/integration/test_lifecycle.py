@@ -21,7 +21,7 @@ TEMPLATES = Path(__file__).parents[2] / "templates"
 
 async def test_demo_long_task_runs_to_success(backends: Backends, settings: Settings) -> None:
     store = backends.store
-    await store.register_template(load_file(TEMPLATES / "demo_long_task.yaml"))
+    await store.templates.register(load_file(TEMPLATES / "demo_long_task.yaml"))
     service = RunService(store, backends.queue)
     payload = {"target": "t", "sleepSeconds": 0.5}
     run, _ = await service.create(RunRequest("demo_long_task", "user", "u1", payload), "user:alice")
@@ -44,7 +44,9 @@ async def test_demo_long_task_runs_to_success(backends: Backends, settings: Sett
     assert done.attempt == 1 and done.completed_at and done.started_at
     assert done.locked_until is None and done.lease_token is None
 
-    story = [(e.type, e.from_, e.to, e.metadata.get("step")) for e in await store.events_of(run.id)]
+    story = [
+        (e.type, e.from_, e.to, e.metadata.get("step")) for e in await store.trail.events_of(run.id)
+    ]
     S = RunStatus
     assert story == [
         ("created", None, S.QUEUED, None),
@@ -57,7 +59,7 @@ async def test_demo_long_task_runs_to_success(backends: Backends, settings: Sett
         ("step_finished", None, None, "finalize"),
         ("status_changed", S.RUNNING, S.SUCCEEDED, None),
     ]
-    actors = [e.actor for e in await store.events_of(run.id)]
+    actors = [e.actor for e in await store.trail.events_of(run.id)]
     assert actors[0] == "user:alice"
     assert all(a.startswith("worker:") for a in actors[1:])
 
@@ -76,7 +78,7 @@ async def test_retryable_failure_resumes_at_the_failed_step(
     async with running(backends, settings):
         [done] = await settled(backends.store, [run.id])
     assert done.status == RunStatus.SUCCEEDED and done.attempt == 3
-    events = await backends.store.events_of(run.id)
+    events = await backends.store.trail.events_of(run.id)
     started = [e.metadata["step"] for e in events if e.type == "step_started"]
     assert started == ["first", "flaky", "flaky", "flaky"], "first ran once, flaky three times"
     # The run succeeded, so it has no error; the attempts that failed keep theirs.

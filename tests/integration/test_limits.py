@@ -64,7 +64,7 @@ async def test_a_run_past_its_deadline_expires_even_while_it_heartbeats(
     assert done.deadline is not None and done.started_at is not None
     assert (done.deadline - done.started_at).total_seconds() == 1
     assert done.completed_at is not None and done.completed_at >= done.deadline
-    moves = [e.metadata.get("transition") for e in await backends.store.events_of(run_id)]
+    moves = [e.metadata.get("transition") for e in await backends.store.trail.events_of(run_id)]
     assert moves.count("deadline_expire") == 1
 
 
@@ -94,7 +94,7 @@ async def test_a_cancel_the_handler_ignores_is_forced_after_the_grace(
     assert done.status == RunStatus.CANCELLED
     assert done.completed_at is not None and done.completed_at >= asked.cancel_deadline
     assert done.progress.steps[0].status == StepStatus.CANCELLED
-    events = await backends.store.events_of(run_id)
+    events = await backends.store.trail.events_of(run_id)
     assert [e.type for e in events].count("cancel_timeout") == 1
     assert [e for e in events if e.type == "status_changed"][-1].actor == "reaper"
     final = await service.get(run_id)
@@ -132,7 +132,7 @@ async def test_retry_backoff_follows_the_policy_on_an_injected_clock(
     async def settled_in(status: RunStatus, attempt: int) -> Run:
         async with asyncio.timeout(20):
             while True:
-                now = await store.get_run(run.id)
+                now = await store.runs.get(run.id)
                 if now is not None and now.status == status and now.attempt == attempt:
                     return now
                 await asyncio.sleep(0.02)
@@ -144,10 +144,10 @@ async def test_retry_backoff_follows_the_policy_on_an_injected_clock(
         first = await settled_in(RunStatus.QUEUED, 1)
         assert first.not_before == failed_at + timedelta(seconds=120)
         await asyncio.sleep(1)  # real time passes; the injected clock does not
-        assert (await store.get_run(run.id)).status == RunStatus.QUEUED  # type: ignore[union-attr]
+        assert (await store.runs.get(run.id)).status == RunStatus.QUEUED  # type: ignore[union-attr]
         clock.advance(119)
         await asyncio.sleep(1)
-        assert (await store.get_run(run.id)).attempt == 1  # type: ignore[union-attr]
+        assert (await store.runs.get(run.id)).attempt == 1  # type: ignore[union-attr]
         clock.advance(2)
         second = await settled_in(RunStatus.QUEUED, 2)
         assert second.not_before == clock.now() + timedelta(seconds=600)
@@ -156,5 +156,5 @@ async def test_retry_backoff_follows_the_policy_on_an_injected_clock(
     finally:
         stop.set()
         await task
-        await store.flush()
+        await store.trail.flush()
     assert done.error is None and [a.attempt for a in done.attempts] == [1, 2]

@@ -35,6 +35,7 @@ from jobplane.scheduler import Scheduler
 from jobplane.schedules import ScheduleService
 from jobplane.settings import Settings
 from tests.integration.conftest import Client, Register, template_spec
+from tests.integration.db import raw
 from tests.integration.processes import spawn, terminate
 from tests.integration.runs import run_in
 from tests.integration.workers import running, settled
@@ -73,7 +74,7 @@ async def stepping(backends: Backends, run_id: str) -> None:
 
     async with asyncio.timeout(20):
         # Polling: the test watches MongoDB from outside, as a user would.
-        while not inside(await backends.store.get_run(run_id)):  # noqa: ASYNC110
+        while not inside(await backends.store.runs.get(run_id)):  # noqa: ASYNC110
             await asyncio.sleep(0.02)
 
 
@@ -150,7 +151,7 @@ async def test_queue_depth_and_oldest_ready_age_for_a_known_backlog(
     backends, clock = clocked
     backlog, due_only = unique(), unique()
     for queue in (backlog, due_only):
-        await backends.store.register_template(template_spec(queue, queue=queue))
+        await backends.store.templates.register(template_spec(queue, queue=queue))
     now = clock.now()
 
     def created(seconds_ago: float) -> str:
@@ -257,21 +258,21 @@ async def test_reaper_actions_lease_expiries_and_stale_writes(
     with worker_lines() as out:
         async with running(backends, settings) as [worker]:
             await stepping(backends, run.id)
-            await backends.store.runs.update_one(
+            await raw(backends.store).runs.update_one(
                 {"_id": ObjectId(run.id)}, {"$set": {"leaseToken": "someone-else"}}
             )
             async with asyncio.timeout(20):
                 while run.id in worker.held:  # noqa: ASYNC110
                     await asyncio.sleep(0.02)
     after = await scrape(client)
-    rejected = await backends.store.events.count_documents(
+    rejected = await raw(backends.store).events.count_documents(
         {"jobId": run.id, "type": "stale_write_rejected"}
     )
     assert rejected >= 1
     assert moved("jobplane_stale_writes_rejected_total") == rejected
 
     # The zombie's lines name the run, the worker and its lease (the prefix the claim recorded).
-    [claim] = [e for e in await backends.store.events_of(run.id) if e.to == RunStatus.RUNNING]
+    [claim] = [e for e in await backends.store.trail.events_of(run.id) if e.to == RunStatus.RUNNING]
     lost = [line for line in out if "lease lost" in line["message"]]
     assert lost
     for line in lost:

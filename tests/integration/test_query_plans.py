@@ -34,9 +34,11 @@ from jobplane.runs import RunRequest, RunService
 from jobplane.scheduler import Scheduler
 from jobplane.schedules import ScheduleService
 from jobplane.settings import Settings
-from jobplane.store import EventQuery, Lease, MongoStore, NewRun, RunQuery, ScheduleQuery, overview
+from jobplane.store import EventQuery, Lease, MongoStore, NewRun, RunQuery, ScheduleQuery
 from jobplane.worker import Worker
 from tests.integration.conftest import template_spec
+from tests.integration.db import raw
+from tests.integration.runs import reap
 
 Doc = dict[str, Any]
 
@@ -93,7 +95,7 @@ class Profiler:
 
     async def __aenter__(self) -> "Profiler":
         db = self.store.db
-        await self.store.flush()  # the seeding's own writes stay out of the record
+        await self.store.trail.flush()  # the seeding's own writes stay out of the record
         await db.command("profile", 0)
         await db.drop_collection("system.profile")
         await db.create_collection("system.profile", capped=True, size=PROFILE_BYTES)
@@ -108,7 +110,7 @@ class Profiler:
     ) -> None:
         db = self.store.db
         try:
-            await self.store.flush()
+            await self.store.trail.flush()
         finally:
             await db.command("profile", 0)
         names = [f"{db.name}.{c}" for c in PROFILED]
@@ -242,13 +244,13 @@ class Seeded:
 
 
 async def register(store: MongoStore, type_: str, **fields: Any) -> Template:
-    template, _ = await store.register_template(template_spec(type_, steps=STEPS, **fields))
+    template, _ = await store.templates.register(template_spec(type_, steps=STEPS, **fields))
     return template
 
 
 async def insert(store: MongoStore, news: Sequence[NewRun]) -> list[Run]:
     runs = []
-    for outcome in await store.insert_runs(news, SEEDER):
+    for outcome in await store.runs.insert_many(news, SEEDER):
         assert isinstance(outcome, Run), outcome
         runs.append(outcome)
     return runs
@@ -263,7 +265,7 @@ async def set_fields(
     update: Doc = {"$set": fields} if fields else {}
     if unset:
         update["$unset"] = dict.fromkeys(unset, "")
-    await store.runs.update_many({"_id": {"$in": [ObjectId(i) for i in ids]}}, update)
+    await raw(store).runs.update_many({"_id": {"$in": [ObjectId(i) for i in ids]}}, update)
 
 
 def lease_fields(now: datetime, expired: bool, token: str = "seed-token") -> Doc:
@@ -326,7 +328,7 @@ async def seed_statuses(
         # Ended over the last 40 days: some are past the 30-day retention.
         for k, run_id in enumerate(ids):
             ended = now - k * 40 * DAY / PER_STATUS
-            await store.runs.update_one(
+            await raw(store).runs.update_one(
                 {"_id": ObjectId(run_id)}, {"$set": {"completedAt": ended, "updateAt": ended}}
             )
     return runs
@@ -350,7 +352,7 @@ async def seed_events(store: MongoStore, run_ids: Sequence[str], now: datetime, 
                 "createAt": now - i * 30 * DAY / n,
             }
         )
-    await store.events.insert_many(docs)
+    await raw(store).events.insert_many(docs)
 
 
 async def seed(store: MongoStore, queue: RedisQueue) -> Seeded:
@@ -384,7 +386,7 @@ async def seed(store: MongoStore, queue: RedisQueue) -> Seeded:
         )
         schedule = await schedules.create(spec, SEEDER)
         due = now - MINUTE if i % 2 else now + HOUR
-        await store.schedules.update_one(
+        await raw(store).schedules.update_one(
             {"_id": ObjectId(schedule.id)}, {"$set": {"nextRunAt": due}}
         )
         made.append(schedule.model_copy(update={"next_run_at": due}))
@@ -427,9 +429,9 @@ async def seed(store: MongoStore, queue: RedisQueue) -> Seeded:
     api_keys = []
     for i in range(5):
         _, record = mint_key(f"qp-key-{i}", "user", ["user:u1"], SEEDER, now)
-        assert await store.insert_api_key(record)
+        assert await store.keys.insert(record)
         api_keys.append(record.id)
-    await store.flush()
+    await store.trail.flush()
     return Seeded(
         plain=plain,
         keyed=keyed,
@@ -461,48 +463,52 @@ async def test_claims_and_worker_writes_never_scan(
     async with Profiler(store) as profile:
         # Claimable runs among ones that are not: delayed, finished, claimed already.
         asked = [*seeded.claimable()[:40], *pending[:20], *seeded.delayed[:5], *cancelled[:5]]
-        claimed = await store.claim(asked, WORKER, 30)
+        claimed = await store.transitions.claim(asked, WORKER, 30)
         assert len(claimed) == 60
         leases = [lease for _, lease in claimed]
-        held, _ = await store.heartbeat(WORKER, leases, 30)
+        held, _ = await store.leases.heartbeat(WORKER, leases, 30)
         assert len(held) == 60
         for lease in leases[:10]:  # step by step, to success
-            assert await store.start_step(lease, 0, "first") is None
-            assert await store.report_progress(lease, 0, 50, 25, "half way") is None
+            assert await store.leases.start_step(lease, 0, "first") is None
+            assert await store.leases.report_progress(lease, 0, 50, 25, "half way") is None
             assert (
-                await store.finish_step(lease, 0, "first", {"ok": True}, 50, next_handler=None)
+                await store.leases.finish_step(
+                    lease, 0, "first", {"ok": True}, 50, next_handler=None
+                )
                 is None
             )
-            await store.complete(lease, 1, "second", None, None, started_at=store.clock.now())
+            await store.transitions.complete(
+                lease, 1, "second", None, None, started_at=store.clock.now()
+            )
         error = RunError(code="boom", message="boom", step="first", attempt=1)
         for lease in leases[10:15]:
-            await store.fail(lease, 0, error, started_at=store.clock.now())
+            await store.transitions.fail(lease, 0, error, started_at=store.clock.now())
         for lease in leases[15:20]:
-            await store.retry(lease, 0, error, store.clock.now() + MINUTE)
+            await store.transitions.retry(lease, 0, error, store.clock.now() + MINUTE)
         for lease in leases[20:25]:
-            await store.release(lease)
+            await store.transitions.release(lease)
         for lease in leases[25:30]:
-            await store.request_cancel(lease.run_id, "user:qp", "stop", 30)
-            await store.acknowledge_cancel(lease, interrupted=True)
+            await store.transitions.request_cancel(lease.run_id, "user:qp", "stop", 30)
+            await store.transitions.acknowledge_cancel(lease, interrupted=True)
         for lease in leases[30:35]:  # an external step: let go, claimed by an external worker
-            await store.wait_worker(lease, 0, "first", "external")
+            await store.transitions.wait_worker(lease, 0, "first", "external")
         for _ in range(10):  # these five, and some of the seeded ones
-            taken = await store.claim_external("external", "ext-qp", 30)
+            taken = await store.transitions.resume("external", "ext-qp", 30)
             assert taken is not None
-            await store.complete(taken[1], 0, "first", None, None)
+            await store.transitions.complete(taken[1], 0, "first", None, None)
         # A heartbeat moves the version under the writers' feet: their next writes read again.
-        await store.heartbeat(WORKER, leases[35:45], 30)
+        await store.leases.heartbeat(WORKER, leases[35:45], 30)
         for lease in leases[35:45]:
-            await store.complete(lease, 1, "second", None, None)
+            await store.transitions.complete(lease, 1, "second", None, None)
         # A zombie's writes are refused and recorded.
         for lease in leases[45:50]:
             zombie = replace(lease, token="superseded", known=None)
-            await store.report_progress(zombie, 0, 10, 5, None)
-            await store.lease_lost(zombie, "heartbeat")
+            await store.leases.report_progress(zombie, 0, 10, 5, None)
+            await store.leases.lease_lost(zombie, "heartbeat")
         for lease in leases[50:55]:  # not past its deadline: the write finds nothing to do
-            run = await store.get_run(lease.run_id)
+            run = await store.runs.get(lease.run_id)
             assert run is not None
-            await store.expire_deadline(run, lease.actor)
+            await store.transitions.deadline_expire(run, lease.actor)
 
         # The worker itself, on runs it claims: template read, writes, Redis, admitting keys.
         worker = Worker(store, queue, settings, worker_id="w-real")
@@ -519,29 +525,29 @@ async def test_the_reaper_reconciler_sweep_and_retention_never_scan(
 ) -> None:
     now = store.clock.now()
     async with Profiler(store) as profile:
-        expired = await store.expired_leases(500)
-        late, slow = await store.overdue(500)
+        expired = await store.maintenance.expired_leases(500)
+        late, slow = await store.maintenance.overdue(500)
         assert expired and late and slow
         for run in late[:10]:
-            await store.expire_deadline(run, "reaper")
+            await store.transitions.deadline_expire(run, "reaper")
         for run in slow[:10]:
-            await store.time_out_cancel(run)
+            await store.transitions.cancel_timeout(run, "reaper")
         for run in expired[:30]:
-            await store.reap(run)
-        page = await store.claimable(None, 100, now - MINUTE)
+            await reap(store, run)
+        page = await store.maintenance.to_reconcile(None, 100, now - MINUTE)
         assert page
-        await store.claimable(page[-1].id, 100, now - MINUTE)
-        assert set(await store.waited_keys(500)) == set(seeded.free_keys)
+        await store.maintenance.to_reconcile(page[-1].id, 100, now - MINUTE)
+        assert set(await store.maintenance.waited_keys(500)) == set(seeded.free_keys)
         for key in [*seeded.free_keys[:3], *seeded.held_keys[:3]]:
-            waiting = await store.next_waiting(key)
+            waiting = await store.runs.next_waiting(key)
             assert waiting is not None
             if key in seeded.free_keys:
-                await store.take_key(waiting, "scheduler")
-                await store.enqueue(waiting.id, "scheduler")
-        await store.enqueue(seeded.runs[RunStatus.PENDING][0], "scheduler")
-        await store.sweep_trails(now - timedelta(seconds=10))
-        await store.sweep_trails(now)
-        assert await store.archive_runs(now - 30 * DAY, 50) > 0
+                await store.runs.take_key(waiting, "scheduler")
+                await store.transitions.enqueue(waiting.id, "scheduler")
+        await store.transitions.enqueue(seeded.runs[RunStatus.PENDING][0], "scheduler")
+        await store.trail.sweep(now - timedelta(seconds=10))
+        await store.trail.sweep(now)
+        assert await store.maintenance.archive(now - 30 * DAY, 50) > 0
         # The same, as the scheduler's tick does them (with the fires of due schedules).
         scheduler = Scheduler(store, queue, settings)
         await scheduler.tick()
@@ -597,20 +603,22 @@ async def test_creating_reading_and_cancelling_runs_never_scan(
             assert asked.status == RunStatus.CANCEL_REQUESTED
         with pytest.raises(ResourceInvalidState):
             await service.cancel(runs[RunStatus.FAILED][0], "user:qp", None)
-        await store.request_cancel(runs[RunStatus.WAITING_WORKER][-1], "user:qp", "stop")
+        await store.transitions.request_cancel(
+            runs[RunStatus.WAITING_WORKER][-1], "user:qp", "stop"
+        )
         await service.lifecycle.admit_next(seeded.free_keys[0], "user:qp")
         # Reads, of live runs and of archived ones.
-        assert await store.archive_runs(now - 30 * DAY, 10) == 10
-        archived = await store.archive.find_one({})
+        assert await store.maintenance.archive(now - 30 * DAY, 10) == 10
+        archived = await raw(store).archive.find_one({})
         assert archived is not None
         for run_id in [
             str(archived["_id"]),
             runs[RunStatus.RUNNING][0],
             runs[RunStatus.SUCCEEDED][0],
         ]:
-            assert await store.get_run(run_id) is not None
-            assert await store.events_of(run_id)
-        assert await store.get_run(str(ObjectId())) is None
+            assert await store.runs.get(run_id) is not None
+            assert await store.trail.events_of(run_id)
+        assert await store.runs.get(str(ObjectId())) is None
     await assert_no_scans(profile, {"job_runs", "job_events", "job_templates"})
 
 
@@ -639,9 +647,9 @@ async def test_run_lists_never_scan(store: MongoStore, seeded: Seeded) -> None:
     async with Profiler(store) as profile:
         for query, within in itertools.product(queries, (None, WITHIN)):
             # The first page and, when there is one, the next from the cursor it ends at.
-            page = await store.list_runs(query, within, 21)
+            page = await store.runs.page(query, within, 21)
             if page:
-                await store.list_runs(replace(query, before=page[-1].id), within, 21)
+                await store.runs.page(replace(query, before=page[-1].id), within, 21)
     await assert_no_scans(profile, {"job_runs"})
 
 
@@ -654,11 +662,11 @@ async def test_a_rare_status_of_one_template_is_listed_without_walking_the_other
     failing, fine = await register(store, "qp_failing"), await register(store, "qp_fine")
     now = store.clock.now()
     for template, status in ((failing, "failed"), (fine, "succeeded")):
-        runs = await store.insert_runs([NewRun(template, "user", "u1")] * 300, "user:qp")
+        runs = await store.runs.insert_many([NewRun(template, "user", "u1")] * 300, "user:qp")
         ids = [r.id for r in runs if isinstance(r, Run)]
         await set_fields(store, ids, {"status": status, "completedAt": now})
     async with Profiler(store) as profile:
-        assert await store.list_runs(RunQuery(RunStatus.FAILED, fine.type), None, 21) == []
+        assert await store.runs.page(RunQuery(RunStatus.FAILED, fine.type), None, 21) == []
     [entry] = [e for e in profile.planned() if e["ns"].endswith(".job_runs")]
     assert entry["planSummary"] == "IXSCAN { templateType: 1, status: 1, _id: -1 }", describe(entry)
     assert entry["docsExamined"] == 0, describe(entry)
@@ -678,12 +686,12 @@ async def test_event_queries_never_scan(store: MongoStore, seeded: Seeded) -> No
     async with Profiler(store) as profile:
         for fields, within in itertools.product(filter_sets(filters), (None, WITHIN)):
             query = EventQuery(**fields)
-            found = await store.list_events(query, within, 21)
+            found = await store.trail.page(query, within, 21)
             if found:
                 after = (found[-1].create_at, found[-1].id)
-                await store.list_events(replace(query, after=after), within, 21)
+                await store.trail.page(replace(query, after=after), within, 21)
         for run_id in seeded.runs[RunStatus.SUCCEEDED][:5]:
-            assert await store.events_of(run_id)
+            assert await store.trail.events_of(run_id)
     await assert_no_scans(profile, {"job_events", "job_runs"})
 
 
@@ -697,18 +705,18 @@ async def test_schedules_never_scan(store: MongoStore, queue: RedisQueue, seeded
         "enabled": True,
     }
     async with Profiler(store) as profile:
-        assert await store.due_schedules(now, 100)
-        assert await store.next_fire_time() is not None
+        assert await store.schedules.due(now, 100)
+        assert await store.schedules.next_fire_time() is not None
         for fields, within in itertools.product(filter_sets(filters), (None, WITHIN)):
             query = ScheduleQuery(**fields)
-            found = await store.list_schedules(query, within, 7)
+            found = await store.schedules.page(query, within, 7)
             if found:
-                await store.list_schedules(replace(query, before=found[-1].id), within, 7)
+                await store.schedules.page(replace(query, before=found[-1].id), within, 7)
         assert await service.fire_due(now, 100, 60) > 0
-        assert await store.next_fire_time() is not None
+        assert await store.schedules.next_fire_time() is not None
         for schedule in seeded.schedules[:4]:
             await service.get(schedule.id)
-            await store.active_run_of(schedule)
+            await store.runs.active_of(schedule)
             await service.update(schedule.id, {"cron": "*/10 * * * *"})
             await service.trigger(schedule.id, "user:qp")
         await service.update(first.id, {"enabled": False})
@@ -720,22 +728,22 @@ async def test_schedules_never_scan(store: MongoStore, queue: RedisQueue, seeded
 async def test_templates_and_api_keys_never_scan(store: MongoStore, seeded: Seeded) -> None:
     async with Profiler(store) as profile:
         for type_ in (seeded.plain.type, seeded.timed.type, "qp_missing"):
-            await store.get_template(type_)
-            await store.get_template(type_, 1)
-            await store.cached_template(type_)
+            await store.templates.get(type_)
+            await store.templates.get(type_, 1)
+            await store.templates.cached(type_)
         changed = template_spec(seeded.plain.type, steps=STEPS, description="v2")
-        assert (await store.register_template(changed))[1]
-        assert not (await store.register_template(changed))[1]
-        await store.set_template_enabled(seeded.timed.type, False)
-        await store.set_template_enabled(seeded.timed.type, True)
+        assert (await store.templates.register(changed))[1]
+        assert not (await store.templates.register(changed))[1]
+        await store.templates.set_enabled(seeded.timed.type, False)
+        await store.templates.set_enabled(seeded.timed.type, True)
         for key_id in [*seeded.api_keys, str(ObjectId())]:
-            await store.get_api_key(key_id)
+            await store.keys.get(key_id)
         _, record = mint_key("qp-key-0", "user", [], "user:qp", store.clock.now())
-        assert not await store.insert_api_key(record)  # the name is taken
-        listed = await store.list_api_keys(None, 3)
-        assert len(await store.list_api_keys(listed[-1].id, 3)) == 2
+        assert not await store.keys.insert(record)  # the name is taken
+        listed = await store.keys.page(None, 3)
+        assert len(await store.keys.page(listed[-1].id, 3)) == 2
         for key_id in [seeded.api_keys[0], seeded.api_keys[0], str(ObjectId()), "nope"]:
-            await store.revoke_api_key(key_id, "user:qp")
+            await store.keys.revoke(key_id, "user:qp")
     await assert_no_scans(profile, {"job_templates", "api_keys"})
 
 
@@ -743,8 +751,8 @@ async def test_listing_templates_and_their_queues_never_scans(
     store: MongoStore, queue: RedisQueue, seeded: Seeded
 ) -> None:
     async with Profiler(store) as profile:
-        assert len(await store.latest_templates()) == 4
-        assert await store.queues() == ["default", "timed"]
+        assert len(await store.templates.latest()) == 4
+        assert await store.templates.queues() == ["default", "timed"]
         await metrics.read_state(store, queue, ["default"])
     await assert_no_scans(profile, {"job_templates"})
 
@@ -753,7 +761,7 @@ async def test_the_overview_never_scans(store: MongoStore, seeded: Seeded) -> No
     now = store.clock.now()
     async with Profiler(store) as profile:
         for within in (None, WITHIN):
-            figures = await overview.run_figures(store, within, now)
+            figures = await store.overview.run_figures(within, now)
         assert figures.held
     await assert_no_scans(profile, {"job_runs"})
 
@@ -841,25 +849,25 @@ async def test_the_hottest_queries_examine_only_what_they_return(store: MongoSto
         await set_fields(store, [lease.run_id], fields)
 
     async def overdue() -> list[Run]:
-        late, slow = await store.overdue(500)
+        late, slow = await store.maintenance.overdue(500)
         return [*late, *slow]
 
     async def heartbeat() -> list[str]:
-        return sorted((await store.heartbeat("w-hot", leases, 30))[0])
+        return sorted((await store.leases.heartbeat("w-hot", leases, 30))[0])
 
     # In this order: the claim takes the runs `claimable` finds.
     calls: dict[str, Callable[[], Awaitable[Sequence[Any]]]] = {
-        "claimable": lambda: store.claimable(None, 500, now - MINUTE),
-        "claim": lambda: store.claim([*queued, *fresh], WORKER, 30),
-        "expired_leases": lambda: store.expired_leases(500),
+        "claimable": lambda: store.maintenance.to_reconcile(None, 500, now - MINUTE),
+        "claim": lambda: store.transitions.claim([*queued, *fresh], WORKER, 30),
+        "expired_leases": lambda: store.maintenance.expired_leases(500),
         "overdue": overdue,
         "heartbeat": heartbeat,
-        "list_runs": lambda: store.list_runs(RunQuery(), None, 51),
-        "list_runs by status": lambda: store.list_runs(
+        "list_runs": lambda: store.runs.page(RunQuery(), None, 51),
+        "list_runs by status": lambda: store.runs.page(
             RunQuery(status=RunStatus.SUCCEEDED), None, 51
         ),
-        "list_events": lambda: store.list_events(EventQuery(), None, 101),
-        "events_of": lambda: store.events_of(finished[0].id),
+        "list_events": lambda: store.trail.page(EventQuery(), None, 101),
+        "events_of": lambda: store.trail.events_of(finished[0].id),
     }
     report: list[str] = []
     for name, call in calls.items():

@@ -21,6 +21,7 @@ from jobplane.settings import Settings
 from jobplane.store import MongoStore, NewRun
 from jobplane.worker import registry
 from tests.integration.conftest import Register
+from tests.integration.db import raw
 from tests.integration.runs import run_in
 
 S = RunStatus
@@ -145,7 +146,7 @@ def scheduler(timed: MongoStore, queue: RedisQueue, settings: Settings) -> Sched
 
 
 async def status_of(store: MongoStore, run_id: str) -> RunStatus:
-    run = await store.get_run(run_id)
+    run = await store.runs.get(run_id)
     assert run is not None
     return run.status
 
@@ -169,8 +170,10 @@ async def put(store: MongoStore, template: Template, case: Case, shift: float = 
     if case.lease is None:
         unset += ["lockedBy", "leaseToken"]
     if unset:
-        await store.runs.update_one({"_id": ObjectId(run.id)}, {"$unset": dict.fromkeys(unset, "")})
-    stored = await store.get_run(run.id)
+        await raw(store).runs.update_one(
+            {"_id": ObjectId(run.id)}, {"$unset": dict.fromkeys(unset, "")}
+        )
+    stored = await store.runs.get(run.id)
     assert stored is not None
     return stored
 
@@ -183,7 +186,7 @@ async def test_one_pass_moves_each_run_as_the_table_says(
     template: Template,
 ) -> None:
     before = {name: await put(timed, template, case) for name, case in CASES.items()}
-    trails = {name: len(await timed.events_of(run.id)) for name, run in before.items()}
+    trails = {name: len(await timed.trail.events_of(run.id)) for name, run in before.items()}
     clock.advance(PASS)
     reaper = scheduler(timed, queue, settings)
 
@@ -191,9 +194,9 @@ async def test_one_pass_moves_each_run_as_the_table_says(
     assert await reaper.reap() == len(moving)
     assert await reaper.reap() == 0, "a second pass finds nothing left to do"
     for name, case in CASES.items():
-        after = await timed.get_run(before[name].id)
+        after = await timed.runs.get(before[name].id)
         assert after is not None
-        new = (await timed.events_of(after.id))[trails[name] :]
+        new = (await timed.trail.events_of(after.id))[trails[name] :]
         if case.becomes is None:
             assert after == before[name], name
             assert new == [], name
@@ -201,7 +204,9 @@ async def test_one_pass_moves_each_run_as_the_table_says(
         assert after.status == case.becomes, name
         # The lost lease stays counted: the attempt is not handed back as on a graceful release.
         assert after.attempt == case.attempt, name
-        assert (after.locked_by, after.lease_token, after.locked_until) == (None, None, None), name
+        # The lease is gone; an ended run keeps the worker that held it last.
+        last = before[name].locked_by if case.becomes in TERMINAL else None
+        assert (after.locked_by, after.lease_token, after.locked_until) == (last, None, None), name
         ended = [(a.attempt, a.error.code) for a in after.attempts]
         assert ended == ([(case.attempt, case.error)] if case.error else []), name
         outcome = case.error if case.becomes in TERMINAL else None
@@ -221,7 +226,7 @@ async def test_one_pass_moves_each_run_as_the_table_says(
     requeued = {before[name].id for name in moving if CASES[name].becomes == S.QUEUED}
     popped = await queue.pop(settings.queues, 100, clock.now(), handlers=registry.offered())
     assert sorted(popped.run_ids) == sorted(requeued)
-    claimed = await timed.claim(popped.run_ids, "w-next", LEASE)
+    claimed = await timed.transitions.claim(popped.run_ids, "w-next", LEASE)
     assert sorted((run.id, run.attempt) for run, _ in claimed) == sorted((i, 2) for i in requeued)
 
 
@@ -268,22 +273,22 @@ async def test_a_renewed_lease_is_not_reaped(
     clock: ManualClock,
     template: Template,
 ) -> None:
-    alive = await timed.insert_run(NewRun(template, "user", "u1"), "user:test")
-    gone = await timed.insert_run(NewRun(template, "user", "u1"), "user:test")
-    [(_, lease)] = await timed.claim([alive.id], "w-alive", LEASE)
-    await timed.claim([gone.id], "w-gone", LEASE)
+    alive = await timed.runs.insert(NewRun(template, "user", "u1"), "user:test")
+    gone = await timed.runs.insert(NewRun(template, "user", "u1"), "user:test")
+    [(_, lease)] = await timed.transitions.claim([alive.id], "w-alive", LEASE)
+    await timed.transitions.claim([gone.id], "w-gone", LEASE)
     reaper = scheduler(timed, queue, settings)
 
     clock.advance(LEASE * 2 / 3)
-    held, _ = await timed.heartbeat("w-alive", [lease], LEASE)
+    held, _ = await timed.leases.heartbeat("w-alive", [lease], LEASE)
     assert held == {alive.id}
     clock.advance(LEASE * 2 / 3)  # past both first leases, within the renewed one
     assert await reaper.reap() == 1
-    kept = await timed.get_run(alive.id)
+    kept = await timed.runs.get(alive.id)
     assert kept is not None and kept.status == S.RUNNING
     assert (kept.locked_by, kept.lease_token) == ("w-alive", lease.token)
-    assert "lease_expired" not in [e.type for e in await timed.events_of(alive.id)]
-    lost = await timed.get_run(gone.id)
+    assert "lease_expired" not in [e.type for e in await timed.trail.events_of(alive.id)]
+    lost = await timed.runs.get(gone.id)
     assert lost is not None and lost.status == S.QUEUED
 
     # Once the renewed lease runs out too, the same run is reaped: only the renewal kept it.
@@ -300,9 +305,11 @@ async def test_the_templates_timeout_and_cancel_grace_decide_when_runs_end(
     register: Register,
 ) -> None:
     template = await register(timeoutSeconds=95, cancelPolicy={"graceSeconds": 35})
-    late = await timed.insert_run(NewRun(template, "user", "u1"), "user:test")
-    stubborn = await timed.insert_run(NewRun(template, "user", "u1"), "user:test")
-    leases = [lease for _, lease in await timed.claim([late.id, stubborn.id], "w", LEASE)]
+    late = await timed.runs.insert(NewRun(template, "user", "u1"), "user:test")
+    stubborn = await timed.runs.insert(NewRun(template, "user", "u1"), "user:test")
+    leases = [
+        lease for _, lease in await timed.transitions.claim([late.id, stubborn.id], "w", LEASE)
+    ]
     await RunService(timed, queue).cancel(stubborn.id, "user:test", "stop")
     reaper = scheduler(timed, queue, settings)
 
@@ -310,15 +317,15 @@ async def test_the_templates_timeout_and_cancel_grace_decide_when_runs_end(
     ended: dict[str, int] = {}
     for elapsed in range(10, 130, 10):
         clock.advance(10)
-        await timed.heartbeat("w", leases, LEASE)
+        await timed.leases.heartbeat("w", leases, LEASE)
         await reaper.reap()
         for run_id in (late.id, stubborn.id):
             if run_id not in ended and await status_of(timed, run_id) in TERMINAL:
                 ended[run_id] = elapsed
     assert ended == {stubborn.id: 40, late.id: 100}
-    expired = await timed.get_run(late.id)
+    expired = await timed.runs.get(late.id)
     assert expired is not None and expired.status == S.EXPIRED
     assert expired.error is not None and expired.error.code == "deadline_exceeded"
     assert await status_of(timed, stubborn.id) == S.CANCELLED
-    types = [e.type for e in await timed.events_of(stubborn.id)]
+    types = [e.type for e in await timed.trail.events_of(stubborn.id)]
     assert types[-2:] == ["status_changed", "cancel_timeout"]

@@ -16,6 +16,7 @@ from jobplane.runs import RunRequest, RunService
 from jobplane.settings import Settings
 from jobplane.worker import StepContext, handler
 from tests.integration.conftest import Register, template_spec
+from tests.integration.db import raw
 from tests.integration.processes import spawn, terminate
 from tests.integration.workers import create_many, running, settled
 
@@ -25,7 +26,7 @@ FLUSHED_RUNS = 1000
 async def counted_up_to(backends: Backends, query: dict[str, Any], n: int) -> None:
     """Wait until `n` runs match `query`; one count per poll, however many runs there are."""
     async with asyncio.timeout(120):
-        while await backends.store.runs.count_documents(query) < n:  # noqa: ASYNC110
+        while await raw(backends.store).runs.count_documents(query) < n:  # noqa: ASYNC110
             await asyncio.sleep(0.05)
 
 
@@ -42,7 +43,7 @@ async def test_a_run_whose_worker_was_sigkilled_is_finished_by_another(
     victim = spawn(quick, "worker", tmp_path / "victim.log")
     try:
         async with asyncio.timeout(20):
-            while (await backends.store.get_run(run.id)).status != RunStatus.RUNNING:  # type: ignore[union-attr]  # noqa: ASYNC110
+            while (await backends.store.runs.get(run.id)).status != RunStatus.RUNNING:  # type: ignore[union-attr]  # noqa: ASYNC110
                 await asyncio.sleep(0.02)
         victim.send_signal(signal.SIGKILL)
         assert victim.wait(10) == -signal.SIGKILL
@@ -51,7 +52,7 @@ async def test_a_run_whose_worker_was_sigkilled_is_finished_by_another(
     async with running(backends, quick, scheduler=True):
         [done] = await settled(backends.store, [run.id], within=30)
     assert done.status == RunStatus.SUCCEEDED and done.attempt == 2
-    events = await backends.store.events_of(run.id)
+    events = await backends.store.trail.events_of(run.id)
     claims = [e for e in events if e.metadata.get("transition") == "claim"]
     assert len(claims) == 2 and claims[0].actor != claims[1].actor
     assert [e.type for e in events].count("lease_expired") == 1
@@ -80,7 +81,7 @@ async def test_flushall_mid_drain_of_1000_runs_loses_none_and_runs_each_once(
     try:
         async with open_backends(settings) as backends:
             steps = [{"id": "step", "handler": "test.recovery.counted"}]
-            await backends.store.register_template(template_spec("t_counted", steps=steps))
+            await backends.store.templates.register(template_spec("t_counted", steps=steps))
             service = RunService(backends.store, backends.queue)
             request = RunRequest("t_counted", "user", "u")
             ids = await create_many(service, request, FLUSHED_RUNS, "user:a")
@@ -93,9 +94,9 @@ async def test_flushall_mid_drain_of_1000_runs_loses_none_and_runs_each_once(
                     waiting, _ = await pipe.execute()
                 assert waiting > 0, "runs were still waiting in Redis when it was flushed"
                 await counted_up_to(backends, {"status": {"$in": sorted(TERMINAL)}}, len(ids))
-            statuses = [d["status"] async for d in backends.store.runs.find({}, {"status": 1})]
+            statuses = [d["status"] async for d in raw(backends.store).runs.find({}, {"status": 1})]
             assert Counter(statuses) == {RunStatus.SUCCEEDED: len(ids)}
-            claims = await backends.store.events.aggregate(
+            claims = await raw(backends.store).events.aggregate(
                 [
                     {"$match": {"type": "status_changed", "metadata.transition": "claim"}},
                     {"$group": {"_id": "$jobId", "n": {"$sum": 1}}},

@@ -22,7 +22,7 @@ async def test_runs_created_while_redis_is_down_run_once_it_is_back(
     settings = settings.model_copy(update={"redis_url": redis.url})
     try:
         async with open_backends(settings) as backends:
-            await backends.store.register_template(template_spec())
+            await backends.store.templates.register(template_spec())
             service = RunService(backends.store, backends.queue)
             redis.stop()
             created = [
@@ -30,7 +30,7 @@ async def test_runs_created_while_redis_is_down_run_once_it_is_back(
                 for _ in range(20)
             ]
             for run in created:
-                stored = await backends.store.get_run(run.id)
+                stored = await backends.store.runs.get(run.id)
                 # Durable and queued in MongoDB: the reconciler pushes what Redis is missing.
                 assert stored is not None and stored.status == RunStatus.QUEUED
 
@@ -41,7 +41,7 @@ async def test_runs_created_while_redis_is_down_run_once_it_is_back(
             for run in runs:
                 path = [
                     (e.from_, e.to)
-                    for e in await backends.store.events_of(run.id)
+                    for e in await backends.store.trail.events_of(run.id)
                     if e.type == "status_changed"
                 ]
                 assert path == [
@@ -61,18 +61,18 @@ async def test_templates_and_runs_survive_a_mongod_restart(
     settings = settings.model_copy(update={"mongodb_url": mongo.url})
     try:
         async with open_backends(settings) as backends:
-            template, _ = await backends.store.register_template(template_spec())
+            template, _ = await backends.store.templates.register(template_spec())
             run, _ = await RunService(backends.store, backends.queue).create(
                 RunRequest("t_noop", "user", "u", {"k": "v"}), "user:a"
             )
         mongo.stop()
         mongo.start()
         async with open_backends(settings) as backends:
-            assert await backends.store.get_template("t_noop") == template
-            again = await backends.store.get_run(run.id)
+            assert await backends.store.templates.get("t_noop") == template
+            again = await backends.store.runs.get(run.id)
             assert again is not None and again.payload == {"k": "v"}
             assert again.status == RunStatus.QUEUED
-            events = await backends.store.events_of(run.id)
+            events = await backends.store.trail.events_of(run.id)
             assert [(e.type, e.to) for e in events] == [("created", RunStatus.QUEUED)]
     finally:
         mongo.stop()

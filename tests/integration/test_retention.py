@@ -13,8 +13,9 @@ from jobplane.model import TERMINAL, RunStatus
 from jobplane.scheduler import Scheduler
 from jobplane.settings import Settings
 from jobplane.store import MongoStore
-from jobplane.store.mongo import archivable
+from jobplane.store.maintenance import archivable
 from tests.integration.conftest import Client, Register
+from tests.integration.db import raw
 from tests.integration.runs import run_in
 
 DAY = 86400
@@ -42,18 +43,18 @@ async def test_only_terminal_runs_past_the_age_move(
 
     await Scheduler(timed, backends.queue, settings, clock).tick()
 
-    archived = {d["_id"] async for d in timed.archive.find({}, {"_id": 1})}
+    archived = {d["_id"] async for d in raw(timed).archive.find({}, {"_id": 1})}
     assert {str(i) for i in archived} == {old[s].id for s in TERMINAL}
-    live = {str(d["_id"]) async for d in timed.runs.find({}, {"_id": 1})}
+    live = {str(d["_id"]) async for d in raw(timed).runs.find({}, {"_id": 1})}
     assert live == {
         *(old[s].id for s in set(RunStatus) - TERMINAL),
         spent.id,
         *(r.id for r in young.values()),
     }
     for status in TERMINAL:
-        moved = await timed.get_run(old[status].id)
+        moved = await timed.runs.get(old[status].id)
         assert moved == old[status], "an archived run reads as it was"
-        assert [e.type for e in await timed.events_of(moved.id)] == ["created"]
+        assert [e.type for e in await timed.trail.events_of(moved.id)] == ["created"]
 
 
 async def test_a_pass_is_bounded_and_the_query_reads_only_what_it_moves(
@@ -65,10 +66,10 @@ async def test_a_pass_is_bounded_and_the_query_reads_only_what_it_moves(
     for i in range(20):
         await run_in(timed, template, RunStatus.SUCCEEDED, dedupeKey=f"kept{i}")
     clock.advance(DAY)
-    assert await timed.archive_runs(clock.now(), 5) == 5
-    assert await timed.archive_runs(clock.now(), 5) == 2
-    assert await timed.archive_runs(clock.now(), 5) == 0
-    plan = await timed.runs.find(archivable(clock.now())).explain()
+    assert await timed.maintenance.archive(clock.now(), 5) == 5
+    assert await timed.maintenance.archive(clock.now(), 5) == 2
+    assert await timed.maintenance.archive(clock.now(), 5) == 0
+    plan = await raw(timed).runs.find(archivable(clock.now())).explain()
     stats = plan["executionStats"]
     assert "COLLSCAN" not in str(plan["queryPlanner"]["winningPlan"])
     assert stats["totalDocsExamined"] == 0, "runs that keep their key are not even read"
@@ -87,22 +88,22 @@ async def test_a_run_moved_while_being_read_is_never_lost(
         reads = 0
         while moving:
             for run in runs:
-                if await timed.get_run(run.id) is None or not await timed.events_of(run.id):
+                if await timed.runs.get(run.id) is None or not await timed.trail.events_of(run.id):
                     misses.append(run.id)
                 reads += 1
         return reads
 
     readers = [asyncio.create_task(read()) for _ in range(4)]
     try:
-        while batch := await timed.archive_runs(clock.now(), 3):
+        while batch := await timed.maintenance.archive(clock.now(), 3):
             moved += batch
     finally:
         moving = False
         reads = await asyncio.gather(*readers)
     assert sum(reads) > len(runs), "the readers ran while the runs moved"
     assert misses == []
-    assert moved == len(runs) and await timed.runs.count_documents({}) == 0
-    assert await timed.archive.count_documents({}) == len(runs)
+    assert moved == len(runs) and await raw(timed).runs.count_documents({}) == 0
+    assert await raw(timed).archive.count_documents({}) == len(runs)
 
 
 async def test_a_copy_left_by_a_crashed_pass_is_replaced(
@@ -112,12 +113,12 @@ async def test_a_copy_left_by_a_crashed_pass_is_replaced(
     copies again over it and then deletes."""
     template = await register()
     run, _ = await run_in(timed, template, RunStatus.FAILED)
-    stale = await timed.runs.find_one({})
+    stale = await raw(timed).runs.find_one({})
     assert stale is not None
-    await timed.archive.insert_one({**stale, "status": "running"})
+    await raw(timed).archive.insert_one({**stale, "status": "running"})
     clock.advance(31 * DAY)
-    assert await timed.archive_runs(clock.now(), 10) == 1
-    assert await timed.get_run(run.id) == run
+    assert await timed.maintenance.archive(clock.now(), 10) == 1
+    assert await timed.runs.get(run.id) == run
 
 
 async def test_the_api_finds_an_archived_run_by_id(
@@ -130,7 +131,7 @@ async def test_the_api_finds_an_archived_run_by_id(
     template = await register()
     run, _ = await run_in(timed, template, RunStatus.SUCCEEDED)
     clock.advance(DAY)
-    assert await timed.archive_runs(clock.now(), 10) == 1
+    assert await timed.maintenance.archive(clock.now(), 10) == 1
     assert settings.admin_key is not None
     api: httpx.AsyncClient = client_for(settings.admin_key)
     got = await api.get(f"/v1/runs/{run.id}")

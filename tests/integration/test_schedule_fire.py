@@ -17,6 +17,7 @@ from jobplane.schedules import ScheduleService
 from jobplane.settings import Settings
 from jobplane.store import MongoStore
 from tests.integration.conftest import Register
+from tests.integration.db import raw
 
 SCHEMA = {"type": "object", "properties": {"at": {"type": "string"}}, "required": ["at"]}
 GRACE = 60
@@ -47,12 +48,14 @@ async def schedule(timed: ScheduleService, register: Register, **fields: Any) ->
 
 
 async def runs_of(timed: ScheduleService, schedule_id: str) -> list[dict[str, Any]]:
-    cursor = timed.store.runs.find({"scheduleId": schedule_id}).sort("scheduledFor", 1)
+    cursor = raw(timed.store).runs.find({"scheduleId": schedule_id}).sort("scheduledFor", 1)
     return await cursor.to_list()
 
 
 async def skips_of(timed: ScheduleService, schedule_id: str) -> list[dict[str, Any]]:
-    return await timed.store.events.find({"jobId": schedule_id, "type": "fire_skipped"}).to_list()
+    return (
+        await raw(timed.store).events.find({"jobId": schedule_id, "type": "fire_skipped"}).to_list()
+    )
 
 
 async def test_a_fire_makes_one_run_and_moves_the_schedule_on(
@@ -134,13 +137,13 @@ async def test_overlap_queue_waits_for_the_previous_run(
     await timed.fire_due(clock.now(), 10, GRACE)
     clock.advance(3600)
     await timed.fire_due(clock.now(), 10, GRACE)
-    await timed.store.flush()
+    await timed.store.trail.flush()
     first, second = await runs_of(timed, made.id)
     assert first["status"] == RunStatus.QUEUED and second["status"] == RunStatus.PENDING
     assert second["dedupeWait"] == f"schedule:{made.id}"
     await RunService(timed.store, timed.queue).cancel(str(first["_id"]), "user:test", None)
-    await timed.store.flush()
-    admitted = await timed.store.get_run(str(second["_id"]))
+    await timed.store.trail.flush()
+    admitted = await timed.store.runs.get(str(second["_id"]))
     assert admitted is not None and admitted.status == RunStatus.QUEUED
 
 
@@ -148,7 +151,7 @@ async def test_a_disabled_template_skips_the_fire(
     timed: ScheduleService, register: Register, clock: ManualClock
 ) -> None:
     made = await schedule(timed, register)
-    await timed.store.set_template_enabled("t_report", False)
+    await timed.store.templates.set_enabled("t_report", False)
     clock.advance(3600)
     assert await timed.fire_due(clock.now(), 10, GRACE) == 0
     [skip] = await skips_of(timed, made.id)
@@ -246,13 +249,16 @@ async def test_the_running_loop_fires_every_second_with_a_standby(
     try:
         async with asyncio.timeout(30):
             while (  # noqa: ASYNC110
-                len(await backends.store.runs.distinct("scheduledFor", {"scheduleId": made.id})) < 4
+                len(
+                    await raw(backends.store).runs.distinct("scheduledFor", {"scheduleId": made.id})
+                )
+                < 4
             ):
                 await asyncio.sleep(0.1)
     finally:
         stop.set()
         await asyncio.gather(*tasks)
-    runs = await backends.store.runs.find({"scheduleId": made.id}).to_list()
+    runs = await raw(backends.store).runs.find({"scheduleId": made.id}).to_list()
     times = sorted(r["scheduledFor"] for r in runs)
     assert len(times) == len(set(times)), "one run per fire time"
     assert all(t.microsecond == 0 for t in times)

@@ -18,6 +18,7 @@ from jobplane.model import Schedule, ScheduleSpec
 from jobplane.schedules import ScheduleService
 from jobplane.settings import Settings
 from tests.integration.conftest import Register
+from tests.integration.db import raw
 from tests.integration.processes import spawn, terminate
 
 SCHEMA = {"type": "object", "properties": {"at": {"type": "string"}}, "required": ["at"]}
@@ -47,7 +48,7 @@ async def every_second(backends: Backends, register: Register) -> Schedule:
 
 async def fires_of(backends: Backends, schedule_id: str) -> list[tuple[datetime, datetime]]:
     """(scheduledFor, createAt) of every run of the schedule, by fire time."""
-    cursor = backends.store.runs.find({"scheduleId": schedule_id}).sort("scheduledFor", 1)
+    cursor = raw(backends.store).runs.find({"scheduleId": schedule_id}).sort("scheduledFor", 1)
     return [(r["scheduledFor"], r["createAt"]) async for r in cursor]
 
 
@@ -191,5 +192,5 @@ async def test_the_standby_takes_over_from_a_killed_scheduler_and_misses_nothing
         assert created >= max(at, expired) - timedelta(seconds=POLL), (
             f"{at} was fired while a dead scheduler held the lock"
         )
-    skips = await backends.store.events.count_documents({"type": "fire_skipped"})
+    skips = await raw(backends.store).events.count_documents({"type": "fire_skipped"})
     assert skips == 0

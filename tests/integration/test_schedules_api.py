@@ -9,6 +9,7 @@ from jobplane.backends import Backends
 from jobplane.settings import Settings
 from tests.integration.api_client import error_of, pointers
 from tests.integration.conftest import Client
+from tests.integration.db import raw
 
 REPORT = {
     "type": "t_report",
@@ -67,7 +68,7 @@ async def test_create_read_change_pause_delete(api: httpx.AsyncClient, backends:
     assert (await api.delete(f"/v1/schedules/{sid}")).status_code == 204
     error_of(await api.get(f"/v1/schedules/{sid}"), 404, "NotFound")
     error_of(await api.delete(f"/v1/schedules/{sid}"), 404, "NotFound")
-    assert await backends.store.schedules.count_documents({}) == 0
+    assert await raw(backends.store).schedules.count_documents({}) == 0
 
 
 async def test_preview_in_utc_and_in_the_zone_across_spring_forward(api: httpx.AsyncClient) -> None:
@@ -137,7 +138,7 @@ async def test_bad_schedules_are_refused_and_nothing_is_written(
         await api.post("/v1/schedules", json={**BODY, **changes}), 422, "ValidationFailed"
     )
     assert any(p.startswith(pointer) for p in pointers(error)), pointers(error)
-    assert await backends.store.schedules.count_documents({}) == 0
+    assert await raw(backends.store).schedules.count_documents({}) == 0
 
 
 async def test_a_template_that_is_not_schedulable_is_refused(api: httpx.AsyncClient) -> None:
@@ -203,4 +204,4 @@ async def test_scopes_apply_to_schedules(
     auditor = client_for(made.json()["key"])
     assert len((await auditor.get("/v1/schedules")).json()["items"]) == 2
     error_of(await auditor.post(f"/v1/schedules/{mine['id']}/pause"), 403, "Forbidden")
-    assert await backends.store.runs.count_documents({}) == 0
+    assert await raw(backends.store).runs.count_documents({}) == 0

@@ -36,6 +36,7 @@ from jobplane.queue.redis import QueueEntry
 from jobplane.schedules.cron import Cron
 from jobplane.settings import Settings
 from tests.integration.conftest import Client
+from tests.integration.db import raw
 
 pytestmark = pytest.mark.timeout(300)
 
@@ -80,7 +81,7 @@ async def test_every_operation_holds_to_the_document(
     keys = {"admin": settings.admin_key, "user": user_key}
     failures = await asyncio.to_thread(fuzz, url, keys, seeds)
     assert not failures, "\n\n".join(failures)
-    await backends.store.flush()
+    await backends.store.trail.flush()
     assert await half_written(backends) == []
 
 
@@ -255,7 +256,7 @@ async def half_written(backends: Backends) -> list[str]:
     store = backends.store
     problems = []
     templates = {}
-    async for doc in store.templates.find():
+    async for doc in raw(store).templates.find():
         template = Template.model_validate(doc)
         templates[template.type, template.version] = template
     for type_ in {t for t, _ in templates}:
@@ -263,10 +264,10 @@ async def half_written(backends: Backends) -> list[str]:
         if versions != list(range(1, len(versions) + 1)):
             problems.append(f"template {type_}: versions {versions}")
     queued = []
-    async for doc in store.runs.find():
+    async for doc in raw(store).runs.find():
         run = Run.model_validate({**doc, "id": str(doc["_id"])})
         trail = [Event.model_validate({**e, "id": str(e["_id"])}) for e in doc["trail"]]
-        created = await store.events.count_documents({"jobId": run.id, "type": "created"})
+        created = await raw(store).events.count_documents({"jobId": run.id, "type": "created"})
         if not trail or trail[0].type != "created" or created != 1:
             problems.append(f"run {run.id}: no `created` event (trail {trail}, copied {created})")
         template = templates.get((run.template_type, run.template_version))
@@ -280,19 +281,19 @@ async def half_written(backends: Backends) -> list[str]:
             queued.append(QueueEntry.of(run))
     for entry in await backends.queue.missing(queued):
         problems.append(f"run {entry.run_id}: queued in MongoDB, not in Redis")
-    async for doc in store.schedules.find():
+    async for doc in raw(store).schedules.find():
         schedule = Schedule.model_validate({**doc, "id": str(doc["_id"])})
         if not any(t == schedule.template_type for t, _ in templates):
             problems.append(f"schedule {schedule.id}: no template {schedule.template_type}")
         Cron.parse(schedule.cron, schedule.timezone)  # raises if it could never fire
         if schedule.enabled and schedule.next_run_at is None:
             problems.append(f"schedule {schedule.id}: enabled, with no nextRunAt")
-    async for doc in store.api_keys.find():
+    async for doc in raw(store).api_keys.find():
         key = ApiKey.model_validate({**doc, "id": str(doc["_id"])})
-        kinds = await store.events.distinct("type", {"jobId": key.id})
+        kinds = await raw(store).events.distinct("type", {"jobId": key.id})
         expected = ["api_key_created"] + (["api_key_revoked"] if key.revoked_at else [])
         if sorted(kinds) != expected:
             problems.append(f"API key {key.id}: events {kinds}")
-    async for doc in store.events.find():
+    async for doc in raw(store).events.find():
         Event.model_validate({**doc, "id": str(doc["_id"])})
     return problems

@@ -25,8 +25,9 @@ from jobplane.runs import RunRequest, RunService
 from jobplane.scheduler import Scheduler
 from jobplane.settings import Settings
 from jobplane.store import DuplicateRun, KeyHeld, Lease, Lost, MongoStore, NewRun
-from jobplane.store.mongo import SHARD_KEYS, index_models
+from jobplane.store.indexes import SHARD_KEYS, index_models
 from tests.integration.conftest import Register, template_spec
+from tests.integration.db import raw
 
 Doc = dict[str, Any]
 
@@ -130,11 +131,11 @@ async def test_every_write_to_a_run_names_its_shard_key(
     except the claim, whose run ids come from Redis alone and which is a multi-document
     update, allowed by `_id` alone (listed in docs/operations.md as scatter-gather)."""
     store, commands = watched
-    plain, _ = await store.register_template(
+    plain, _ = await store.templates.register(
         template_spec("t_plain", steps=STEPS, retryPolicy={"maxAttempts": 2})
     )
-    timed, _ = await store.register_template(template_spec("t_timed", timeoutSeconds=20))
-    keyed, _ = await store.register_template(
+    timed, _ = await store.templates.register(template_spec("t_timed", timeoutSeconds=20))
+    keyed, _ = await store.templates.register(
         template_spec("t_keyed", concurrencyPolicy="queue_same_scope")
     )
     service = RunService(store, queue)
@@ -144,36 +145,41 @@ async def test_every_write_to_a_run_names_its_shard_key(
         return run.id
 
     async def claim(*run_ids: str) -> list[Lease]:
-        claimed = {run.id: lease for run, lease in await store.claim(list(run_ids), "w1", LEASE)}
+        claimed = {
+            run.id: lease
+            for run, lease in await store.transitions.claim(list(run_ids), "w1", LEASE)
+        }
         assert claimed.keys() == set(run_ids)
         return [claimed[run_id] for run_id in run_ids]
 
     commands.sent.clear()
     done, failed, retried, released = [await create(scope_id=f"u{i}") for i in range(4)]
     [lease] = await claim(done)
-    await store.heartbeat("w1", [lease], LEASE)
-    await store.start_step(lease, 0, "first")
-    await store.report_progress(lease, 0, 50, 25, "half way")
-    await store.finish_step(lease, 0, "first", {"ok": True}, 50, next_handler=None)
-    assert not isinstance(await store.complete(lease, 1, "second", None, None, clock.now()), Lost)
+    await store.leases.heartbeat("w1", [lease], LEASE)
+    await store.leases.start_step(lease, 0, "first")
+    await store.leases.report_progress(lease, 0, 50, 25, "half way")
+    await store.leases.finish_step(lease, 0, "first", {"ok": True}, 50, next_handler=None)
+    assert not isinstance(
+        await store.transitions.complete(lease, 1, "second", None, None, clock.now()), Lost
+    )
     leases = await claim(failed, retried, released)
-    await store.heartbeat("w1", leases, LEASE)
+    await store.leases.heartbeat("w1", leases, LEASE)
     error = RunError(code="boom", message="boom", step="first", attempt=1)
-    await store.fail(leases[0], 0, error)
-    await store.retry(leases[1], 0, error, clock.now())
-    await store.release(leases[2])
+    await store.transitions.fail(leases[0], 0, error)
+    await store.transitions.retry(leases[1], 0, error, clock.now())
+    await store.transitions.release(leases[2])
 
     waiting, requested = await create(), await create()
     await service.cancel(waiting, "user:a", "not needed")
     [held] = await claim(requested)
     await service.cancel(requested, "user:a", "stop")
-    await store.heartbeat("w1", [held], LEASE)
-    await store.acknowledge_cancel(held, interrupted=True)
+    await store.leases.heartbeat("w1", [held], LEASE)
+    await store.transitions.acknowledge_cancel(held, interrupted=True)
 
     first, second = await create(keyed.type), await create(keyed.type)
     assert (await service.get(second)).status == RunStatus.PENDING
     [key_lease] = await claim(first)
-    await store.complete(key_lease, 0, "only", None, None)
+    await store.transitions.complete(key_lease, 0, "only", None, None)
     await service.lifecycle.admit_next((await service.get(second)).dedupe_wait or "", "worker:w1")
     assert (await service.get(second)).status == RunStatus.QUEUED
 
@@ -186,14 +192,14 @@ async def test_every_write_to_a_run_names_its_shard_key(
     clock.advance(LEASE * 2)  # past the lease and the cancel's grace
     assert await scheduler.reap() == 2
     assert isinstance(
-        await store.finish_step(lost_lease, 0, "first", None, 50, next_handler=None), Lost
+        await store.leases.finish_step(lost_lease, 0, "first", None, 50, next_handler=None), Lost
     )
     outcomes = [(await service.get(r)).status for r in (lost, slow, late)]
     assert outcomes == [RunStatus.QUEUED, RunStatus.CANCELLED, RunStatus.EXPIRED]
 
     clock.advance(timedelta(days=settings.run_retention_days + 1).total_seconds())
-    assert await store.archive_runs(clock.now(), 100) > 0
-    await store.flush()
+    assert await store.maintenance.archive(clock.now(), 100) > 0
+    await store.trail.flush()
 
     seen: dict[str, int] = {}
     for event in commands.sent:
@@ -241,8 +247,8 @@ async def test_key_events_name_their_shard_key(
     transaction that creates or revokes the key."""
     store, commands = watched
     _, key = mint_key("ci", "author", [], "user:admin", clock.now())
-    assert await store.insert_api_key(key)
-    assert await store.revoke_api_key(key.id, "user:admin")
+    assert await store.keys.insert(key)
+    assert await store.keys.revoke(key.id, "user:admin")
     inserted = [
         (doc, event.command.get("autocommit"))
         for event in commands.sent
@@ -276,29 +282,31 @@ async def test_unique_indexes_of_an_unsharded_deployment_are_replaced(
     if mongos:
         pytest.skip("such indexes cannot exist on a sharded collection")
     for name in NEW_UNIQUE:
-        await store.runs.drop_index(name)
+        await raw(store).runs.drop_index(name)
     for name, (field, keys) in OLD_UNIQUE.items():
         partial = {field: {"$exists": True}}
-        made = await store.runs.create_index(keys, unique=True, partialFilterExpression=partial)
+        made = await raw(store).runs.create_index(
+            keys, unique=True, partialFilterExpression=partial
+        )
         assert made == name
     template = await register("t_keyed", concurrencyPolicy="reject_same_scope")
-    holder = await store.insert_run(NewRun(template, "user", "u1", dedupe_key="k1"), "user:a")
+    holder = await store.runs.insert(NewRun(template, "user", "u1", dedupe_key="k1"), "user:a")
     fire = datetime(2026, 3, 7, 2, 30, tzinfo=UTC)
     schedule_id = str(ObjectId())
     fired = NewRun(template, "user", "u1", schedule_id=schedule_id, scheduled_for=fire)
-    first_fire = await store.insert_run(fired, "scheduler")
+    first_fire = await store.runs.insert(fired, "scheduler")
 
     await store.ensure_indexes()
     await store.ensure_indexes()
 
-    indexes = await store.runs.index_information()
+    indexes = await raw(store).runs.index_information()
     assert not OLD_UNIQUE.keys() & indexes.keys()
     for name, field in NEW_UNIQUE.items():
         assert indexes[name]["unique"]
         assert indexes[name]["partialFilterExpression"] == {field: {"$exists": True}}
     with pytest.raises(KeyHeld) as held:
-        await store.insert_run(NewRun(template, "user", "u1", dedupe_key="k1"), "user:a")
+        await store.runs.insert(NewRun(template, "user", "u1", dedupe_key="k1"), "user:a")
     assert held.value.holder is not None and held.value.holder.id == holder.id
     with pytest.raises(DuplicateRun) as duplicate:
-        await store.insert_run(fired, "scheduler")
+        await store.runs.insert(fired, "scheduler")
     assert duplicate.value.run.id == first_fire.id

@@ -106,14 +106,14 @@ async def test_a_worker_stops_in_time_when_an_engine_goes_away_mid_run(
     try:
         async with open_backends(own) as backends:
             sleepy = [{"id": "nap", "handler": "builtin.sleep"}]
-            await backends.store.register_template(template_spec(steps=sleepy))
+            await backends.store.templates.register(template_spec(steps=sleepy))
             request = RunRequest("t_noop", "user", "u", {"sleepSeconds": 120})
             run, _ = await RunService(backends.store, backends.queue).create(request, "user:a")
             worker = spawn(own, "worker", log, "--drain-seconds", str(DRAIN))
             async with asyncio.timeout(60):
                 while True:
                     assert worker.poll() is None, log.read_text()
-                    got = await backends.store.get_run(run.id)
+                    got = await backends.store.runs.get(run.id)
                     steps = [] if got is None else got.progress.steps
                     if any(s.status == StepStatus.RUNNING for s in steps):
                         assert got is not None and got.status == RunStatus.RUNNING

@@ -7,6 +7,7 @@ import pytest
 from jobplane.model import RunStatus
 from jobplane.store import DuplicateRun, KeyHeld, MongoStore, NewRun
 from tests.integration.conftest import Register, template_spec
+from tests.integration.db import raw
 
 
 async def test_one_active_run_per_dedupe_key_under_concurrent_inserts(
@@ -17,7 +18,7 @@ async def test_one_active_run_per_dedupe_key_under_concurrent_inserts(
 
     async def insert() -> str:
         try:
-            return (await store.insert_run(new, "user:a")).id
+            return (await store.runs.insert(new, "user:a")).id
         except KeyHeld as held:
             assert held.holder is not None
             return f"conflict:{held.holder.id}"
@@ -26,12 +27,12 @@ async def test_one_active_run_per_dedupe_key_under_concurrent_inserts(
     winners = [o for o in outcomes if not o.startswith("conflict:")]
     assert len(winners) == 1
     assert set(outcomes) - set(winners) == {f"conflict:{winners[0]}"}
-    assert await store.runs.count_documents({}) == 1
+    assert await raw(store).runs.count_documents({}) == 1
 
     # The key is held only while the run is active.
-    [(_, lease)] = await store.claim(winners, "w", 5)
-    await store.complete(lease, 0, "only", None, None)
-    again = await store.insert_run(new, "user:a")
+    [(_, lease)] = await store.transitions.claim(winners, "w", 5)
+    await store.transitions.complete(lease, 0, "only", None, None)
+    again = await store.runs.insert(new, "user:a")
     assert again.status == RunStatus.QUEUED and again.dedupe_key == new.dedupe_key
 
 
@@ -39,11 +40,11 @@ async def test_idempotency_key_returns_the_existing_run(
     store: MongoStore, register: Register
 ) -> None:
     template = await register()
-    first = await store.insert_run(NewRun(template, "user", "u1", idempotency_key="k"), "user:a")
+    first = await store.runs.insert(NewRun(template, "user", "u1", idempotency_key="k"), "user:a")
     with pytest.raises(DuplicateRun) as caught:
-        await store.insert_run(NewRun(template, "user", "u1", idempotency_key="k"), "user:a")
+        await store.runs.insert(NewRun(template, "user", "u1", idempotency_key="k"), "user:a")
     assert caught.value.run.id == first.id
-    other_scope = await store.insert_run(
+    other_scope = await store.runs.insert(
         NewRun(template, "user", "u2", idempotency_key="k"), "user:b"
     )
     assert other_scope.id != first.id
@@ -51,10 +52,10 @@ async def test_idempotency_key_returns_the_existing_run(
 
 async def test_concurrent_registrations_make_consecutive_versions(store: MongoStore) -> None:
     specs = [template_spec("t", description=str(i)) for i in range(8)]
-    results = await asyncio.gather(*(store.register_template(s) for s in specs))
+    results = await asyncio.gather(*(store.templates.register(s) for s in specs))
     # Eight different definitions: each becomes its own version, none lost to the race.
     assert sorted(t.version for t, created in results if created) == list(range(1, 9))
-    assert await store.templates.count_documents({"type": "t"}) == 8
+    assert await raw(store).templates.count_documents({"type": "t"}) == 8
 
 
 async def test_an_earlier_versions_indexes_are_replaced_without_a_gap(
@@ -71,19 +72,19 @@ async def test_an_earlier_versions_indexes_are_replaced_without_a_gap(
         "status_1_dedupeKey_1_updateAt_1": [("status", 1), ("dedupeKey", 1), ("updateAt", 1)],
     }
     for name in ("leases", "deadlines", "cancel_deadlines", "schedule_runs", "ended"):
-        await store.runs.drop_index(name)
+        await raw(store).runs.drop_index(name)
     for name, keys in old_runs.items():
-        assert await store.runs.create_index(keys) == name
-    await store.events.create_index([("jobId", 1), ("runVersion", 1), ("_id", 1)])
+        assert await raw(store).runs.create_index(keys) == name
+    await raw(store).events.create_index([("jobId", 1), ("runVersion", 1), ("_id", 1)])
     template = await register()
-    run = await store.insert_run(NewRun(template, "user", "u1"), "user:a")
+    run = await store.runs.insert(NewRun(template, "user", "u1"), "user:a")
 
     await store.ensure_indexes()
     await store.ensure_indexes()
 
-    runs = await store.runs.index_information()
+    runs = await raw(store).runs.index_information()
     assert not old_runs.keys() & runs.keys()
     assert runs["leases"]["partialFilterExpression"] == {"lockedUntil": {"$exists": True}}
     assert runs["ended"]["partialFilterExpression"] == {"completedAt": {"$exists": True}}
-    assert "jobId_1_runVersion_1__id_1" not in await store.events.index_information()
-    assert await store.get_run(run.id) is not None
+    assert "jobId_1_runVersion_1__id_1" not in await raw(store).events.index_information()
+    assert await store.runs.get(run.id) is not None

@@ -45,6 +45,8 @@ from jobplane.model import (
 )
 from jobplane.store import DuplicateRun, KeyHeld, Lease, Lost, MongoStore, Moved, NewRun
 from tests.integration.conftest import template_spec
+from tests.integration.db import raw
+from tests.integration.runs import reap
 
 Doc = dict[str, Any]
 R = TypeVar("R")
@@ -278,9 +280,10 @@ def restep(r: RunModel, changes: dict[StepStatus, StepStatus]) -> None:
     r.steps = [changes.get(s, s) for s in r.steps]
 
 
-def let_go(r: RunModel, keep_worker: bool = False, keep_key: bool = True) -> None:
+def let_go(r: RunModel, keep_key: bool = True) -> None:
+    """The lease ends with the write that moved `r`; an ended run keeps its last worker."""
     r.token = r.locked_until = None
-    if not keep_worker:
+    if r.status not in TERMINAL:
         r.locked_by = None
     if not keep_key:
         r.dedupe_key = None
@@ -340,7 +343,7 @@ class Create(Op):
 
     async def perform(self, store: MongoStore) -> Run | KeyHeld | DuplicateRun:
         try:
-            return await store.insert_run(self.new_run(), ACTOR)
+            return await store.runs.insert(self.new_run(), ACTOR)
         except (KeyHeld, DuplicateRun) as refused:
             return refused
 
@@ -376,7 +379,7 @@ class Enqueue(Op):
     run_id: str
 
     async def perform(self, store: MongoStore) -> Moved | Lost:
-        return await store.enqueue(self.run_id, ACTOR)
+        return await store.transitions.enqueue(self.run_id, ACTOR)
 
     def check(self, world: World, got: Any) -> None:
         waits = world.runs[self.run_id].dedupe_wait is not None
@@ -392,7 +395,7 @@ class Claim(Op):
     run_ids: list[str]
 
     async def perform(self, store: MongoStore) -> list[tuple[Run, Lease]]:
-        return await store.claim(self.run_ids, self.worker, LEASE)
+        return await store.transitions.claim(self.run_ids, self.worker, LEASE)
 
     def check(self, world: World, got: Any) -> None:
         def claimable(r: RunModel) -> bool:
@@ -420,7 +423,7 @@ class ClaimExternal(Op):
     worker: str
 
     async def perform(self, store: MongoStore) -> tuple[Run, Lease] | None:
-        return await store.claim_external(EXTERNAL, self.worker, LEASE)
+        return await store.transitions.resume(EXTERNAL, self.worker, LEASE)
 
     def check(self, world: World, got: Any) -> None:
         waiting = [r for r in world.live() if r.status == S.WAITING_WORKER and r.external]
@@ -460,14 +463,16 @@ class Work(Op):
         began = None if self.started else self.now
         if self.completes:
             spend = not self.kind.repeatable
-            return await store.complete(self.lease, i, step_id, i, i, began, spend_key=spend)
+            return await store.transitions.complete(
+                self.lease, i, step_id, i, i, began, spend_key=spend
+            )
         if self.move == "finish":
-            return await store.finish_step(
+            return await store.leases.finish_step(
                 self.lease, i, step_id, i, 100 * (i + 1) / n, began, next_handler=None
             )
         if self.move == "start" and not self.started:
-            return await store.start_step(self.lease, i, step_id, self.now)
-        return await store.report_progress(self.lease, i, 50, 100 * (i + 0.5) / n, "half")
+            return await store.leases.start_step(self.lease, i, step_id, self.now)
+        return await store.leases.report_progress(self.lease, i, 50, 100 * (i + 0.5) / n, "half")
 
     def check(self, world: World, got: Any) -> None:
         r, holder = (
@@ -480,7 +485,7 @@ class Work(Op):
             if isinstance(want, Moved):
                 wrote(world, r, want.to)
                 r.steps[self.step] = StepStatus.SUCCEEDED
-                let_go(r, keep_worker=True, keep_key=not self.kind.repeatable)
+                let_go(r, keep_key=not self.kind.repeatable)
                 holder.step = self.kind.steps
             return
         fenced = expect_fenced(world, self.lease)
@@ -521,8 +526,8 @@ class Fail(Op):
         began = None if self.holder.started else self.now
         if self.retries:
             later = self.now + timedelta(seconds=self.backoff)
-            return await store.retry(self.lease, self.step, error, later, began)
-        return await store.fail(self.lease, self.step, error, began)
+            return await store.transitions.retry(self.lease, self.step, error, later, began)
+        return await store.transitions.fail(self.lease, self.step, error, began)
 
     def check(self, world: World, got: Any) -> None:
         r = world.runs[self.lease.run_id]
@@ -536,7 +541,7 @@ class Fail(Op):
                 let_go(r)
                 r.not_before = self.now + timedelta(seconds=self.backoff)
             else:
-                let_go(r, keep_worker=True, keep_key=False)
+                let_go(r, keep_key=False)
 
 
 @dataclass
@@ -546,7 +551,7 @@ class Release(Op):
     lease: Lease
 
     async def perform(self, store: MongoStore) -> Moved | Lost:
-        return await store.release(self.lease)
+        return await store.transitions.release(self.lease)
 
     def check(self, world: World, got: Any) -> None:
         r = world.runs[self.lease.run_id]
@@ -565,7 +570,7 @@ class Acknowledge(Op):
     interrupted: bool
 
     async def perform(self, store: MongoStore) -> Moved | Lost:
-        return await store.acknowledge_cancel(self.lease, self.interrupted)
+        return await store.transitions.acknowledge_cancel(self.lease, self.interrupted)
 
     def check(self, world: World, got: Any) -> None:
         r = world.runs[self.lease.run_id]
@@ -575,7 +580,7 @@ class Acknowledge(Op):
             wrote(world, r, want.to)
             stopped = StepStatus.CANCELLED if self.interrupted else StepStatus.SKIPPED
             restep(r, {StepStatus.RUNNING: stopped, **UNDONE_SKIPPED})
-            let_go(r, keep_worker=True, keep_key=False)
+            let_go(r, keep_key=False)
 
 
 @dataclass
@@ -587,7 +592,7 @@ class HandOver(Op):
     step: int
 
     async def perform(self, store: MongoStore) -> Moved | Lost:
-        return await store.wait_worker(
+        return await store.transitions.wait_worker(
             self.lease, self.step, self.kind.step_id(self.step), EXTERNAL
         )
 
@@ -612,7 +617,7 @@ class Heartbeat(Op):
     exact: bool = True
 
     async def perform(self, store: MongoStore) -> tuple[set[str], set[str]]:
-        return await store.heartbeat(self.worker, self.leases, LEASE)
+        return await store.leases.heartbeat(self.worker, self.leases, LEASE)
 
     def check(self, world: World, got: Any) -> None:
         held = {
@@ -641,7 +646,7 @@ class Overdue(Op):
     run: Run  # as the worker's claim returned it
 
     async def perform(self, store: MongoStore) -> Moved | Lost:
-        return await store.expire_deadline(self.run, self.lease.actor)
+        return await store.transitions.deadline_expire(self.run, self.lease.actor)
 
     def check(self, world: World, got: Any) -> None:
         r = world.runs[self.lease.run_id]
@@ -670,8 +675,8 @@ class Cancel(Op):
 
     async def perform(self, store: MongoStore) -> Moved | Lost:
         if self.ask:
-            return await store.request_cancel(self.run_id, ACTOR, "stop", self.grace)
-        return await store.cancel(self.run_id, ACTOR, "stop")
+            return await store.transitions.request_cancel(self.run_id, ACTOR, "stop", self.grace)
+        return await store.transitions.cancel(self.run_id, ACTOR, "stop")
 
     def check(self, world: World, got: Any) -> None:
         r = world.runs[self.run_id]
@@ -699,15 +704,15 @@ class Reap(Op):
     meanwhile: Callable[[], Awaitable[None]] | None = field(default=None, repr=False)
 
     async def perform(self, store: MongoStore) -> dict[str, tuple[RunStatus, RunStatus]]:
-        late, slow = await store.overdue(100)
+        late, slow = await store.maintenance.overdue(100)
         outcomes = [
-            *[await store.expire_deadline(run, "reaper") for run in late],
-            *[await store.time_out_cancel(run) for run in slow],
+            *[await store.transitions.deadline_expire(run, "reaper") for run in late],
+            *[await store.transitions.cancel_timeout(run, "reaper") for run in slow],
         ]
-        expired = await store.expired_leases(100)
+        expired = await store.maintenance.expired_leases(100)
         if self.meanwhile is not None:
             await self.meanwhile()
-        outcomes += [await store.reap(run) for run in expired]
+        outcomes += [await reap(store, run) for run in expired]
         return {m.run_id: (m.from_, m.to) for m in outcomes if isinstance(m, Moved)}
 
     def check(self, world: World, got: Any) -> None:
@@ -755,11 +760,11 @@ class Admit(Op):
     key: str
 
     async def perform(self, store: MongoStore) -> Moved | Lost | str | None:
-        waiting = await store.next_waiting(self.key)
+        waiting = await store.runs.next_waiting(self.key)
         if waiting is None:
             return None
         try:
-            return await store.take_key(waiting, "scheduler")
+            return await store.runs.take_key(waiting, "scheduler")
         except KeyHeld as held:
             return f"held by {held.holder.id if held.holder else None}"
 
@@ -782,7 +787,7 @@ class Archive(Op):
     """The retention pass."""
 
     async def perform(self, store: MongoStore) -> int:
-        return await store.archive_runs(store.clock.now() - timedelta(seconds=RETAIN), 100)
+        return await store.maintenance.archive(store.clock.now() - timedelta(seconds=RETAIN), 100)
 
     def check(self, world: World, got: Any) -> None:
         before = world.now - timedelta(seconds=RETAIN)
@@ -1045,11 +1050,11 @@ class StoreMachine(RuleBasedStateMachine):
 
     async def count_stale(self, run_id: str) -> int:
         query = {"jobId": run_id, "type": "stale_write_rejected"}
-        return await self.store.events.count_documents(query)
+        return await raw(self.store).events.count_documents(query)
 
     async def read_all(self) -> dict[str, tuple[Doc, bool]]:
-        live = {str(d["_id"]): (d, False) async for d in self.store.runs.find({})}
-        archived = {str(d["_id"]): (d, True) async for d in self.store.archive.find({})}
+        live = {str(d["_id"]): (d, False) async for d in raw(self.store).runs.find({})}
+        archived = {str(d["_id"]): (d, True) async for d in raw(self.store).archive.find({})}
         assert not live.keys() & archived.keys(), "a run is both live and archived"
         return live | archived
 
@@ -1067,7 +1072,7 @@ class StoreMachine(RuleBasedStateMachine):
         order, one live lease at most, an error only as the outcome, dedupe keys held once,
         versions that only go up, and terminal runs that never change again."""
         stored = self.call(self.compare(self.world))
-        stale = self.call(self.store.events.find({"type": "stale_write_rejected"}).to_list())
+        stale = self.call(raw(self.store).events.find({"type": "stale_write_rejected"}).to_list())
         self.stale = Counter(e["jobId"] for e in stale)
         for run_id, (doc, _) in stored.items():
             r = self.world.runs[run_id]
@@ -1109,8 +1114,9 @@ class StoreMachine(RuleBasedStateMachine):
 
     async def reset(self) -> None:
         # The next example starts from empty collections (indexes and templates stay).
-        await self.store.flush()
-        for collection in (self.store.runs, self.store.archive, self.store.events):
+        await self.store.trail.flush()
+        db = raw(self.store)
+        for collection in (db.runs, db.archive, db.events):
             await collection.delete_many({})
 
 
@@ -1261,7 +1267,7 @@ async def connect(mongo_url: str, db: str) -> tuple[AsyncMongoClient[Doc], dict[
             cancelPolicy={"graceSeconds": kind.grace},
             repeatable=kind.repeatable,
         )
-        templates[kind.type], _ = await store.register_template(spec)
+        templates[kind.type], _ = await store.templates.register(spec)
     return client, templates
 
 

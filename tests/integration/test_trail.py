@@ -10,6 +10,7 @@ from jobplane.clock import ManualClock
 from jobplane.model import RunStatus
 from jobplane.store import MongoStore, NewRun
 from tests.integration.conftest import Register
+from tests.integration.db import raw
 
 
 async def test_events_a_dead_writer_never_copied_are_read_and_swept_once(
@@ -18,15 +19,15 @@ async def test_events_a_dead_writer_never_copied_are_read_and_swept_once(
     template = await register()
     with monkeypatch.context() as patched:
         # The process dies after each write and before its copy.
-        patched.setattr(store, "_copy", _die)
-        run = await store.insert_run(NewRun(template, "user", "u1"), "user:a")
-        [(_, lease)] = await store.claim([run.id], "w", 5)
-        await store.complete(lease, 0, "only", "out", None)
-        await store.flush()
-    assert await store.events.count_documents({"jobId": run.id}) == 0
+        patched.setattr(store.trail, "_copy", _die)
+        run = await store.runs.insert(NewRun(template, "user", "u1"), "user:a")
+        [(_, lease)] = await store.transitions.claim([run.id], "w", 5)
+        await store.transitions.complete(lease, 0, "only", "out", None)
+        await store.trail.flush()
+    assert await raw(store).events.count_documents({"jobId": run.id}) == 0
 
     # Readers see the whole trail already: it is durable with the writes themselves.
-    trail = [(e.type, e.to) for e in await store.events_of(run.id)]
+    trail = [(e.type, e.to) for e in await store.trail.events_of(run.id)]
     assert trail == [
         ("created", RunStatus.QUEUED),
         ("status_changed", RunStatus.RUNNING),
@@ -35,13 +36,13 @@ async def test_events_a_dead_writer_never_copied_are_read_and_swept_once(
     ]
 
     # Runs written after the settled mark are left to their writers.
-    assert await store.sweep_trails(store.clock.now() - timedelta(seconds=60)) == 0
+    assert await store.trail.sweep(store.clock.now() - timedelta(seconds=60)) == 0
     # Two sweeps racing copy each event once.
     later = store.clock.now() + timedelta(seconds=1)
-    await asyncio.gather(store.sweep_trails(later), store.sweep_trails(later))
-    assert await store.events.count_documents({"jobId": run.id}) == 4
-    assert [(e.type, e.to) for e in await store.events_of(run.id)] == trail
-    assert await store.sweep_trails(later) == 0
+    await asyncio.gather(store.trail.sweep(later), store.trail.sweep(later))
+    assert await raw(store).events.count_documents({"jobId": run.id}) == 4
+    assert [(e.type, e.to) for e in await store.trail.events_of(run.id)] == trail
+    assert await store.trail.sweep(later) == 0
 
 
 async def test_the_sweep_checks_only_runs_written_since_its_last_pass(
@@ -50,34 +51,36 @@ async def test_the_sweep_checks_only_runs_written_since_its_last_pass(
     clock = ManualClock()
     timed = MongoStore(store.client, store.db.name, clock=clock)
     template = await register()
-    first = await timed.insert_run(NewRun(template, "user", "u1"), "user:a")
-    await timed.flush()
+    first = await timed.runs.insert(NewRun(template, "user", "u1"), "user:a")
+    await timed.trail.flush()
     # Past the skew the sweep allows for writers' clocks (30 s).
-    assert await timed.sweep_trails(clock.now() + timedelta(seconds=60)) == 0
+    assert await timed.trail.sweep(clock.now() + timedelta(seconds=60)) == 0
     # An event gone from `job_events` of a run nobody wrote since is not looked for again...
-    await timed.events.delete_many({"jobId": first.id})
+    await raw(timed).events.delete_many({"jobId": first.id})
     clock.advance(120)
     # ...but one of a run written after the last pass is.
     with monkeypatch.context() as patched:
-        patched.setattr(timed, "_copy", _die)
-        second = await timed.insert_run(NewRun(template, "user", "u2"), "user:a")
-        await timed.flush()
-    assert await timed.sweep_trails(clock.now() + timedelta(seconds=1)) == 1
-    assert await timed.events.count_documents({"jobId": second.id}) == 1
-    assert await timed.events.count_documents({"jobId": first.id}) == 0
+        patched.setattr(timed.trail, "_copy", _die)
+        second = await timed.runs.insert(NewRun(template, "user", "u2"), "user:a")
+        await timed.trail.flush()
+    assert await timed.trail.sweep(clock.now() + timedelta(seconds=1)) == 1
+    assert await raw(timed).events.count_documents({"jobId": second.id}) == 1
+    assert await raw(timed).events.count_documents({"jobId": first.id}) == 0
 
 
 async def test_copies_keep_up_and_trails_stay_whole(store: MongoStore, register: Register) -> None:
     template = await register()
-    runs = [await store.insert_run(NewRun(template, "user", "u1"), "user:a") for _ in range(20)]
-    claimed = await store.claim([r.id for r in runs], "w", 5)
-    await asyncio.gather(*(store.complete(lease, 0, "only", None, None) for _, lease in claimed))
-    await store.flush()
-    assert await store.events.count_documents({}) == 20 * 4
-    doc = await store.runs.find_one({})
+    runs = [await store.runs.insert(NewRun(template, "user", "u1"), "user:a") for _ in range(20)]
+    claimed = await store.transitions.claim([r.id for r in runs], "w", 5)
+    await asyncio.gather(
+        *(store.transitions.complete(lease, 0, "only", None, None) for _, lease in claimed)
+    )
+    await store.trail.flush()
+    assert await raw(store).events.count_documents({}) == 20 * 4
+    doc = await raw(store).runs.find_one({})
     assert doc is not None and len(doc["trail"]) == 4
     later = store.clock.now() + timedelta(seconds=1)
-    assert await store.sweep_trails(later) == 0
+    assert await store.trail.sweep(later) == 0
 
 
 async def _die(events: object) -> None:

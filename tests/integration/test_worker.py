@@ -15,6 +15,7 @@ from jobplane.settings import Settings
 from jobplane.worker import StepContext, Worker, registry
 from tests.conftest import REDIS_TOPOLOGIES
 from tests.integration.conftest import Register
+from tests.integration.db import raw
 from tests.integration.workers import running, settled
 
 pytestmark = REDIS_TOPOLOGIES
@@ -29,7 +30,7 @@ async def wait_status(backends: Backends, run_id: str, status: RunStatus) -> Non
     """Until the run is in `status` and, if running, its current step shows as running."""
     async with asyncio.timeout(20):
         # Polling: the test watches MongoDB from outside, as a user would.
-        while not (run := await backends.store.get_run(run_id)) or not in_status(run, status):  # noqa: ASYNC110
+        while not (run := await backends.store.runs.get(run_id)) or not in_status(run, status):  # noqa: ASYNC110
             await asyncio.sleep(0.02)
 
 
@@ -52,7 +53,7 @@ async def test_cancel_mid_step_stops_at_the_next_checkpoint(
     assert done.status == RunStatus.CANCELLED
     assert [s.status for s in done.progress.steps] == [StepStatus.CANCELLED, StepStatus.SKIPPED]
     assert done.cancel_reason == "no longer needed" and done.cancel_requested_by == "user:a"
-    trail = [(e.type, e.to) for e in await backends.store.events_of(run.id)]
+    trail = [(e.type, e.to) for e in await backends.store.trail.events_of(run.id)]
     assert trail[-3:] == [
         ("status_changed", RunStatus.CANCEL_REQUESTED),
         ("cancel_requested", None),
@@ -90,7 +91,7 @@ async def test_graceful_stop_releases_unfinished_runs_without_an_attempt(
     await wait_status(backends, run.id, RunStatus.RUNNING)
     stop.set()
     await task
-    released = await backends.store.get_run(run.id)
+    released = await backends.store.runs.get(run.id)
     assert released is not None and released.status == RunStatus.QUEUED
     assert released.attempt == 0 and released.locked_by is None
     assert released.progress.steps[0].status == StepStatus.PENDING
@@ -139,7 +140,7 @@ async def test_heartbeats_keep_a_step_longer_than_the_lease(
     async with running(backends, quick, scheduler=True):
         [done] = await settled(backends.store, [run.id])
     assert done.status == RunStatus.SUCCEEDED and done.attempt == 1
-    types = [e.type for e in await backends.store.events_of(run.id)]
+    types = [e.type for e in await backends.store.trail.events_of(run.id)]
     assert "lease_expired" not in types and "stale_write_rejected" not in types
 
 
@@ -152,16 +153,16 @@ async def test_heartbeat_stops_a_handler_whose_lease_was_superseded(
     )
     async with running(backends, settings) as [worker]:
         await wait_status(backends, run.id, RunStatus.RUNNING)
-        await backends.store.runs.update_one(
+        await raw(backends.store).runs.update_one(
             {"_id": ObjectId(run.id)}, {"$set": {"leaseToken": "someone-else"}}
         )
         async with asyncio.timeout(5):
             while run.id in worker.held:  # noqa: ASYNC110
                 await asyncio.sleep(0.05)
-    after = await backends.store.get_run(run.id)
+    after = await backends.store.runs.get(run.id)
     assert after is not None and after.lease_token == "someone-else"
     rejected = [
-        e for e in await backends.store.events_of(run.id) if e.type == "stale_write_rejected"
+        e for e in await backends.store.trail.events_of(run.id) if e.type == "stale_write_rejected"
     ]
     assert [e.metadata["write"] for e in rejected] == ["heartbeat"]
 
@@ -180,7 +181,7 @@ async def test_a_worker_cut_off_from_mongodb_stops_once_its_lease_passed(
         async def unreachable(*args: object) -> None:
             raise ConnectionError("MongoDB unreachable")
 
-        monkeypatch.setattr(worker.store, "heartbeat", unreachable)
+        monkeypatch.setattr(worker.store.leases, "heartbeat", unreachable)
         async with asyncio.timeout(5):
             while run.id in worker.held:  # noqa: ASYNC110
                 await asyncio.sleep(0.05)
@@ -221,7 +222,7 @@ async def test_cancel_during_a_non_cancelable_last_step_keeps_its_output(
     assert done.status == RunStatus.CANCELLED
     assert done.progress.steps[0].status == StepStatus.SUCCEEDED
     assert done.outputs == {"last": {"sleptSeconds": 0.6}}
-    types = [e.type for e in await backends.store.events_of(run.id)]
+    types = [e.type for e in await backends.store.trail.events_of(run.id)]
     assert types[-2:] == ["step_finished", "status_changed"]
 
 
@@ -262,7 +263,7 @@ async def test_a_run_writes_no_lock_in_redis(
 
     async def renewed() -> bool:
         """A heartbeat renewed the lease since the claim (here it beats every second)."""
-        held = await backends.store.get_run(run.id)
+        held = await backends.store.runs.get(run.id)
         return held is not None and held.heartbeat_at != held.started_at
 
     async with running(backends, settings):

@@ -31,7 +31,7 @@ async def running(
         stop.set()
         await asyncio.gather(*tasks)
         # As a worker process does on exit: its events are all in `job_events` once it stops.
-        await backends.store.flush()
+        await backends.store.trail.flush()
 
 
 async def settled(store: MongoStore, run_ids: Iterable[str], within: float = 60) -> list[Run]:
@@ -39,7 +39,7 @@ async def settled(store: MongoStore, run_ids: Iterable[str], within: float = 60)
     ids = list(run_ids)
     async with asyncio.timeout(within):
         while True:
-            runs = [await store.get_run(i) for i in ids]
+            runs = [await store.runs.get(i) for i in ids]
             if all(r is not None and r.status in TERMINAL for r in runs):
                 return [r for r in runs if r is not None]
             await asyncio.sleep(0.05)

@@ -16,6 +16,7 @@ from jobplane.settings import Settings
 from jobplane.store import MongoStore
 from tests.integration.api_client import error_of
 from tests.integration.conftest import Client, Register
+from tests.integration.db import raw
 from tests.integration.workers import running, settled
 
 FAIL = [{"id": "boom", "handler": "builtin.fail"}]
@@ -211,7 +212,7 @@ async def test_every_query_is_served_by_an_index(
             assert (await client.get("/v1/overview")).status_code == 200
     finally:
         await store.db.command("profile", 0)
-    profiled = await store.db["system.profile"].find({"ns": store.runs.full_name}).to_list()
+    profiled = await store.db["system.profile"].find({"ns": raw(store).runs.full_name}).to_list()
     assert len(profiled) >= 10  # five reads of the runs per overview
     scans = [p for p in profiled if "COLLSCAN" in p.get("planSummary", "")]
     assert not scans, scans

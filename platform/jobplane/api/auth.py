@@ -21,7 +21,7 @@ from fastapi import Request
 from jobplane.errors import Forbidden, NotFound, Unauthorized
 from jobplane.model import ApiKey, Role, Run, Schedule
 from jobplane.settings import Settings
-from jobplane.store import MongoStore
+from jobplane.store import Store
 
 
 class Permission(StrEnum):
@@ -129,8 +129,8 @@ async def authenticate(request: Request) -> Caller:
         return Caller("admin", "admin")
     prefix, _, rest = presented.partition("_")
     key_id, _, secret = rest.partition("_")
-    store: MongoStore = request.app.state.store
-    record = await store.get_api_key(key_id) if prefix == "jp" and secret else None
+    store: Store = request.app.state.store
+    record = await store.keys.get(key_id) if prefix == "jp" and secret else None
     if record is None or not hmac.compare_digest(record.secret_hash, _digest(secret)):
         raise Unauthorized("unknown API key")
     # Said only to whoever holds the secret: a guesser learns nothing from it.

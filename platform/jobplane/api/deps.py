@@ -13,11 +13,11 @@ from jobplane.queue.redis import RedisQueue
 from jobplane.runs import RunService
 from jobplane.runs.waiting import Waiting
 from jobplane.settings import Settings
-from jobplane.store import MongoStore
+from jobplane.store import Store
 
 
-async def get_store(request: Request) -> MongoStore:
-    store: MongoStore = request.app.state.store
+async def get_store(request: Request) -> Store:
+    store: Store = request.app.state.store
     return store
 
 
@@ -40,7 +40,7 @@ async def get_waiting(request: Request) -> Waiting:
     return waiting
 
 
-StoreDep = Annotated[MongoStore, Depends(get_store)]
+StoreDep = Annotated[Store, Depends(get_store)]
 WaitingDep = Annotated[Waiting, Depends(get_waiting)]
 RunsDep = Annotated[RunService, Depends(get_runs)]
 SettingsDep = Annotated[Settings, Depends(get_settings)]

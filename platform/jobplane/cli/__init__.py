@@ -151,7 +151,8 @@ def _dev(args: argparse.Namespace) -> None:
 def _db_shard(args: argparse.Namespace) -> None:
     from pymongo.errors import PyMongoError
 
-    from jobplane.store.mongo import NotSharded, shard_database
+    from jobplane.store import NotSharded
+    from jobplane.store.mongo import shard_database
 
     settings = _settings(args)
     if not settings.mongodb_url:

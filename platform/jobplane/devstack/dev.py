@@ -122,7 +122,7 @@ async def _serve(
 async def _demo(backends: Backends, templates: Path, stop: asyncio.Event) -> int:
     """Register the shipped templates, create a `demo_long_task` run and watch it finish."""
     for spec in load_path(templates):
-        template, created = await backends.store.register_template(spec)
+        template, created = await backends.store.templates.register(spec)
         print(f"template {template.type} v{template.version}{' (new)' if created else ''}")
     service = RunService(backends.store, backends.queue)
     request = RunRequest("demo_long_task", "system", "demo", dict(DEMO_PAYLOAD))

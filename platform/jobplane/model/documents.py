@@ -280,7 +280,6 @@ class Run(Document):
     schedule_id: str | None = None
     scheduled_for: datetime | None = None
     rerun_of: str | None = None
-    scheduled_at: datetime | None = None
     started_at: datetime | None = None
     completed_at: datetime | None = None
     create_at: datetime

@@ -1,7 +1,10 @@
 """Run and step statuses, and the one table of allowed run transitions.
 
-Every lifecycle write in the store is one of the named transitions below; the store builds its
-conditional filters from `TRANSITIONS`, and tests walk the same table against a real database.
+Every lifecycle write in the store is one of the named transitions below, made by the store
+method of the same name. A row says everything that write decides: the statuses it moves from,
+the guards its filter adds, and what entering the target means for the run's lease, its dedupe
+key and its attempt. The store turns a row into one conditional write (`store/transitions.py`)
+and nowhere else decides these things; tests walk the same table against a real database.
 """
 
 from dataclasses import dataclass
@@ -34,52 +37,164 @@ TERMINAL: frozenset[RunStatus] = frozenset(
 )
 ACTIVE: frozenset[RunStatus] = frozenset(RunStatus) - TERMINAL
 CLAIMABLE: frozenset[RunStatus] = frozenset({RunStatus.PENDING, RunStatus.QUEUED})
-# Statuses in which a worker holds a lease (lockedBy + leaseToken + lockedUntil are set).
+# Statuses in which a worker may hold a lease (lockedBy + leaseToken + lockedUntil are set).
 LEASED: frozenset[RunStatus] = frozenset(
     {RunStatus.RUNNING, RunStatus.WAITING_WORKER, RunStatus.CANCEL_REQUESTED}
 )
 
 
+class Guard(StrEnum):
+    """A condition a transition's write checks besides the run's status."""
+
+    # The writer holds the run's lease: its worker id and lease token (a fenced write).
+    LEASE = "lease"
+    # The run waits for no dedupe key: a waiting run may be neither queued nor claimed.
+    NOT_WAITING = "not_waiting"
+    # The run's `notBefore` has come, or it has none.
+    DUE = "due"
+    # The run waits for the kind of external worker that claims it.
+    EXTERNAL_TYPE = "external_type"
+    # The run's status and lease token are still those the reaper read and decided on.
+    AS_READ = "as_read"
+    LEASE_EXPIRED = "lease_expired"
+    DEADLINE_PASSED = "deadline_passed"
+    GRACE_PASSED = "grace_passed"
+
+
+class LeaseChange(StrEnum):
+    """What entering the target does to the run's lease."""
+
+    # A new lease: holder, token, expiry and a first renewal.
+    GRANT = "grant"
+    KEEP = "keep"
+    # Nobody holds the run now: holder, token and expiry are removed.
+    DROP = "drop"
+    # The run ended: token and expiry are removed; the holder stays as the run's last one.
+    END = "end"
+
+
+class KeyChange(StrEnum):
+    """What entering the target does to the run's dedupe key."""
+
+    KEEP = "keep"
+    # The key is let go (and a run waiting for one stops waiting): the next run may take it.
+    FREE = "free"
+    # Let go if the template is repeatable; otherwise kept for good, so that the unique index
+    # refuses every later run for that key.
+    SPEND = "spend"
+
+
+class AttemptChange(StrEnum):
+    """What the transition does to the run's attempt."""
+
+    NONE = "none"
+    # A claim: the next attempt begins, unless one handed back goes on.
+    START = "start"
+    # The attempt in progress ended in an error: it joins `attempts`, and is the run's error
+    # if the run ended with it.
+    FAIL = "fail"
+    # The attempt is given back, not spent (a shutdown or a hand-over).
+    HAND_BACK = "hand_back"
+
+
 @dataclass(frozen=True)
 class Transition:
-    """A named edge set: from any of `sources` to `target`."""
+    """A named edge set: from any of `sources` to `target`, under `guards`."""
 
     name: str
     sources: frozenset[RunStatus]
     target: RunStatus
-    # Worker writes must prove they still hold the lease (lockedBy + leaseToken).
-    fenced: bool = False
+    guards: frozenset[Guard]
+    lease: LeaseChange
+    key: KeyChange
+    attempt: AttemptChange
+
+    @property
+    def fenced(self) -> bool:
+        """A lease holder's write: it must prove it still holds the lease."""
+        return Guard.LEASE in self.guards
+
+    @property
+    def ends(self) -> bool:
+        """Entering the target ends the run (`completedAt` is set)."""
+        return self.target in TERMINAL
 
 
-def _t(name: str, sources: set[RunStatus], target: RunStatus, fenced: bool = False) -> Transition:
-    return Transition(name, frozenset(sources), target, fenced)
+def _t(
+    name: str,
+    sources: set[RunStatus],
+    target: RunStatus,
+    *guards: Guard,
+    lease: LeaseChange = LeaseChange.KEEP,
+    key: KeyChange = KeyChange.KEEP,
+    attempt: AttemptChange = AttemptChange.NONE,
+) -> Transition:
+    if target in TERMINAL:
+        # Every ended run loses its lease the same way and lets go of its key (a success may
+        # spend it): one rule, whichever transition ended the run.
+        lease = LeaseChange.END
+        key = key if key is KeyChange.SPEND else KeyChange.FREE
+    return Transition(name, frozenset(sources), target, frozenset(guards), lease, key, attempt)
 
 
 S = RunStatus
+G = Guard
+_HELD = {S.RUNNING, S.WAITING_WORKER}
 _ALL = [
-    _t("enqueue", {S.PENDING}, S.QUEUED),
-    _t("claim", {S.PENDING, S.QUEUED}, S.RUNNING),
+    _t("enqueue", {S.PENDING}, S.QUEUED, G.NOT_WAITING),
+    _t(
+        "claim",
+        {S.PENDING, S.QUEUED},
+        S.RUNNING,
+        G.NOT_WAITING,
+        G.DUE,
+        lease=LeaseChange.GRANT,
+        attempt=AttemptChange.START,
+    ),
     # An external step: the inline worker lets go, and an external worker's claim resumes it.
-    _t("wait_worker", {S.RUNNING}, S.WAITING_WORKER, fenced=True),
-    _t("resume", {S.WAITING_WORKER}, S.RUNNING),
-    _t("complete", {S.RUNNING, S.WAITING_WORKER}, S.SUCCEEDED, fenced=True),
-    _t("fail", {S.RUNNING, S.WAITING_WORKER}, S.FAILED, fenced=True),
-    _t("retry", {S.RUNNING, S.WAITING_WORKER}, S.QUEUED, fenced=True),
+    _t("wait_worker", {S.RUNNING}, S.WAITING_WORKER, G.LEASE, lease=LeaseChange.DROP),
+    _t("resume", {S.WAITING_WORKER}, S.RUNNING, G.EXTERNAL_TYPE, lease=LeaseChange.GRANT),
+    _t("complete", _HELD, S.SUCCEEDED, G.LEASE, key=KeyChange.SPEND),
+    _t("fail", _HELD, S.FAILED, G.LEASE, attempt=AttemptChange.FAIL),
+    _t("retry", _HELD, S.QUEUED, G.LEASE, lease=LeaseChange.DROP, attempt=AttemptChange.FAIL),
     # Graceful shutdown hands the run back without spending an attempt.
-    _t("release", {S.RUNNING, S.WAITING_WORKER}, S.QUEUED, fenced=True),
+    _t(
+        "release",
+        _HELD,
+        S.QUEUED,
+        G.LEASE,
+        lease=LeaseChange.DROP,
+        attempt=AttemptChange.HAND_BACK,
+    ),
     _t("cancel", {S.PENDING, S.QUEUED}, S.CANCELLED),
-    _t("request_cancel", {S.RUNNING, S.WAITING_WORKER}, S.CANCEL_REQUESTED),
-    _t("acknowledge_cancel", {S.CANCEL_REQUESTED}, S.CANCELLED, fenced=True),
-    # The reaper acts on runs whose lease ran out; its filters add `lockedUntil < now`.
-    _t("reap_requeue", {S.RUNNING, S.WAITING_WORKER}, S.QUEUED),
-    _t("reap_expire", {S.RUNNING, S.WAITING_WORKER, S.CANCEL_REQUESTED}, S.EXPIRED),
-    _t("reap_cancel", {S.RUNNING, S.WAITING_WORKER, S.CANCEL_REQUESTED}, S.CANCELLED),
+    _t("request_cancel", _HELD, S.CANCEL_REQUESTED),
+    _t("acknowledge_cancel", {S.CANCEL_REQUESTED}, S.CANCELLED, G.LEASE),
+    # The reaper acts on runs whose lease ran out, as it read them: a heartbeat or a cancel
+    # that came after its read wins.
+    _t(
+        "reap_requeue",
+        _HELD,
+        S.QUEUED,
+        G.AS_READ,
+        G.LEASE_EXPIRED,
+        lease=LeaseChange.DROP,
+        attempt=AttemptChange.FAIL,
+    ),
+    _t(
+        "reap_expire",
+        set(LEASED),
+        S.EXPIRED,
+        G.AS_READ,
+        G.LEASE_EXPIRED,
+        attempt=AttemptChange.FAIL,
+    ),
+    _t("reap_cancel", set(LEASED), S.CANCELLED, G.AS_READ, G.LEASE_EXPIRED),
     # A worker that does not converge within `cancelPolicy.graceSeconds` is overruled.
-    _t("cancel_timeout", {S.CANCEL_REQUESTED}, S.CANCELLED),
+    _t("cancel_timeout", {S.CANCEL_REQUESTED}, S.CANCELLED, G.GRACE_PASSED),
     # The run's `deadline` (template `timeoutSeconds` from its first start) passed.
-    _t("deadline_expire", {S.RUNNING, S.WAITING_WORKER, S.CANCEL_REQUESTED}, S.EXPIRED),
+    _t("deadline_expire", set(LEASED), S.EXPIRED, G.DEADLINE_PASSED, attempt=AttemptChange.FAIL),
 ]
-del S
+del S, G
 
 TRANSITIONS: dict[str, Transition] = {t.name: t for t in _ALL}
 

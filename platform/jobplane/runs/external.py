@@ -19,7 +19,7 @@ from jobplane.queue.redis import RedisQueue
 from jobplane.runs.lifecycle import HeldStep
 from jobplane.runs.policy import cancel_asked
 from jobplane.runs.service import RunService
-from jobplane.store import Lease, Lost, MongoStore, Moved
+from jobplane.store import Lease, Lost, Moved, Store
 
 # How often a long-polling claim looks for waiting steps.
 CLAIM_POLL_SECONDS = 0.2
@@ -35,7 +35,7 @@ class ExternalClaim:
 
 
 class ExternalSteps:
-    def __init__(self, store: MongoStore, queue: RedisQueue, lease_seconds: float) -> None:
+    def __init__(self, store: Store, queue: RedisQueue, lease_seconds: float) -> None:
         self.store = store
         self.runs = RunService(store, queue)
         self.lifecycle = self.runs.lifecycle
@@ -54,10 +54,12 @@ class ExternalSteps:
         loop = asyncio.get_running_loop()
         until = loop.time() + wait_seconds
         while gone is None or not await gone():
-            claimed = await self.store.claim_external(worker_type, worker_id, self.lease_seconds)
+            claimed = await self.store.transitions.resume(
+                worker_type, worker_id, self.lease_seconds
+            )
             if claimed is not None:
                 run, lease = claimed
-                template = await self.store.get_template(run.template_type, run.template_version)
+                template = await self.store.templates.get(run.template_type, run.template_version)
                 if template is None or run.phase is None or run.locked_until is None:
                     raise NotFound(f"run {run.id}: its template or step is gone")
                 index = template.step_index(run.phase)
@@ -72,9 +74,9 @@ class ExternalSteps:
     ) -> Run:
         """Renew the lease (and record progress); the run says whether a cancel was asked."""
         step = await self._step(lease, step_id)
-        held, _ = await self.store.heartbeat(lease.worker_id, [lease], self.lease_seconds)
+        held, _ = await self.store.leases.heartbeat(lease.worker_id, [lease], self.lease_seconds)
         if lease.run_id not in held:
-            await self.store.lease_lost(lease, "heartbeat")
+            await self.store.leases.lease_lost(lease, "heartbeat")
             metrics.STALE_WRITES.inc()
             raise ResourceInvalidState(f"run {lease.run_id}: this lease no longer holds the run")
         if percentage is not None:
@@ -109,14 +111,14 @@ class ExternalSteps:
     async def _step(self, lease: Lease, step_id: str) -> HeldStep:
         """The step `lease` holds, as the worker names it."""
         run = await self.runs.get(lease.run_id)
-        template = await self.store.get_template(run.template_type, run.template_version)
+        template = await self.store.templates.get(run.template_type, run.template_version)
         if template is None or step_id not in {s.id for s in template.steps}:
             raise NotFound(f"run {run.id} has no step {step_id!r}")
         if run.phase != step_id or (run.locked_by, run.lease_token) != (
             lease.worker_id,
             lease.token,
         ):
-            await self.store.lease_lost(lease, "external")
+            await self.store.leases.lease_lost(lease, "external")
             metrics.STALE_WRITES.inc()
             raise ResourceInvalidState(f"run {run.id}: step {step_id!r} is not held by this lease")
         return HeldStep(run, lease, template, template.step_index(step_id))

@@ -20,8 +20,8 @@ from jobplane.clock import Clock
 from jobplane.model import Run, RunError, RunStatus, Template
 from jobplane.queue.connect import REDIS_DOWN
 from jobplane.queue.redis import QueueEntry, RedisQueue
-from jobplane.runs.policy import cancel_grace, cancel_of, retry_at, spent
-from jobplane.store import KeyHeld, Lease, Lost, MongoStore, Moved
+from jobplane.runs.policy import cancel_grace, cancel_of, lease_expired, retry_at, spent
+from jobplane.store import KeyHeld, Lease, Lost, Moved, Store
 
 log = logging.getLogger("jobplane.runs")
 
@@ -49,7 +49,7 @@ class HeldStep:
 class Lifecycle:
     """Every process's run writes, each followed by the push, admission and metrics it entails."""
 
-    def __init__(self, store: MongoStore, queue: RedisQueue, clock: Clock | None = None) -> None:
+    def __init__(self, store: Store, queue: RedisQueue, clock: Clock | None = None) -> None:
         self.store = store
         self.queue = queue
         self.clock = clock or store.clock
@@ -57,7 +57,7 @@ class Lifecycle:
     # -- the lease holder's writes: an inline worker's, or an external one's through the API --
 
     async def start_step(self, step: HeldStep, began: datetime) -> Lost | None:
-        started = await self.store.start_step(step.lease, step.index, step.id, began)
+        started = await self.store.leases.start_step(step.lease, step.index, step.id, began)
         self.observe(step.run, started)
         return started
 
@@ -66,7 +66,7 @@ class Lifecycle:
     ) -> Lost | None:
         """A step's own progress, and the run's: the steps before it done, it `percentage` done."""
         overall = 100 * (step.index + percentage / 100) / len(step.template.steps)
-        written = await self.store.report_progress(
+        written = await self.store.leases.report_progress(
             step.lease, step.index, percentage, overall, message
         )
         self.observe(step.run, written)
@@ -78,7 +78,7 @@ class Lifecycle:
         """Record a step's success, without ending the run: it goes on in the next step's lane
         (or, the last step's success refused for a cancel, it keeps the step's output)."""
         percentage = 100 * (step.index + 1) / len(step.template.steps)
-        finished = await self.store.finish_step(
+        finished = await self.store.leases.finish_step(
             step.lease, step.index, step.id, output, percentage, began, next_handler=step.following
         )
         self.observe(step.run, finished)
@@ -90,7 +90,7 @@ class Lifecycle:
         """The last step succeeded. A template that is not `repeatable` spends the run's dedupe
         key: it stays the run's, so no later run of the key may start."""
         spend = not step.template.repeatable
-        completed = await self.store.complete(
+        completed = await self.store.transitions.complete(
             step.lease, step.index, step.id, output, output, began, spend_key=spend
         )
         return await self._ended(step.run, completed, step.lease.actor)
@@ -98,7 +98,9 @@ class Lifecycle:
     async def wait_worker(self, step: HeldStep) -> Moved | Lost:
         """Hand the step to an external worker; the run's holder lets go of it."""
         worker_type = step.template.steps[step.index].worker_type
-        waiting = await self.store.wait_worker(step.lease, step.index, step.id, worker_type)
+        waiting = await self.store.transitions.wait_worker(
+            step.lease, step.index, step.id, worker_type
+        )
         self.observe(step.run, waiting)
         return waiting
 
@@ -110,7 +112,7 @@ class Lifecycle:
         not_before = retry_at(run, step.template.retry_policy, retryable, self.clock.now())
         if not_before is None:
             return await self.fail(run, lease, step.index, error, began)
-        retried = await self.store.retry(lease, step.index, error, not_before, began)
+        retried = await self.store.transitions.retry(lease, step.index, error, not_before, began)
         if isinstance(retried, Moved):
             metrics.RUN_RETRIES.labels(run.template_type).inc()
             await self.push([run.model_copy(update={"not_before": not_before})])
@@ -120,14 +122,14 @@ class Lifecycle:
     async def fail(
         self, run: Run, lease: Lease, index: int, error: RunError, began: datetime | None = None
     ) -> Moved | Lost:
-        failed = await self.store.fail(lease, index, error, began)
+        failed = await self.store.transitions.fail(lease, index, error, began)
         return await self._ended(run, failed, lease.actor)
 
     async def release(self, run: Run, lease: Lease, handler: str | None = None) -> Moved | Lost:
         """Hand the run back to the queue without spending its attempt: to the lane of `handler`
         when given (a handler its holder lacks), else to the run's own. It is ready at once:
         having been claimed, it is past its `notBefore`."""
-        released = await self.store.release(lease, handler)
+        released = await self.store.transitions.release(lease, handler)
         if isinstance(released, Moved):
             ready = {"handler": handler or run.handler, "not_before": None}
             await self.push([run.model_copy(update=ready)])
@@ -135,21 +137,30 @@ class Lifecycle:
         return released
 
     async def acknowledge_cancel(self, run: Run, lease: Lease, interrupted: bool) -> Moved | Lost:
-        acked = await self.store.acknowledge_cancel(lease, interrupted)
+        acked = await self.store.transitions.acknowledge_cancel(lease, interrupted)
         return await self._ended(run, acked, lease.actor)
 
-    async def expire_deadline(self, run: Run, actor: str) -> Moved | Lost:
+    async def deadline_expire(self, run: Run, actor: str) -> Moved | Lost:
         """End a run past its deadline, as its worker found it or the reaper did."""
-        return await self._ended(run, await self.store.expire_deadline(run, actor), actor)
+        expired = await self.store.transitions.deadline_expire(run, actor)
+        return await self._ended(run, expired, actor)
 
     # -- the reaper's -------------------------------------------------------------------------
 
-    async def time_out_cancel(self, run: Run) -> Moved | Lost:
-        return await self._ended(run, await self.store.time_out_cancel(run), "reaper")
+    async def cancel_timeout(self, run: Run) -> Moved | Lost:
+        cancelled = await self.store.transitions.cancel_timeout(run, "reaper")
+        return await self._ended(run, cancelled, "reaper")
 
     async def reap(self, run: Run) -> Moved | Lost:
-        """Recover a run whose lease expired: queued again (and pushed), cancelled or expired."""
-        reaped = await self.store.reap(run)
+        """Recover a run whose lease expired, by the transition the policy picks: queued again
+        (and pushed), cancelled or expired."""
+        rows = self.store.transitions
+        reaping = {
+            "reap_cancel": rows.reap_cancel,
+            "reap_requeue": rows.reap_requeue,
+            "reap_expire": rows.reap_expire,
+        }
+        reaped = await reaping[lease_expired(run)](run, "reaper")
         if isinstance(reaped, Moved) and reaped.to == RunStatus.QUEUED:
             await self.push([run])
             self.observe(run, reaped)
@@ -168,13 +179,13 @@ class Lifecycle:
         scope = _scope(run)
         if way == "request_cancel":
             grace = cancel_grace(run)
-            asked = await self.store.request_cancel(run.id, actor, reason, grace, scope)
+            asked = await self.store.transitions.request_cancel(run.id, actor, reason, grace, scope)
             if isinstance(asked, Moved):
                 # Heartbeats bring the cancel from MongoDB too, should the signal be lost.
                 with contextlib.suppress(*REDIS_DOWN):
                     await self.queue.signal_cancel(run.id)
             return asked
-        cancelled = await self.store.cancel(run.id, actor, reason, scope)
+        cancelled = await self.store.transitions.cancel(run.id, actor, reason, scope)
         if isinstance(cancelled, Moved):
             with contextlib.suppress(*REDIS_DOWN):  # a popped id is skipped
                 await self.queue.remove(QueueEntry.of(run))
@@ -193,20 +204,24 @@ class Lifecycle:
         (the process that freed the key may have died). If the key is spent, the waiting runs
         can never run: they are cancelled, saying why.
         """
-        while (waiting := await self.store.next_waiting(key)) is not None:
+        while (waiting := await self.store.runs.next_waiting(key)) is not None:
             try:
-                taken = await self.store.take_key(waiting, actor)
+                taken = await self.store.runs.take_key(waiting, actor)
             except KeyHeld as held:
                 if not spent(held):
                     return  # an active run has it; its end admits the next
                 assert held.holder is not None
                 reason = f"run {held.holder.id} already succeeded for this key"
-                cancelled = await self.store.cancel(waiting.id, actor, reason, _scope(waiting))
+                cancelled = await self.store.transitions.cancel(
+                    waiting.id, actor, reason, _scope(waiting)
+                )
                 self.observe(waiting, cancelled)
                 continue
             if isinstance(taken, Lost):
                 continue  # cancelled meanwhile; look at the next
-            if isinstance(await self.store.enqueue(waiting.id, actor, _scope(waiting)), Lost):
+            if isinstance(
+                await self.store.transitions.enqueue(waiting.id, actor, _scope(waiting)), Lost
+            ):
                 continue  # cancelled since it took the key; the cancel admits the next
             await self.push([waiting])
             return

@@ -22,7 +22,7 @@ from jobplane.model.storable import unstorable
 from jobplane.queue.redis import RedisQueue
 from jobplane.runs.lifecycle import Lifecycle
 from jobplane.runs.policy import spent
-from jobplane.store import DuplicateRun, KeyHeld, MongoStore, Moved, NewRun
+from jobplane.store import DuplicateRun, KeyHeld, Moved, NewRun, Store
 
 
 @dataclass(frozen=True)
@@ -45,7 +45,7 @@ class RunRequest:
 
 
 class RunService:
-    def __init__(self, store: MongoStore, queue: RedisQueue) -> None:
+    def __init__(self, store: Store, queue: RedisQueue) -> None:
         self.store = store
         self.lifecycle = Lifecycle(store, queue)
 
@@ -97,7 +97,7 @@ class RunService:
                 plain.append((i, request, template, new))
             else:
                 keyed.append((i, request))
-        inserted = await self.store.insert_runs([new for *_, new in plain], actor)
+        inserted = await self.store.runs.insert_many([new for *_, new in plain], actor)
         fresh: list[Run] = []
         for (i, request, template, _), result in zip(plain, inserted, strict=True):
             if isinstance(result, DuplicateRun):
@@ -125,7 +125,9 @@ class RunService:
 
     async def _prepare(self, request: RunRequest) -> tuple[Template, NewRun]:
         """The template a request names and the run it asks for, or the error refusing it."""
-        template = await self.store.cached_template(request.template_type, request.template_version)
+        template = await self.store.templates.cached(
+            request.template_type, request.template_version
+        )
         if template is None:
             raise NotFound(f"template {request.template_type!r} not found")
         if not template.enabled:
@@ -153,7 +155,7 @@ class RunService:
         # A key whose holder ended between our insert and the read of the holder is free now.
         for _ in range(3):
             try:
-                run = await self.store.insert_run(new, actor)
+                run = await self.store.runs.insert(new, actor)
             except KeyHeld as held:
                 if held.holder is None:
                     continue
@@ -161,7 +163,7 @@ class RunService:
                 if not queueing or spent(held):
                     raise _refusal(held) from None
                 waiting = replace(new, dedupe_key=None, dedupe_wait=held.key)
-                run = await self.store.insert_run(waiting, actor)
+                run = await self.store.runs.insert(waiting, actor)
                 # The holder may have ended before this run was written: nobody would admit it.
                 await self.lifecycle.admit_next(held.key, actor)
                 return await self.get(run.id)
@@ -201,7 +203,7 @@ class RunService:
         raise ResourceInvalidState(f"run {run_id} kept changing; try again")
 
     async def get(self, run_id: str) -> Run:
-        run = await self.store.get_run(run_id)
+        run = await self.store.runs.get(run_id)
         if run is None:
             raise NotFound(f"run {run_id!r} not found")
         return run

@@ -24,7 +24,7 @@ from jobplane.runs.lifecycle import Lifecycle
 from jobplane.runs.policy import lease_expired
 from jobplane.schedules import ScheduleService
 from jobplane.settings import Settings
-from jobplane.store import MongoStore, Moved
+from jobplane.store import Moved, Store
 
 log = logging.getLogger("jobplane.scheduler")
 
@@ -37,7 +37,7 @@ SWEEP_SECONDS = 60.0
 class Scheduler:
     def __init__(
         self,
-        store: MongoStore,
+        store: Store,
         queue: RedisQueue,
         settings: Settings,
         clock: Clock | None = None,
@@ -95,7 +95,7 @@ class Scheduler:
                     else:
                         await self.fire()
                     wait = min(interval - (loop.time() - maintained), ttl / 3)
-                    if (due := await self.store.next_fire_time()) is not None:
+                    if (due := await self.store.schedules.next_fire_time()) is not None:
                         wait = min(wait, (due - self.clock.now()).total_seconds())
             except Exception:
                 log.exception("scheduler tick failed; retrying")
@@ -118,9 +118,9 @@ class Scheduler:
             self._swept = loop.time()
             # Writers copy their own events within milliseconds; a tick later, nobody will.
             settled = self.clock.now() - timedelta(seconds=self.settings.reconcile_seconds)
-            swept = await self.store.sweep_trails(settled)
+            swept = await self.store.trail.sweep(settled)
         retained = timedelta(days=self.settings.run_retention_days)
-        archived = await self.store.archive_runs(
+        archived = await self.store.maintenance.archive(
             self.clock.now() - retained, self.settings.reap_batch
         )
         metrics.SCHEDULER_LAST_TICK.set_to_current_time()
@@ -138,16 +138,16 @@ class Scheduler:
         """End runs past their deadline or cancel grace, and recover runs whose lease expired
         (requeued runs go back to Redis). Returns how many runs moved."""
         batch = self.settings.reap_batch
-        late, slow = await self.store.overdue(batch)
+        late, slow = await self.store.maintenance.overdue(batch)
         outcomes = [
             *[
-                ("deadline_expire", run, await self.lifecycle.expire_deadline(run, "reaper"))
+                ("deadline_expire", run, await self.lifecycle.deadline_expire(run, "reaper"))
                 for run in late
             ],
-            *[("cancel_timeout", run, await self.lifecycle.time_out_cancel(run)) for run in slow],
+            *[("cancel_timeout", run, await self.lifecycle.cancel_timeout(run)) for run in slow],
             *[
                 (lease_expired(run), run, await self.lifecycle.reap(run))
-                for run in await self.store.expired_leases(batch)
+                for run in await self.store.maintenance.expired_leases(batch)
             ],
         ]
         moved = [(transition, run) for transition, run, o in outcomes if isinstance(o, Moved)]
@@ -158,20 +158,22 @@ class Scheduler:
     async def reconcile(self) -> int:
         """Queue pending runs, re-push queued runs that Redis lost, and admit runs waiting for
         a dedupe key that is free (the process that freed it may have died before it could)."""
-        for key in await self.store.waited_keys(self.settings.reap_batch):
+        for key in await self.store.maintenance.waited_keys(self.settings.reap_batch):
             try:
                 await self.lifecycle.admit_next(key, "scheduler")
             except Exception:  # one key's trouble must not hold up the rest of the tick
                 log.exception("admitting the next run for key %s failed", key)
         # Workers promote delayed runs as they pop; this covers queues no worker is polling, so
         # their ready sets (and what they show) stay true.
-        await self.queue.promote(await self.store.queues(), self.clock.now())
+        await self.queue.promote(await self.store.templates.queues(), self.clock.now())
         pushed = 0
         after: str | None = None
         # A run created within the last tick is most likely still on its way into Redis.
         idle_since = self.clock.now() - timedelta(seconds=self.settings.reconcile_seconds)
         while True:
-            runs = await self.store.claimable(after, self.settings.reap_batch, idle_since)
+            runs = await self.store.maintenance.to_reconcile(
+                after, self.settings.reap_batch, idle_since
+            )
             if not runs:
                 return pushed
             after = runs[-1].id
@@ -183,4 +185,6 @@ class Scheduler:
             # that died before queueing it, or was created by an earlier version.
             for run in runs:
                 if run.status == RunStatus.PENDING:
-                    await self.store.enqueue(run.id, "scheduler", (run.scope, run.scope_id))
+                    await self.store.transitions.enqueue(
+                        run.id, "scheduler", (run.scope, run.scope_id)
+                    )

@@ -22,7 +22,7 @@ from jobplane.queue.redis import RedisQueue
 from jobplane.runs import RunRequest, RunService
 from jobplane.runs.service import validate_payload
 from jobplane.schedules.cron import Cron, CronError
-from jobplane.store import MongoStore
+from jobplane.store import Store
 from jobplane.templates.loader import pydantic_errors
 
 # Fire times the tick works out for one schedule at most (after a long outage, say); beyond
@@ -38,7 +38,7 @@ PLACEHOLDERS = ("scheduledFor", "scheduleId", "scopeId")
 
 
 class ScheduleService:
-    def __init__(self, store: MongoStore, queue: RedisQueue) -> None:
+    def __init__(self, store: Store, queue: RedisQueue) -> None:
         self.store = store
         self.queue = queue
 
@@ -54,7 +54,7 @@ class ScheduleService:
             create_at=now,
             update_at=now,
         )
-        await self.store.insert_schedule(schedule)
+        await self.store.schedules.insert(schedule)
         return schedule
 
     async def update(self, schedule_id: str, changes: dict[str, Any]) -> Schedule:
@@ -75,20 +75,20 @@ class ScheduleService:
             changed = current.model_copy(
                 update={**spec.model_dump(), "next_run_at": cron.next_after(self.store.clock.now())}
             )
-            if (stored := await self.store.replace_schedule(changed)) is not None:
+            if (stored := await self.store.schedules.replace(changed)) is not None:
                 if not current.enabled and stored.enabled:
                     await self._skip_paused(current)
                 return stored
         raise ResourceInvalidState(f"schedule {schedule_id} kept changing; try again")
 
     async def get(self, schedule_id: str) -> Schedule:
-        schedule = await self.store.get_schedule(schedule_id)
+        schedule = await self.store.schedules.get(schedule_id)
         if schedule is None:
             raise NotFound(f"schedule {schedule_id!r} not found")
         return schedule
 
     async def delete(self, schedule_id: str) -> None:
-        if not await self.store.delete_schedule(schedule_id):
+        if not await self.store.schedules.delete(schedule_id):
             raise NotFound(f"schedule {schedule_id!r} not found")
 
     async def trigger(self, schedule_id: str, actor: str) -> Run:
@@ -97,14 +97,14 @@ class ScheduleService:
         schedule = await self.get(schedule_id)
         at = self.store.clock.now()
         run, _ = await RunService(self.store, self.queue).create(_request(schedule, at), actor)
-        await self.store.note_schedule_run(schedule.id, at, run.id)
+        await self.store.schedules.note_run(schedule.id, at, run.id)
         return run
 
     async def fire_due(self, now: datetime, limit: int, grace_seconds: float) -> int:
         """Fire every schedule whose time has come, all at once (schedules due in the same
         second must not wait for each other); returns how many runs were created."""
         grace = timedelta(seconds=grace_seconds)
-        due = await self.store.due_schedules(now, limit)
+        due = await self.store.schedules.due(now, limit)
         fired = await asyncio.gather(
             *(self._fire(s, now, grace) for s in due), return_exceptions=True
         )
@@ -141,7 +141,7 @@ class ScheduleService:
             await self._skip_many(schedule, skipped, "misfire", policy)
         runs = [(at, await self._fire_once(schedule, at)) for at in fire]
         made = [(at, run.id) for at, run in runs if run is not None]
-        await self.store.advance_schedule(
+        await self.store.schedules.advance(
             schedule, cron.next_after(now), made[-1] if made else None
         )
         return len(made)
@@ -150,7 +150,7 @@ class ScheduleService:
         """The run for one fire time, unless the template is disabled or (`overlapPolicy:
         skip`) the schedule's previous run is still active; each skip is an event."""
         if schedule.overlap_policy == "skip" and (
-            active := await self.store.active_run_of(schedule)
+            active := await self.store.runs.active_of(schedule)
         ):
             metrics.SCHEDULE_FIRES.labels("overlap").inc()
             await self._skip(schedule, at, f"overlap: run {active.id} is {active.status}")
@@ -182,14 +182,14 @@ class ScheduleService:
     ) -> None:
         """One `fire_skipped` event for a stretch of fire times, however long."""
         metadata = {"reason": reason, "first": skipped[0].isoformat(), "count": len(skipped)}
-        await self.store.schedule_event(
+        await self.store.trail.schedule_event(
             schedule, "fire_skipped", f"{len(skipped)} {what}", metadata, ACTOR
         )
 
     async def _skip(self, schedule: Schedule, at: datetime, reason: str) -> None:
         metadata = {"reason": reason, "scheduledFor": at.isoformat()}
         message = f"fire at {at.isoformat()} skipped"
-        await self.store.schedule_event(schedule, "fire_skipped", message, metadata, ACTOR)
+        await self.store.trail.schedule_event(schedule, "fire_skipped", message, metadata, ACTOR)
 
     async def _check(self, spec: ScheduleSpec, schedule_id: str) -> Cron:
         try:
@@ -197,7 +197,7 @@ class ScheduleService:
         except CronError as exc:
             problem = [{"pointer": f"/{exc.field}", "message": str(exc)}]
             raise ValidationFailed(str(exc), problem) from exc
-        template = await self.store.get_template(spec.template_type)
+        template = await self.store.templates.get(spec.template_type)
         if template is None or not template.schedulable:
             why = "no such template" if template is None else "the template is not schedulable"
             raise ValidationFailed(why, [{"pointer": "/templateType", "message": why}])

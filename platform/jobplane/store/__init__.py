@@ -1,15 +1,29 @@
-"""MongoDB, the source of truth: templates, runs, schedules and the event trail."""
+"""MongoDB, the source of truth: templates, runs and their transitions, schedules, API keys and
+the event trail, each behind an interface of `abc.py`."""
 
-from jobplane.store.mongo import (
+from jobplane.store.abc import (
+    KeyStore,
+    LeaseStore,
+    MaintenanceStore,
+    OverviewStore,
+    RunStore,
+    ScheduleStore,
+    Store,
+    TemplateStore,
+    TrailStore,
+    TransitionStore,
+)
+from jobplane.store.mongo import MongoStore
+from jobplane.store.types import (
     DuplicateRun,
     EventQuery,
     KeyHeld,
     Known,
     Lease,
     Lost,
-    MongoStore,
     Moved,
     NewRun,
+    NotSharded,
     RunQuery,
     ScheduleQuery,
 )
@@ -18,12 +32,23 @@ __all__ = [
     "DuplicateRun",
     "EventQuery",
     "KeyHeld",
+    "KeyStore",
     "Known",
     "Lease",
+    "LeaseStore",
     "Lost",
+    "MaintenanceStore",
     "MongoStore",
     "Moved",
     "NewRun",
+    "NotSharded",
+    "OverviewStore",
     "RunQuery",
+    "RunStore",
     "ScheduleQuery",
+    "ScheduleStore",
+    "Store",
+    "TemplateStore",
+    "TrailStore",
+    "TransitionStore",
 ]

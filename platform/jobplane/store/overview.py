@@ -1,7 +1,7 @@
 """The dashboard's figures from MongoDB: runs by status, the last hour by the minute, failing
 templates and the runs workers hold.
 
-Read-only, and each query is bounded by an index of `MongoStore.ensure_indexes` and by time,
+Read-only, and each query is bounded by an index of `indexes.index_models` and by time,
 never by the size of the collection: active runs by `(status, _id)`, runs finished in the last
 hour or day by the partial `(status, dedupeKey, updateAt)` of ended runs (those with
 `completedAt`) or `(updateAt)` (a finished run is not written again, so its `updateAt` is when
@@ -17,11 +17,14 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from bson import ObjectId
+from pymongo.asynchronous.collection import AsyncCollection
 
 from jobplane.model import ACTIVE, LEASED, TERMINAL, RunStatus
-from jobplane.store.mongo import MongoStore
+from jobplane.store.convert import listed
+from jobplane.store.database import Collections
 
 Doc = dict[str, Any]
+Runs = AsyncCollection[Doc]
 
 # The chart's span, and how far back failures count towards a failing template.
 HOUR = timedelta(hours=1)
@@ -84,30 +87,34 @@ class RunFigures:
     held: list[HeldRun]
 
 
-async def run_figures(
-    store: MongoStore, within: Sequence[tuple[str, str]] | None, now: datetime
-) -> RunFigures:
-    """The run figures of the overview, as of `now`, in the scopes `within` (None: all)."""
-    if within is not None and not within:
-        return _empty(now)  # a key bound to no scope sees no run
-    scoped: Doc = {} if within is None else {"$or": [{"scope": s, "scopeId": i} for s, i in within]}
-    start = _minute(now) - HOUR + timedelta(minutes=1)
-    active, finished, created, failing, held = await asyncio.gather(
-        _count_active(store, scoped),
-        _finished_by_minute(store, scoped, start),
-        _created_by_minute(store, scoped, start),
-        _failing(store, scoped, now - DAY),
-        _held(store, scoped),
-    )
-    minutes = []
-    for i in range(60):
-        at = start + timedelta(minutes=i)
-        minutes.append(Minute(at, created.get(at, 0), finished.get(at, {})))
-    totals: dict[RunStatus, int] = dict.fromkeys(_TERMINAL, 0)
-    for by_status in finished.values():
-        for status, n in by_status.items():
-            totals[status] += n
-    return RunFigures(active, totals, minutes, failing, held)
+class MongoOverviewStore:
+    def __init__(self, db: Collections) -> None:
+        self._runs = db.runs
+
+    async def run_figures(
+        self, within: Sequence[tuple[str, str]] | None, now: datetime
+    ) -> RunFigures:
+        """The run figures of the overview, as of `now`, in the scopes `within` (None: all)."""
+        if within is not None and not within:
+            return _empty(now)  # a key bound to no scope sees no run
+        scoped = listed((), within)
+        start = _minute(now) - HOUR + timedelta(minutes=1)
+        active, finished, created, failing, held = await asyncio.gather(
+            _count_active(self._runs, scoped),
+            _finished_by_minute(self._runs, scoped, start),
+            _created_by_minute(self._runs, scoped, start),
+            _failing(self._runs, scoped, now - DAY),
+            _held(self._runs, scoped),
+        )
+        minutes = []
+        for i in range(60):
+            at = start + timedelta(minutes=i)
+            minutes.append(Minute(at, created.get(at, 0), finished.get(at, {})))
+        totals: dict[RunStatus, int] = dict.fromkeys(_TERMINAL, 0)
+        for by_status in finished.values():
+            for status, n in by_status.items():
+                totals[status] += n
+        return RunFigures(active, totals, minutes, failing, held)
 
 
 def _empty(now: datetime) -> RunFigures:
@@ -125,10 +132,10 @@ def _minute(at: datetime) -> datetime:
     return at.replace(second=0, microsecond=0)
 
 
-async def _count_active(store: MongoStore, scoped: Doc) -> dict[RunStatus, int]:
+async def _count_active(runs: Runs, scoped: Doc) -> dict[RunStatus, int]:
     counts = dict.fromkeys(_ACTIVE, 0)
     match = {"status": {"$in": sorted(ACTIVE)}, **scoped}
-    cursor = await store.runs.aggregate(
+    cursor = await runs.aggregate(
         [{"$match": match}, {"$group": {"_id": "$status", "n": {"$sum": 1}}}]
     )
     async for doc in cursor:
@@ -137,7 +144,7 @@ async def _count_active(store: MongoStore, scoped: Doc) -> dict[RunStatus, int]:
 
 
 async def _finished_by_minute(
-    store: MongoStore, scoped: Doc, start: datetime
+    runs: Runs, scoped: Doc, start: datetime
 ) -> dict[datetime, dict[RunStatus, int]]:
     match = {
         "status": {"$in": sorted(TERMINAL)},
@@ -145,7 +152,7 @@ async def _finished_by_minute(
         "completedAt": {"$exists": True},
         **scoped,
     }
-    cursor = await store.runs.aggregate(
+    cursor = await runs.aggregate(
         [
             {"$match": match},
             {
@@ -167,18 +174,16 @@ async def _finished_by_minute(
     return minutes
 
 
-async def _created_by_minute(
-    store: MongoStore, scoped: Doc, start: datetime
-) -> dict[datetime, int]:
+async def _created_by_minute(runs: Runs, scoped: Doc, start: datetime) -> dict[datetime, int]:
     match = {"_id": {"$gte": ObjectId.from_datetime(start)}, **scoped}
     minute = {"$dateTrunc": {"date": {"$toDate": "$_id"}, "unit": "minute"}}
-    cursor = await store.runs.aggregate(
+    cursor = await runs.aggregate(
         [{"$match": match}, {"$group": {"_id": minute, "n": {"$sum": 1}}}]
     )
     return {doc["_id"]: doc["n"] async for doc in cursor}
 
 
-async def _failing(store: MongoStore, scoped: Doc, since: datetime) -> list[Failures]:
+async def _failing(runs: Runs, scoped: Doc, since: datetime) -> list[Failures]:
     """Templates with failed or expired runs that ended since `since`, the most first."""
     match = {
         "status": {"$in": sorted(_DEAD)},
@@ -186,7 +191,7 @@ async def _failing(store: MongoStore, scoped: Doc, since: datetime) -> list[Fail
         "completedAt": {"$exists": True},
         **scoped,
     }
-    cursor = await store.runs.aggregate(
+    cursor = await runs.aggregate(
         [
             {"$match": match},
             {
@@ -235,7 +240,7 @@ def _merged(errors: list[ErrorCount]) -> list[ErrorCount]:
     return sorted(by_code.values(), key=lambda e: (-e.count, e.code))
 
 
-async def _held(store: MongoStore, scoped: Doc) -> list[HeldRun]:
+async def _held(runs: Runs, scoped: Doc) -> list[HeldRun]:
     """Runs a worker holds a lease on, by worker and then id (a run waiting for an external
     worker to claim its step is held by no one)."""
     projection = {
@@ -247,7 +252,7 @@ async def _held(store: MongoStore, scoped: Doc) -> list[HeldRun]:
         "progress.percentage": 1,
     }
     find = {"status": {"$in": sorted(LEASED)}, "lockedUntil": {"$exists": True}, **scoped}
-    docs = await store.runs.find(find, projection).limit(HELD_LIMIT).to_list()
+    docs = await runs.find(find, projection).limit(HELD_LIMIT).to_list()
     held = [
         HeldRun(
             str(d["_id"]),

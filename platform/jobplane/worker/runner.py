@@ -22,7 +22,7 @@ from jobplane.model import TERMINAL, Run, RunError, StepStatus, Template
 from jobplane.process import log_context
 from jobplane.runs.lifecycle import HeldStep, Lifecycle
 from jobplane.runs.policy import cancel_asked
-from jobplane.store import Lease, Lost, MongoStore, Moved
+from jobplane.store import Lease, Lost, Moved, Store
 from jobplane.worker.context import (
     CancelRequested,
     FatalError,
@@ -92,7 +92,7 @@ class _Stopped(Exception):
 class Runner:
     """Runs the steps of the runs a worker holds, one task a run."""
 
-    store: MongoStore
+    store: Store
     lifecycle: Lifecycle
     handlers: HandlerRegistry
     # The handlers the worker offers: a step needing another is handed on, never failed.
@@ -118,7 +118,7 @@ class Runner:
                 self._check(held.run, ack)
             except _Overdue:
                 # Not fenced: if the reaper got there first, the run is expired already.
-                moved = await self.lifecycle.expire_deadline(held.run, held.lease.actor)
+                moved = await self.lifecycle.deadline_expire(held.run, held.lease.actor)
                 self._finished(held.run, moved)
             except _HandOff as handoff:
                 log.info("run %s: handed on for handler %r", held.run.id, handoff.handler)
@@ -311,7 +311,7 @@ class Runner:
     async def _template(self, run: Run) -> Template | None:
         key = (run.template_type, run.template_version)
         if key not in self._templates:
-            template = await self.store.get_template(*key)
+            template = await self.store.templates.get(*key)
             if template is None:
                 return None
             self._templates[key] = template

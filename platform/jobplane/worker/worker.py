@@ -22,7 +22,7 @@ from jobplane.process import CANCEL_SECONDS, finish_within, log_context
 from jobplane.queue.redis import RedisQueue
 from jobplane.runs.lifecycle import Lifecycle
 from jobplane.settings import Settings
-from jobplane.store import MongoStore
+from jobplane.store import Store
 from jobplane.worker.handlers import HandlerRegistry, registry
 from jobplane.worker.runner import Held, Runner
 
@@ -40,7 +40,7 @@ def default_worker_id() -> str:
 class Worker:
     def __init__(
         self,
-        store: MongoStore,
+        store: Store,
         queue: RedisQueue,
         settings: Settings,
         handlers: HandlerRegistry = registry,
@@ -171,7 +171,7 @@ class Worker:
 
     async def claim(self, run_ids: list[str]) -> None:
         """Take the leases MongoDB grants among `run_ids` and start their runs."""
-        claimed = await self.store.claim(run_ids, self.id, self.settings.lease_seconds)
+        claimed = await self.store.transitions.claim(run_ids, self.id, self.settings.lease_seconds)
         for run, lease in claimed:
             metrics.run_claimed(run)
             held = Held(run, lease)
@@ -238,7 +238,7 @@ class Worker:
             return
         ttl = self.settings.lease_seconds
         asked = time.monotonic()
-        kept, cancel = await self.store.heartbeat(self.id, [h.lease for h in helds], ttl)
+        kept, cancel = await self.store.leases.heartbeat(self.id, [h.lease for h in helds], ttl)
         for held in helds:
             if held.run.id in kept:
                 held.renewed = asked
@@ -256,7 +256,7 @@ class Worker:
                         extra=held.log_fields,
                     )
                     held.interrupt("lost")
-                    lost = await self.store.lease_lost(held.lease, "heartbeat")
+                    lost = await self.store.leases.lease_lost(held.lease, "heartbeat")
                     self.lifecycle.observe(held.run, lost)
 
     async def _cancel_listener(self) -> None:

@@ -37,7 +37,7 @@ async def search(
         caller.may_act_in(scope, scope_id)
     after = pages.after_event(cursor) if cursor else None
     query = EventQuery(job_id, type_, scope, scope_id, actor, since, until, after)
-    found = await store.list_events(query, caller.within, limit + 1)
+    found = await store.trail.page(query, caller.within, limit + 1)
     more = len(found) > limit
     items = found[:limit]
     last = items[-1] if more else None

@@ -48,7 +48,7 @@ class KeyCreated(ApiKeyPublic):
 async def create(body: KeyCreate, store: StoreDep, caller: KeyAdmin) -> KeyCreated:
     """A new key, with an `api_key_created` event; `key` is its secret, shown only here."""
     secret, record = mint_key(body.name, body.role, body.scopes, caller.actor, store.clock.now())
-    if not await store.insert_api_key(record):
+    if not await store.keys.insert(record):
         raise ResourceInvalidState(f"an API key named {body.name!r} exists")
     return KeyCreated(**record.model_dump(exclude={"secret_hash"}), key=secret)
 
@@ -62,7 +62,7 @@ async def list_keys(
     """Every stored key, newest first, revoked ones too (`revokedAt`, `revokedBy`); never a
     secret. The bootstrap key (`JOBPLANE_ADMIN_KEY`) is not stored, so not listed."""
     before = pages.after_run(cursor) if cursor else None
-    found = await store.list_api_keys(before, limit + 1)
+    found = await store.keys.page(before, limit + 1)
     items = found[:limit]
     more = len(found) > limit
     return Page(items=items, next_cursor=pages.run_cursor(items[-1].id) if more else None)
@@ -80,7 +80,7 @@ async def revoke(key_id: str, store: StoreDep, caller: KeyAdmin) -> ApiKeyPublic
     revoked already is answered as it is, unchanged. Any key may be revoked, even the caller's
     own or the last admin one: a leaked key must always be revocable, and the bootstrap key
     (`JOBPLANE_ADMIN_KEY`, which no request can revoke) is the way back in."""
-    revoked = await store.revoke_api_key(key_id, caller.actor)
+    revoked = await store.keys.revoke(key_id, caller.actor)
     if revoked is None:
         raise NotFound(f"API key {key_id!r} not found")
     return revoked

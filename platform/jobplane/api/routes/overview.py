@@ -163,7 +163,7 @@ async def read_overview(
     now = store.clock.now()
     queue: RedisQueue = request.app.state.queue
     reads_runs = Permission.RUNS_READ in PERMISSIONS[caller.role]
-    figures = await overview.run_figures(store, caller.within, now) if reads_runs else None
+    figures = await store.overview.run_figures(caller.within, now) if reads_runs else None
     gauges = _gauges(await read_state(store, queue, settings.queues))
     redis_up = gauges.get(("jobplane_backend_up", ("redis",))) == 1
     held = figures.held if figures else []

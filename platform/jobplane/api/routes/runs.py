@@ -148,7 +148,7 @@ async def list_runs(
         caller.may_act_in(scope, scope_id)
     before = pages.after_run(cursor) if cursor else None
     query = RunQuery(status, template_type, scope, scope_id, schedule_id, before)
-    found = await store.list_runs(query, caller.within, limit + 1)
+    found = await store.runs.page(query, caller.within, limit + 1)
     more = len(found) > limit
     items = await waiting.explain(found[:limit])
     return Page(items=items, next_cursor=pages.run_cursor(items[-1].id) if more else None)
@@ -196,4 +196,4 @@ async def rerun(run_id: str, runs: RunsDep, caller: RunWriter, waiting: WaitingD
 async def events(run_id: str, runs: RunsDep, store: StoreDep, caller: RunReader) -> list[Event]:
     """The run's whole trail, in the order MongoDB applied its writes."""
     run = caller.visible(await runs.get(run_id))
-    return await store.events_of(run.id)
+    return await store.trail.events_of(run.id)

@@ -67,7 +67,7 @@ async def register(
     """
     yaml_syntax = "yaml" in request.headers.get("content-type", "")
     spec = parse_template(await request.body(), yaml_syntax)
-    template, created = await store.register_template(spec)
+    template, created = await store.templates.register(spec)
     registered = Registered(**template.model_dump(), warnings=await _unserved(template, waiting))
     body = registered.model_dump(by_alias=True, mode="json")
     return JSONResponse(body, status_code=201 if created else 200)
@@ -94,7 +94,7 @@ async def _unserved(template: Template, waiting: Waiting) -> list[str]:
 )
 async def latest_of_each(store: StoreDep, caller: TemplateReader) -> list[Template]:
     """The latest version of every template."""
-    return await store.latest_templates()
+    return await store.templates.latest()
 
 
 @router.get(
@@ -104,7 +104,7 @@ async def latest_of_each(store: StoreDep, caller: TemplateReader) -> list[Templa
     response_model_by_alias=True,
 )
 async def latest(type_: str, store: StoreDep, caller: TemplateReader) -> Template:
-    return _found(await store.get_template(type_), type_)
+    return _found(await store.templates.get(type_), type_)
 
 
 @router.get(
@@ -116,7 +116,7 @@ async def latest(type_: str, store: StoreDep, caller: TemplateReader) -> Templat
 async def version(
     type_: str, version: Version, store: StoreDep, caller: TemplateReader
 ) -> Template:
-    template = await store.get_template(type_, version)
+    template = await store.templates.get(type_, version)
     if template is None:
         raise NotFound(f"template {type_!r} version {version} not found")
     return template
@@ -129,7 +129,7 @@ async def version(
     response_model_by_alias=True,
 )
 async def enable(type_: str, store: StoreDep, caller: TemplateAuthor) -> Template:
-    return _found(await store.set_template_enabled(type_, True), type_)
+    return _found(await store.templates.set_enabled(type_, True), type_)
 
 
 @router.post(
@@ -141,7 +141,7 @@ async def enable(type_: str, store: StoreDep, caller: TemplateAuthor) -> Templat
 async def disable(type_: str, store: StoreDep, caller: TemplateAuthor) -> Template:
     """New runs (and schedule fires) are refused with 409 `TemplateDisabled`; runs already
     created go on."""
-    return _found(await store.set_template_enabled(type_, False), type_)
+    return _found(await store.templates.set_enabled(type_, False), type_)
 
 
 def _found(template: Template | None, type_: str) -> Template:

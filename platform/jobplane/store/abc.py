@@ -1,0 +1,207 @@
+"""The store's interfaces: what services may ask of it, one small interface per aggregate.
+
+Services, the scheduler, the worker and the API type against these, never against the MongoDB
+classes that implement them (`MongoStore` composes one of each). A write that loses a race
+answers `Lost`; only a refusal the caller must tell apart (`KeyHeld`, `DuplicateRun`) raises.
+"""
+
+from collections.abc import Sequence
+from datetime import datetime
+from typing import Any, Protocol
+
+from jobplane.clock import Clock
+from jobplane.model import (
+    ApiKey,
+    ApiKeyPublic,
+    Event,
+    Run,
+    RunError,
+    Schedule,
+    Template,
+    TemplateSpec,
+)
+from jobplane.store.overview import RunFigures
+from jobplane.store.types import EventQuery, Lease, Lost, Moved, NewRun, RunQuery, ScheduleQuery
+
+
+class TemplateStore(Protocol):
+    async def register(self, spec: TemplateSpec) -> tuple[Template, bool]: ...
+    async def get(self, type_: str, version: int | None = None) -> Template | None: ...
+    async def cached(self, type_: str, version: int | None = None) -> Template | None: ...
+    async def latest(self) -> list[Template]: ...
+    async def queues(self) -> list[str]: ...
+    async def set_enabled(self, type_: str, enabled: bool) -> Template | None: ...
+
+
+class ScheduleStore(Protocol):
+    async def insert(self, schedule: Schedule) -> None: ...
+    async def get(self, schedule_id: str) -> Schedule | None: ...
+    async def page(
+        self, query: ScheduleQuery, within: Sequence[tuple[str, str]] | None, limit: int
+    ) -> list[Schedule]: ...
+    async def replace(self, schedule: Schedule) -> Schedule | None: ...
+    async def due(self, now: datetime, limit: int) -> list[Schedule]: ...
+    async def next_fire_time(self) -> datetime | None: ...
+    async def advance(
+        self, schedule: Schedule, next_run_at: datetime, fired: tuple[datetime, str] | None
+    ) -> bool: ...
+    async def note_run(self, schedule_id: str, at: datetime, run_id: str) -> None: ...
+    async def delete(self, schedule_id: str) -> bool: ...
+
+
+class KeyStore(Protocol):
+    async def insert(self, key: ApiKey) -> bool: ...
+    async def get(self, key_id: str) -> ApiKey | None: ...
+    async def page(self, before: str | None, limit: int) -> list[ApiKeyPublic]: ...
+    async def revoke(self, key_id: str, actor: str) -> ApiKeyPublic | None: ...
+
+
+class RunStore(Protocol):
+    """Creating runs (with their dedupe and idempotency keys) and reading them."""
+
+    async def insert(self, new: NewRun, actor: str) -> Run: ...
+    async def insert_many(self, news: Sequence[NewRun], actor: str) -> list[Run | Exception]: ...
+    async def get(self, run_id: str) -> Run | None: ...
+    async def page(
+        self, query: RunQuery, within: Sequence[tuple[str, str]] | None, limit: int
+    ) -> list[Run]: ...
+    async def active_of(self, schedule: Schedule) -> Run | None: ...
+    async def next_waiting(self, key: str) -> Run | None: ...
+    async def take_key(self, run: Run, actor: str) -> Moved | Lost: ...
+
+
+class TransitionStore(Protocol):
+    """One method per row of `model.status.TRANSITIONS`, named as the row."""
+
+    async def enqueue(
+        self, run_id: str, actor: str, scope: tuple[str, str] | None = None
+    ) -> Moved | Lost: ...
+    async def claim(
+        self, run_ids: Sequence[str], worker_id: str, lease_seconds: float
+    ) -> list[tuple[Run, Lease]]: ...
+    async def wait_worker(
+        self, lease: Lease, index: int, step_id: str, worker_type: str
+    ) -> Moved | Lost: ...
+    async def resume(
+        self, worker_type: str, worker_id: str, lease_seconds: float
+    ) -> tuple[Run, Lease] | None: ...
+    async def complete(
+        self,
+        lease: Lease,
+        index: int,
+        step_id: str,
+        output: Any,
+        result: Any,
+        started_at: datetime | None = None,
+        spend_key: bool = False,
+    ) -> Moved | Lost: ...
+    async def fail(
+        self, lease: Lease, index: int, error: RunError, started_at: datetime | None = None
+    ) -> Moved | Lost: ...
+    async def retry(
+        self,
+        lease: Lease,
+        index: int,
+        error: RunError,
+        not_before: datetime,
+        started_at: datetime | None = None,
+    ) -> Moved | Lost: ...
+    async def release(self, lease: Lease, handler: str | None = None) -> Moved | Lost: ...
+    async def cancel(
+        self, run_id: str, actor: str, reason: str | None, scope: tuple[str, str] | None = None
+    ) -> Moved | Lost: ...
+    async def request_cancel(
+        self,
+        run_id: str,
+        actor: str,
+        reason: str | None,
+        grace_seconds: float = 30,
+        scope: tuple[str, str] | None = None,
+    ) -> Moved | Lost: ...
+    async def acknowledge_cancel(self, lease: Lease, interrupted: bool) -> Moved | Lost: ...
+    async def reap_requeue(self, run: Run, actor: str) -> Moved | Lost: ...
+    async def reap_expire(self, run: Run, actor: str) -> Moved | Lost: ...
+    async def reap_cancel(self, run: Run, actor: str) -> Moved | Lost: ...
+    async def cancel_timeout(self, run: Run, actor: str) -> Moved | Lost: ...
+    async def deadline_expire(self, run: Run, actor: str) -> Moved | Lost: ...
+
+
+class LeaseStore(Protocol):
+    """A lease holder's writes that change no status."""
+
+    async def heartbeat(
+        self, worker_id: str, leases: Sequence[Lease], lease_seconds: float
+    ) -> tuple[set[str], set[str]]: ...
+    async def start_step(
+        self, lease: Lease, index: int, step_id: str, at: datetime | None = None
+    ) -> Lost | None: ...
+    async def finish_step(
+        self,
+        lease: Lease,
+        index: int,
+        step_id: str,
+        output: Any,
+        percentage: float,
+        started_at: datetime | None = None,
+        *,
+        next_handler: str | None,
+    ) -> Lost | None: ...
+    async def report_progress(
+        self,
+        lease: Lease,
+        index: int,
+        step_percentage: float,
+        percentage: float,
+        message: str | None,
+    ) -> Lost | None: ...
+    async def lease_lost(self, lease: Lease, what: str) -> Lost: ...
+
+
+class TrailStore(Protocol):
+    async def events_of(self, run_id: str) -> list[Event]: ...
+    def audit_filter(
+        self, query: EventQuery, within: Sequence[tuple[str, str]] | None
+    ) -> dict[str, Any]: ...
+    async def page(
+        self, query: EventQuery, within: Sequence[tuple[str, str]] | None, limit: int
+    ) -> list[Event]: ...
+    async def schedule_event(
+        self, schedule: Schedule, kind: str, message: str, metadata: dict[str, Any], actor: str
+    ) -> None: ...
+    async def sweep(self, settled: datetime) -> int: ...
+    async def flush(self) -> None: ...
+
+
+class MaintenanceStore(Protocol):
+    """The scheduler's scans (each followed by transitions on what it read) and retention."""
+
+    async def expired_leases(self, limit: int) -> list[Run]: ...
+    async def overdue(self, limit: int) -> tuple[list[Run], list[Run]]: ...
+    async def to_reconcile(
+        self, after: str | None, limit: int, idle_since: datetime
+    ) -> list[Run]: ...
+    async def waited_keys(self, limit: int) -> list[str]: ...
+    async def archive(self, before: datetime, limit: int) -> int: ...
+
+
+class OverviewStore(Protocol):
+    async def run_figures(
+        self, within: Sequence[tuple[str, str]] | None, now: datetime
+    ) -> RunFigures: ...
+
+
+class Store(Protocol):
+    """The store as services see it: its clock and its aggregate stores."""
+
+    clock: Clock
+    templates: TemplateStore
+    schedules: ScheduleStore
+    keys: KeyStore
+    runs: RunStore
+    transitions: TransitionStore
+    leases: LeaseStore
+    trail: TrailStore
+    maintenance: MaintenanceStore
+    overview: OverviewStore
+
+    async def ping(self) -> None: ...

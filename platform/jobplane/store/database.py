@@ -1,0 +1,52 @@
+"""jobplane's collections in one database.
+
+They are the store's own: each aggregate store is handed the ones it reads and writes, and no
+code outside `jobplane.store` touches them (tests that must, to set up a state no transition
+makes or to count what was written, go through `tests/integration/db.py`).
+"""
+
+from dataclasses import dataclass
+from typing import Any
+
+from pymongo.asynchronous.collection import AsyncCollection
+from pymongo.asynchronous.database import AsyncDatabase
+
+from jobplane.store.convert import object_id
+
+Doc = dict[str, Any]
+
+
+@dataclass(frozen=True)
+class Collections:
+    templates: AsyncCollection[Doc]
+    runs: AsyncCollection[Doc]
+    # Runs past retention (`MaintenanceStore.archive`), still readable by id.
+    archive: AsyncCollection[Doc]
+    schedules: AsyncCollection[Doc]
+    # Copies of the runs' trails, plus events that belong to no run write.
+    events: AsyncCollection[Doc]
+    api_keys: AsyncCollection[Doc]
+    # Bookkeeping of the background passes (the trail sweep's last window).
+    meta: AsyncCollection[Doc]
+
+    @classmethod
+    def of(cls, db: AsyncDatabase[Doc]) -> "Collections":
+        return cls(
+            templates=db["job_templates"],
+            runs=db["job_runs"],
+            archive=db["job_runs_archive"],
+            schedules=db["job_schedules"],
+            events=db["job_events"],
+            api_keys=db["api_keys"],
+            meta=db["job_meta"],
+        )
+
+    async def find_run(self, run_id: str, projection: Doc) -> Doc | None:
+        """A run, live or archived."""
+        oid = object_id(run_id)
+        if oid is None:
+            return None
+        # Archiving copies before it deletes, so a run that is not in `job_runs` by the time
+        # this reads it is in the archive already.
+        doc = await self.runs.find_one({"_id": oid}, projection)
+        return doc if doc is not None else await self.archive.find_one({"_id": oid}, projection)

@@ -1,0 +1,163 @@
+"""What a lease holder writes besides its transitions: renewals, its steps' starts and ends,
+and progress. Each write is fenced by the lease (`writes.held_by`) and changes no status.
+"""
+
+from collections.abc import Sequence
+from dataclasses import replace
+from datetime import datetime, timedelta
+from typing import Any
+
+from bson import ObjectId
+
+from jobplane.model import LEASED, RunStatus, StepStatus
+from jobplane.store import convert, steps
+from jobplane.store.convert import STATE_FIELDS, Doc, known_owner, owner
+from jobplane.store.types import Known, Lease, Lost
+from jobplane.store.writes import RunWrites, TrailEntry, held_by, recorded
+
+
+class MongoLeaseStore:
+    def __init__(self, writes: RunWrites) -> None:
+        self._writes = writes
+        self._db, self._clock, self._trail = writes.db, writes.clock, writes.trail
+
+    async def heartbeat(
+        self, worker_id: str, leases: Sequence[Lease], lease_seconds: float
+    ) -> tuple[set[str], set[str]]:
+        """Renew many leases at once.
+
+        Returns the ids still held and, among them, those whose cancel was requested, and keeps
+        each held lease's `known` state current. Only the worker can tell a lease lost from a
+        run it finished meanwhile, so nothing is recorded.
+        """
+        # Grouped by token and by scope where the lease knows it: on a sharded cluster each
+        # group goes only to the shard of its scope.
+        groups: dict[tuple[str, str | None, str | None], list[ObjectId]] = {}
+        for lease in leases:
+            known = lease.known
+            group = (lease.token, *((known.scope, known.scope_id) if known else (None, None)))
+            groups.setdefault(group, []).append(ObjectId(lease.run_id))
+        if not groups:
+            return set(), set()
+        now = self._clock.now()
+        held_filter = {
+            "lockedBy": worker_id,
+            "status": {"$in": sorted(LEASED)},
+            "$or": [
+                {
+                    "leaseToken": token,
+                    **(owner(scope, scope_id) if scope and scope_id else {}),
+                    "_id": {"$in": ids},
+                }
+                for (token, scope, scope_id), ids in groups.items()
+            ],
+        }
+        until = now + timedelta(seconds=lease_seconds)
+        await self._db.runs.update_many(
+            held_filter,
+            {"$set": {"lockedUntil": until, "heartbeatAt": now}, "$inc": {"version": 1}},
+        )
+        found = await self._db.runs.find(held_filter, STATE_FIELDS).to_list()
+        docs = {str(d["_id"]): d for d in found}
+        for lease in leases:
+            doc = docs.get(lease.run_id)
+            # The beat moved the version: the worker's next write would miss and read it again.
+            if doc and (lease.known is None or lease.known.version < doc["version"]):
+                lease.known = convert.known(doc)
+        cancel = {i for i, d in docs.items() if d["status"] == RunStatus.CANCEL_REQUESTED}
+        return set(docs), cancel
+
+    async def start_step(
+        self, lease: Lease, index: int, step_id: str, at: datetime | None = None
+    ) -> Lost | None:
+        """Mark a step running. Workers write this only for steps that are not over at once."""
+        now = self._clock.now()
+        started, events = steps.unwritten_start(index, step_id, at or now)
+        s = f"progress.steps.{index}"
+        update = {**started, f"{s}.status": StepStatus.RUNNING, f"{s}.percentage": 0}
+        return await self._fenced(lease, "start_step", {"$set": update}, events, now)
+
+    async def finish_step(
+        self,
+        lease: Lease,
+        index: int,
+        step_id: str,
+        output: Any,
+        percentage: float,
+        started_at: datetime | None = None,
+        *,
+        next_handler: str | None,
+    ) -> Lost | None:
+        """Record a step's success (and its start, when that was not written yet); the run's
+        `handler` becomes the next step's."""
+        now = self._clock.now()
+        update, events = steps.unwritten_start(index, step_id, started_at)
+        update |= {
+            **steps.succeeded(index, step_id, output, now),
+            "progress.percentage": percentage,
+        }
+        events.append(("step_finished", None, {"step": step_id}))
+        write: Doc = {"$set": update}
+        if next_handler is None:
+            write["$unset"] = {"handler": ""}
+        else:
+            update["handler"] = next_handler
+        return await self._fenced(lease, "finish_step", write, events, now)
+
+    async def report_progress(
+        self,
+        lease: Lease,
+        index: int,
+        step_percentage: float,
+        percentage: float,
+        message: str | None,
+    ) -> Lost | None:
+        """Progress is frequent, so it writes the run only; no event per tick."""
+        s = f"progress.steps.{index}"
+        update: Doc = {f"{s}.percentage": step_percentage, f"{s}.message": message}
+        if message is not None:
+            update["progress.summary"] = message
+        # $max: the run's progress never goes back, whatever order writes land in.
+        write = {"$set": update, "$max": {"progress.percentage": percentage}}
+        return await self._fenced(lease, "progress", write, [], self._clock.now())
+
+    async def lease_lost(self, lease: Lease, what: str) -> Lost:
+        """Record why `lease` no longer holds its run (for a loss the worker found itself)."""
+        return await self._writes.lost(lease.run_id, lease, what, known_owner(lease.known))
+
+    async def _fenced(
+        self, lease: Lease, what: str, update: Doc, events: Sequence[TrailEntry], now: datetime
+    ) -> Lost | None:
+        """A lease holder's write that changes no status, allowed while the lease is held."""
+        run_owner = known_owner(lease.known)
+        query = {
+            "_id": ObjectId(lease.run_id),
+            **run_owner,
+            "status": {"$in": sorted(LEASED)},
+            **held_by(lease.worker_id, lease.token),
+        }
+        update["$set"]["updateAt"] = now
+        update["$inc"] = {"version": 1}
+        if not events:
+            # Without events the write names no state it moves the run from, so the lease is
+            # its whole condition: a heartbeat that moved the version cannot make it miss.
+            if not await self._writes.guarded(query, update):
+                return await self._writes.lost(lease.run_id, lease, what, run_owner)
+            if lease.known is not None:
+                # Exact unless another write landed meanwhile; then the next write that needs
+                # the version misses once and reads it.
+                lease.known = replace(lease.known, version=lease.known.version + 1)
+            return None
+
+        def trail(state: Known) -> list[Doc]:
+            return recorded(lease.run_id, lease.actor, state, now, events)
+
+        written = await self._writes.write(
+            query, lambda _: update, lease.known, LEASED, None, trail
+        )
+        if written is None:
+            return await self._writes.lost(lease.run_id, lease, what, run_owner)
+        state, appended = written
+        lease.known = replace(state, version=state.version + 1)
+        await self._trail.hand(appended)
+        return None

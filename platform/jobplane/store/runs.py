@@ -1,0 +1,230 @@
+"""Runs: their creation with its dedupe and idempotency keys, and reads, live or archived.
+
+A run is inserted `queued` (its creator pushes it to Redis next), or `pending` while it waits
+for its dedupe key. MongoDB's unique indexes decide dedupe and idempotency, so of concurrent
+creates for one key exactly one wins; every later change to a run is a transition.
+"""
+
+from collections.abc import Sequence
+from datetime import datetime
+
+from bson import ObjectId
+from pymongo.errors import BulkWriteError, DuplicateKeyError
+
+from jobplane.groupcommit import GroupCommit
+from jobplane.model import (
+    ACTIVE,
+    CLAIMABLE,
+    TERMINAL,
+    Progress,
+    Run,
+    RunStatus,
+    Schedule,
+    StepProgress,
+)
+from jobplane.store import convert
+from jobplane.store.convert import DUPLICATE_KEY, NO_TRAIL, Doc, listed, object_id, owner
+from jobplane.store.types import DuplicateRun, KeyHeld, Known, Lost, Moved, NewRun, RunQuery
+from jobplane.store.writes import RunWrites
+
+
+class MongoRunStore:
+    def __init__(self, writes: RunWrites) -> None:
+        self._writes = writes
+        self._db, self._clock, self._trail = writes.db, writes.clock, writes.trail
+        self._inserts = GroupCommit(self._insert_many)
+
+    async def insert(self, new: NewRun, actor: str) -> Run:
+        """Write a new run and its `created` event: `queued`, as its creator pushes it to Redis
+        next (the reconciler does if the creator cannot), or `pending` while it waits for its
+        dedupe key.
+
+        Concurrent calls are written together (group commit). The unique indexes decide dedupe
+        and idempotency, so concurrent creates cannot both win.
+        """
+        return await self._inserts.submit((new, actor))
+
+    async def insert_many(self, news: Sequence[NewRun], actor: str) -> list[Run | Exception]:
+        """Write many new runs in one unordered bulk insert; each item gets its run or the
+        `DuplicateRun` / `KeyHeld` it collided with, and one bad item does not stop the rest."""
+        return await self._insert_many([(new, actor) for new in news])
+
+    async def get(self, run_id: str) -> Run | None:
+        """The run, live or archived."""
+        doc = await self._db.find_run(run_id, NO_TRAIL)
+        return convert.run(doc) if doc else None
+
+    async def page(
+        self, query: RunQuery, within: Sequence[tuple[str, str]] | None, limit: int
+    ) -> list[Run]:
+        """Runs matching `query`, newest first, only in the scopes `within` unless it is None."""
+        find = listed(
+            (
+                ("status", query.status),
+                ("templateType", query.template_type),
+                ("scope", query.scope),
+                ("scopeId", query.scope_id),
+                ("scheduleId", query.schedule_id),
+            ),
+            within,
+        )
+        if query.status in TERMINAL:
+            # True of every ended run; it lets the partial index of ended runs serve the query.
+            find["completedAt"] = {"$exists": True}
+        if query.before is not None:
+            find["_id"] = {"$lt": ObjectId(query.before)}
+        cursor = self._db.runs.find(find, NO_TRAIL).sort("_id", -1).limit(limit)
+        return [convert.run(d) async for d in cursor]
+
+    async def active_of(self, schedule: Schedule) -> Run | None:
+        """An active run `schedule` made, if any (its `overlapPolicy` asks)."""
+        # The schedule's runs carry its scope: the read goes to one shard.
+        active = {"scheduleId": schedule.id, "status": {"$in": sorted(ACTIVE)}}
+        active |= owner(schedule.scope, schedule.scope_id)
+        doc = await self._db.runs.find_one(active, NO_TRAIL)
+        return convert.run(doc) if doc else None
+
+    async def next_waiting(self, key: str) -> Run | None:
+        """The oldest pending run waiting for `key`."""
+        query = {"dedupeWait": key, "status": RunStatus.PENDING}
+        doc = await self._db.runs.find_one(query, NO_TRAIL, sort=[("_id", 1)])
+        return convert.run(doc) if doc else None
+
+    async def take_key(self, run: Run, actor: str) -> Moved | Lost:
+        """A run waiting for its dedupe key takes it (it stays `pending`, ready to queue).
+
+        The unique index decides between takers; raises `KeyHeld` if another run has the key.
+        """
+        key = run.dedupe_wait
+        oid = object_id(run.id)
+        if key is None or oid is None:
+            return Lost(run.id, "status", run.status)
+        query = {"_id": oid, **owner(run.scope, run.scope_id)}
+        query |= {"status": RunStatus.PENDING, "dedupeWait": key}
+        now = self._clock.now()
+        update: Doc = {
+            "$set": {"dedupeKey": key, "updateAt": now},
+            "$unset": {"dedupeWait": ""},
+            "$inc": {"version": 1},
+        }
+
+        def events(state: Known) -> list[Doc]:
+            return [
+                convert.event(
+                    run.id,
+                    "dedupe_key_taken",
+                    actor,
+                    state.scope,
+                    state.scope_id,
+                    state.version + 1,
+                    metadata={"dedupeKey": key},
+                    now=now,
+                )
+            ]
+
+        try:
+            written = await self._writes.write(
+                query, lambda _: update, None, CLAIMABLE, None, events
+            )
+        except DuplicateKeyError:
+            raise await self._key_held(key, run.scope, run.scope_id) from None
+        if written is None:
+            return await self._writes.lost(run.id, None, "take_key", owner(run.scope, run.scope_id))
+        await self._trail.hand(written[1])
+        return Moved(run.id, RunStatus.PENDING, RunStatus.PENDING)
+
+    async def _insert_many(self, items: list[tuple[NewRun, str]]) -> list[Run | Exception]:
+        if not items:  # a batch whose every item was refused, or holds a dedupe key
+            return []
+        now = self._clock.now()
+        runs: list[Run] = []
+        docs: list[Doc] = []
+        for new, actor in items:
+            run, doc = _new_run(new, actor, now)
+            runs.append(run)
+            docs.append(doc)
+        outcomes: list[Run | Exception] = list(runs)
+        try:
+            await self._db.runs.insert_many(docs, ordered=False)
+        except BulkWriteError as exc:
+            if exc.details.get("writeConcernErrors"):
+                raise
+            for error in exc.details["writeErrors"]:
+                i = error["index"]
+                if error["code"] != DUPLICATE_KEY:
+                    raise
+                duplicate = DuplicateKeyError(error["errmsg"], error["code"], error)
+                outcomes[i] = await self._duplicate(duplicate, items[i][0])
+        await self._trail.hand(
+            [doc["trail"][0] for doc, o in zip(docs, outcomes, strict=True) if isinstance(o, Run)]
+        )
+        return outcomes
+
+    async def _duplicate(self, exc: DuplicateKeyError, new: NewRun) -> Exception:
+        """Say which run the insert collided with. A run with the same idempotency key wins
+        over a dedupe key collision: a repeated create is answered with its first run."""
+        if new.idempotency_key is not None:
+            idempotent = {**owner(new.scope, new.scope_id), "idempotencyKey": new.idempotency_key}
+            existing = await self._db.runs.find_one(idempotent, NO_TRAIL)
+            if existing is not None:
+                return DuplicateRun(convert.run(existing))
+        pattern = (exc.details or {}).get("keyPattern", {})
+        if "dedupeKey" in pattern:
+            assert new.dedupe_key is not None
+            return await self._key_held(new.dedupe_key, new.scope, new.scope_id)
+        if "scheduleId" in pattern:
+            fire = {"scheduleId": new.schedule_id, "scheduledFor": new.scheduled_for}
+            fire |= owner(new.scope, new.scope_id)
+            existing = await self._db.runs.find_one(fire, NO_TRAIL)
+            if existing is not None:
+                return DuplicateRun(convert.run(existing))
+        # The run collided with was removed before this read; report the collision as it was.
+        return exc
+
+    async def _key_held(self, key: str, scope: str, scope_id: str) -> KeyHeld:
+        """The run holding `key`: one of `scope` (the unique index is per scope)."""
+        holder = await self._db.runs.find_one(
+            {**owner(scope, scope_id), "dedupeKey": key}, NO_TRAIL
+        )
+        return KeyHeld(key, convert.run(holder) if holder else None)
+
+
+def _new_run(new: NewRun, actor: str, now: datetime) -> tuple[Run, Doc]:
+    """A new run and its document, with its `created` event in its trail."""
+    t = new.template
+    oid = ObjectId()
+    # Validated although every value was checked on its way in: pydantic-core validates a
+    # run in a few microseconds, several times faster than `model_construct` builds one.
+    run = Run(
+        id=str(oid),
+        template_type=t.type,
+        template_version=t.version,
+        scope=new.scope,
+        scope_id=new.scope_id,
+        status=RunStatus.PENDING if new.dedupe_wait else RunStatus.QUEUED,
+        payload=new.payload,
+        priority=t.priority if new.priority is None else new.priority,
+        queue=t.queue,
+        handler=t.handler_at(0),
+        progress=Progress(steps=[StepProgress(id=s.id) for s in t.steps]),
+        max_attempts=t.retry_policy.max_attempts,
+        timeout_seconds=t.timeout_seconds,
+        cancel_grace_seconds=t.cancel_policy.grace_seconds,
+        not_before=new.not_before,
+        dedupe_key=new.dedupe_key,
+        dedupe_wait=new.dedupe_wait,
+        idempotency_key=new.idempotency_key,
+        schedule_id=new.schedule_id,
+        scheduled_for=new.scheduled_for,
+        rerun_of=new.rerun_of,
+        create_at=now,
+        update_at=now,
+    )
+    doc = run.model_dump(by_alias=True, exclude_none=True)
+    del doc["id"]
+    doc["_id"] = oid
+    created = convert.event(
+        run.id, "created", actor, run.scope, run.scope_id, 1, to=run.status, now=now
+    )
+    doc["trail"] = [created]
+    return run, doc

@@ -1,0 +1,145 @@
+"""What the store's callers hand it and get back: leases, write outcomes, new runs, list
+filters, and the refusals a create can meet."""
+
+from dataclasses import dataclass, field
+from datetime import datetime
+from typing import Any, Literal
+
+from jobplane.model import Run, RunStatus, Template
+
+
+def worker_actor(worker_id: str) -> str:
+    """How events name a worker as their actor."""
+    return f"worker:{worker_id}"
+
+
+@dataclass
+class Known:
+    """What a writer knows of a run from its own last write.
+
+    With it, the next write can be a conditional update on that status and version with no
+    read first: if it matches, the writer knew the run's state exactly; if another writer got
+    in between, it misses, and the writer reads the state and tries again.
+    """
+
+    status: RunStatus
+    version: int
+    scope: str
+    scope_id: str
+    # The attempt in progress, for a write that ends it in an error (`AttemptChange.FAIL`).
+    attempt: int = 0
+    attempt_started_at: datetime | None = None
+
+
+@dataclass
+class Lease:
+    """Proof of ownership that every worker write carries."""
+
+    run_id: str
+    worker_id: str
+    token: str
+    # Kept up to date by the store after each write made with this lease.
+    known: Known | None = field(default=None, compare=False, repr=False)
+
+    @property
+    def actor(self) -> str:
+        return worker_actor(self.worker_id)
+
+
+@dataclass(frozen=True)
+class Moved:
+    """A transition that took place."""
+
+    run_id: str
+    from_: RunStatus
+    to: RunStatus
+
+
+@dataclass(frozen=True)
+class Lost:
+    """A write whose filter matched nothing: the caller lost a race.
+
+    `reason` is "missing" (no such run), "lease" (another claim superseded the caller's lease;
+    a `stale_write_rejected` event was recorded) or "status" (the run is in `status`, from which
+    the write is not allowed, or a guard of the transition no longer holds).
+    """
+
+    run_id: str
+    reason: Literal["missing", "lease", "status"]
+    status: RunStatus | None = None
+
+
+@dataclass(frozen=True)
+class NewRun:
+    template: Template
+    scope: Literal["user", "account", "system"]
+    scope_id: str
+    payload: dict[str, Any] = field(default_factory=dict)
+    priority: int | None = None
+    not_before: datetime | None = None
+    # The key the run holds while active, or the one it waits for (`queue_same_scope`).
+    dedupe_key: str | None = None
+    dedupe_wait: str | None = None
+    idempotency_key: str | None = None
+    schedule_id: str | None = None
+    scheduled_for: datetime | None = None
+    rerun_of: str | None = None
+
+
+@dataclass(frozen=True)
+class RunQuery:
+    """Filters of the run list; `before` is the id the previous page ended at."""
+
+    status: RunStatus | None = None
+    template_type: str | None = None
+    scope: str | None = None
+    scope_id: str | None = None
+    schedule_id: str | None = None
+    before: str | None = None
+
+
+@dataclass(frozen=True)
+class ScheduleQuery:
+    """Filters of the schedule list; `before` is the id the previous page ended at."""
+
+    template_type: str | None = None
+    scope: str | None = None
+    scope_id: str | None = None
+    enabled: bool | None = None
+    before: str | None = None
+
+
+@dataclass(frozen=True)
+class EventQuery:
+    """Filters of the audit query; `after` is the (createAt, id) the previous page ended at."""
+
+    job_id: str | None = None
+    type: str | None = None
+    scope: str | None = None
+    scope_id: str | None = None
+    actor: str | None = None
+    since: datetime | None = None
+    until: datetime | None = None
+    after: tuple[datetime, str] | None = None
+
+
+class KeyHeld(Exception):
+    """Another run holds the dedupe key: an active run, or (non-repeatable templates) the run
+    that succeeded for it. `holder` is None if it let go before it could be read."""
+
+    def __init__(self, key: str, holder: Run | None) -> None:
+        super().__init__(f"dedupe key {key} is held by {holder.id if holder else 'a run'}")
+        self.key = key
+        self.holder = holder
+
+
+class DuplicateRun(Exception):
+    """A run with this idempotency key (or schedule fire time) already exists."""
+
+    def __init__(self, run: Run) -> None:
+        super().__init__(f"run {run.id} already exists")
+        self.run = run
+
+
+class NotSharded(Exception):
+    """Sharding was asked of a server that is not a sharded cluster's mongos."""
