@@ -12,10 +12,8 @@ lock) are counted nowhere: the API reads them from Redis and MongoDB when it is 
 
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
-from datetime import UTC, datetime
-from typing import cast
+from datetime import datetime
 
-from bson import ObjectId
 from prometheus_client import (
     REGISTRY,
     Counter,
@@ -30,7 +28,7 @@ from pymongo.errors import PyMongoError
 
 from jobplane.model import TERMINAL, Run
 from jobplane.queue.connect import REDIS_DOWN
-from jobplane.queue.redis import Offer, RedisQueue, epoch_ms
+from jobplane.queue.redis import Offer, RedisQueue
 from jobplane.settings import Settings
 from jobplane.store import Lost, Moved, Store
 
@@ -214,7 +212,7 @@ async def _queues_state(
         ready = delayed = 0
         times: list[datetime] = []
         for handler in [None, *await queue.lanes(name)]:
-            lane = await _lane_state(queue, name, handler, now)
+            lane = await queue.lane_depth(name, handler, now)
             ready, delayed = ready + lane.ready + lane.due, delayed + lane.delayed - lane.due
             times += [lane.oldest_at] if lane.oldest_at else []
             served = any(o.serves(name, handler) for o in live.values())
@@ -224,42 +222,6 @@ async def _queues_state(
         depth.add_metric([name, "delayed"], delayed)
         oldest.add_metric([name], _seconds(now, min(times)) if times else 0.0)
     return [depth, oldest, waiting]
-
-
-@dataclass(frozen=True)
-class _Lane:
-    ready: int
-    # Delayed runs now due (a pop promotes them), and all delayed runs.
-    due: int
-    delayed: int
-    # When the oldest ready run was created or fell due.
-    oldest_at: datetime | None
-
-
-async def _lane_state(queue: RedisQueue, name: str, handler: str | None, now: datetime) -> _Lane:
-    ready_key, delayed_key = queue.keys.queue(name, handler), queue.keys.delayed(name, handler)
-    async with queue.redis.pipeline(transaction=False) as pipe:
-        pipe.zcard(ready_key)
-        pipe.zcount(delayed_key, "-inf", epoch_ms(now))
-        pipe.zcard(delayed_key)
-        pipe.zrange(delayed_key, 0, 0, withscores=True)
-        ready, due, delayed, first_delayed = await pipe.execute()
-    times: list[datetime] = []
-    if due:
-        times.append(datetime.fromtimestamp(first_delayed[0][1] / 1000, UTC))
-    # The ready set orders by -priority, then by id; ids are ObjectIds, which begin with their
-    # creation time, so the first member of each priority is its oldest. One read per
-    # priority present (at most 201), each O(log n).
-    after = "-inf"
-    while head := await queue.redis.zrangebyscore(
-        ready_key, after, "+inf", start=0, num=1, withscores=True
-    ):
-        member, score = cast(tuple[bytes, float], head[0])
-        run_id = member.decode()
-        if ObjectId.is_valid(run_id):
-            times.append(ObjectId(run_id).generation_time)
-        after = f"({score}"
-    return _Lane(ready, due, delayed, min(times, default=None))
 
 
 def _workers_state(live: dict[str, Offer]) -> list[Metric]:
@@ -281,17 +243,17 @@ def _workers_state(live: dict[str, Offer]) -> list[Metric]:
 async def _scheduler_state(queue: RedisQueue) -> list[Metric]:
     """Whether a scheduler holds the singleton lock, and how long until it expires: the
     active one renews it at least every third of its TTL, so a falling TTL is a stalled one."""
-    ttl_ms = await queue.redis.pttl(queue.keys.scheduler_lock)
+    _, left = await queue.scheduler_lock()
     return [
         GaugeMetricFamily(
             "jobplane_scheduler_leader",
             "1 while a scheduler holds the singleton lock",
-            int(ttl_ms > 0),
+            int(left > 0),
         ),
         GaugeMetricFamily(
             "jobplane_scheduler_lock_ttl_seconds",
             "Time left on the scheduler lock; 0 when no scheduler holds it",
-            max(ttl_ms, 0) / 1000,
+            left,
         ),
     ]
 

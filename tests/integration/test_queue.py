@@ -24,17 +24,18 @@ pytestmark = REDIS_TOPOLOGIES
 async def test_the_scheduler_lock_is_taken_extended_and_released_by_its_owner_only(
     queue: RedisQueue,
 ) -> None:
-    key = queue.keys.scheduler_lock
-    assert await queue.acquire_lock(key, "s1", 10)
-    assert not await queue.acquire_lock(key, "s2", 100), "held by another owner"
-    assert not await queue.release_lock(key, "s2")
-    assert await queue.redis.get(key) == b"s1"
-    assert 0 < await queue.redis.pttl(key) <= 10_000, "a stranger's acquire did not extend it"
+    assert await queue.scheduler_lock() == (None, 0)
+    assert await queue.acquire_scheduler_lock("s1", 10)
+    assert not await queue.acquire_scheduler_lock("s2", 100), "held by another owner"
+    assert not await queue.release_scheduler_lock("s2")
+    holder, left = await queue.scheduler_lock()
+    assert holder == "s1" and 0 < left <= 10, "a stranger's acquire did not extend it"
 
-    assert await queue.acquire_lock(key, "s1", 100)
-    assert 10_000 < await queue.redis.pttl(key) <= 100_000
-    assert await queue.release_lock(key, "s1")
-    assert await queue.redis.get(key) is None
+    assert await queue.acquire_scheduler_lock("s1", 100)
+    holder, left = await queue.scheduler_lock()
+    assert holder == "s1" and 10 < left <= 100
+    assert await queue.release_scheduler_lock("s1")
+    assert await queue.scheduler_lock() == (None, 0)
 
 
 async def test_pipelined_scripts_cost_no_extra_round_trip(

@@ -17,10 +17,11 @@ from collections.abc import (
     Sequence,
 )
 from dataclasses import dataclass
-from datetime import datetime
+from datetime import UTC, datetime
 from importlib import resources
 from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 
+from bson import ObjectId
 from redis.asyncio import RedisCluster
 from redis.commands.core import AsyncScript
 from redis.exceptions import TimeoutError as RedisTimeoutError
@@ -111,6 +112,16 @@ class Popped:
     run_ids: list[str]
     # When the earliest delayed run of the queues falls due, so a worker knows how long to block.
     next_due: datetime | None
+
+
+@dataclass(frozen=True)
+class LaneDepth:
+    ready: int
+    # Delayed runs now due (a pop promotes them), and all delayed runs.
+    due: int
+    delayed: int
+    # When the oldest ready run was created or fell due.
+    oldest_at: datetime | None
 
 
 # Where a push puts a run: its queue and lane, the sorted set, the member and its score.
@@ -258,17 +269,59 @@ class RedisQueue:
             e for i, e in enumerate(entries) if scores[2 * i] is None and scores[2 * i + 1] is None
         ]
 
+    # -- what the lanes hold ---------------------------------------------------------------------
+
+    @_bounded
+    async def lane_depth(self, queue: str, handler: str | None, now: datetime) -> LaneDepth:
+        """What a lane holds, counted (never read whole), for `/metrics` and the overview."""
+        ready_key, delayed_key = self.keys.queue(queue, handler), self.keys.delayed(queue, handler)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zcard(ready_key)
+            pipe.zcount(delayed_key, "-inf", epoch_ms(now))
+            pipe.zcard(delayed_key)
+            pipe.zrange(delayed_key, 0, 0, withscores=True)
+            ready, due, delayed, first_delayed = await pipe.execute()
+        times: list[datetime] = []
+        if due:
+            times.append(datetime.fromtimestamp(first_delayed[0][1] / 1000, UTC))
+        # The ready set orders by -priority, then by id; ids are ObjectIds, which begin with
+        # their creation time, so the first member of each priority is its oldest. One read per
+        # priority present (at most 201), each O(log n).
+        after = "-inf"
+        while head := await self.redis.zrangebyscore(
+            ready_key, after, "+inf", start=0, num=1, withscores=True
+        ):
+            member, score = cast(tuple[bytes, float], head[0])
+            if ObjectId.is_valid(run_id := _text(member)):
+                times.append(ObjectId(run_id).generation_time)
+            after = f"({score}"
+        return LaneDepth(ready, due, delayed, min(times, default=None))
+
     # -- the scheduler lock --------------------------------------------------------------------
 
     @_bounded
-    async def acquire_lock(self, key: str, owner: str, ttl_seconds: float) -> bool:
-        """Take `key` if free, or extend it if `owner` already holds it."""
-        return bool(await self._acquire(keys=[key], args=[owner, int(ttl_seconds * 1000)]))
+    async def acquire_scheduler_lock(self, owner: str, ttl_seconds: float) -> bool:
+        """Take the lock if free, or extend it if `owner` already holds it."""
+        keys, ttl = [self.keys.scheduler_lock], int(ttl_seconds * 1000)
+        return bool(await self._acquire(keys=keys, args=[owner, ttl]))
 
     @_bounded
-    async def release_lock(self, key: str, owner: str) -> bool:
-        """Delete `key` if `owner` holds it."""
-        return bool(await self._release(keys=[key], args=[owner]))
+    async def release_scheduler_lock(self, owner: str) -> bool:
+        """Let go of the lock if `owner` holds it."""
+        return bool(await self._release(keys=[self.keys.scheduler_lock], args=[owner]))
+
+    @_bounded
+    async def scheduler_lock(self) -> tuple[str | None, float]:
+        """Who holds the lock (None: no one) and its seconds left (0 when no one does)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.get(self.keys.scheduler_lock)
+            pipe.pttl(self.keys.scheduler_lock)
+            owner, ttl_ms = await pipe.execute()
+        return (None if owner is None else _text(owner)), max(ttl_ms, 0) / 1000
+
+    @_bounded
+    async def ping(self) -> None:
+        await self.redis.ping()
 
     # -- cancel signals ------------------------------------------------------------------------
 

@@ -57,7 +57,6 @@ class Scheduler:
 
         A tick cut short is safe: each of its writes is a whole transition, and the next active
         scheduler does the rest. A lock not let go expires after its TTL."""
-        lock = self.queue.keys.scheduler_lock
         log.info("scheduler %s started", self.owner)
         ticking = asyncio.create_task(self._tick_loop(stop))
         stopping = asyncio.create_task(stop.wait())
@@ -70,12 +69,11 @@ class Scheduler:
                 ticking.cancel()
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(self.settings.close_seconds):
-                    await self.queue.release_lock(lock, self.owner)
+                    await self.queue.release_scheduler_lock(self.owner)
 
     async def _tick_loop(self, stop: asyncio.Event) -> None:
         """Schedules fire the moment they are due (the loop sleeps until the earliest
         `nextRunAt`), the rest of the tick runs every interval."""
-        lock = self.queue.keys.scheduler_lock
         ttl = self.settings.scheduler_lock_seconds
         interval = min(self.settings.reconcile_seconds, ttl / 3)
         loop = asyncio.get_running_loop()
@@ -84,7 +82,7 @@ class Scheduler:
         while not stop.is_set():
             wait = interval
             try:
-                holds = await self.queue.acquire_lock(lock, self.owner, ttl)
+                holds = await self.queue.acquire_scheduler_lock(self.owner, ttl)
                 if holds != active:  # say when this one takes over or is taken over from
                     active = holds
                     log.info("scheduler %s %s", self.owner, "active" if holds else "stands by")

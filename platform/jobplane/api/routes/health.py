@@ -42,7 +42,7 @@ async def readyz(request: Request) -> JSONResponse:
     except Exception as exc:
         checks["mongodb"] = f"error: {exc}"
     try:
-        await request.app.state.queue.redis.ping()
+        await request.app.state.queue.ping()
         checks["redis"] = "ok"
     except Exception as exc:
         checks["redis"] = f"error: {exc}"

@@ -227,10 +227,8 @@ def _int(value: float | None) -> int | None:
 
 async def _leader(queue: RedisQueue) -> str | None:
     """The scheduler lock's value: the owner id of the active scheduler."""
-    owner = await queue.redis.get(queue.keys.scheduler_lock)
-    if owner is None:
-        return None
-    return owner.decode() if isinstance(owner, bytes) else str(owner)
+    owner, _ = await queue.scheduler_lock()
+    return owner
 
 
 async def _alive(queue: RedisQueue, held: list[HeldRun]) -> dict[str, bool]:
