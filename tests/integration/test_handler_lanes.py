@@ -64,26 +64,14 @@ async def test_a_mixed_fleet_runs_each_step_on_a_worker_that_offers_its_handler(
         for kind in ("render", "prepare_only", "render_only")
     ]
     workers = [
-        spawn(
-            settings,
-            "worker",
-            tmp_path / "cpu.log",
-            JOBPLANE_HANDLERS=CPU,
-            JOBPLANE_WORKER_ID="cpu",
-        ),
-        spawn(
-            settings,
-            "worker",
-            tmp_path / "gpu.log",
-            JOBPLANE_HANDLERS=GPU,
-            JOBPLANE_WORKER_ID="gpu",
-        ),
+        worker(settings, tmp_path, "cpu", CPU),
+        worker(settings, tmp_path, "gpu", GPU),
     ]
     try:
         runs = await settled(backends.store, ids, within=120)
     finally:
-        for worker in workers:
-            terminate(worker)
+        for proc in workers:
+            terminate(proc)
     assert {r.status for r in runs} == {RunStatus.SUCCEEDED}
     assert {r.attempt for r in runs} == {1}, "no attempt spent on a missing handler"
     ran_by = {"prepare": {"worker:cpu"}, "render": {"worker:gpu"}}
@@ -105,9 +93,7 @@ async def test_a_run_waits_for_its_handler_and_starts_when_a_worker_offers_it(
     service = RunService(backends.store, backends.queue)
     run, _ = await service.create(RunRequest("render_only", "user", "u"), "user:a")
     waiting = Waiting(backends.queue, max_age=0)
-    cpu = spawn(
-        settings, "worker", tmp_path / "cpu.log", JOBPLANE_HANDLERS=CPU, JOBPLANE_WORKER_ID="cpu"
-    )
+    cpu = worker(settings, tmp_path, "cpu", CPU)
     try:
         await alive(backends, "cpu")
         [seen] = await waiting.explain([await service.get(run.id)])
@@ -122,13 +108,7 @@ async def test_a_run_waits_for_its_handler_and_starts_when_a_worker_offers_it(
         untouched = await service.get(run.id)
         assert (untouched.version, untouched.attempt) == (run.version, 0), "nothing spins"
 
-        gpu = spawn(
-            settings,
-            "worker",
-            tmp_path / "gpu.log",
-            JOBPLANE_HANDLERS=GPU,
-            JOBPLANE_WORKER_ID="gpu",
-        )
+        gpu = worker(settings, tmp_path, "gpu", GPU)
         try:
             [done] = await settled(backends.store, [run.id], within=60)
         finally:

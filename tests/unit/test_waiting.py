@@ -1,32 +1,53 @@
-"""`waitingFor` is only an explanation: a registry that cannot be read leaves it null."""
+"""`waitingFor`: only an explanation, so a registry that cannot be read leaves it null (and is
+not asked again at once); `jobplane runs watch` says it."""
 
 from datetime import UTC, datetime
-from typing import cast
+from typing import Any, cast
 
-from jobplane.model import Run, RunStatus
+from jobplane.cli.render import render
+from jobplane.model import Run, RunStatus, WaitingFor
 from jobplane.queue.redis import Offer, RedisQueue
 from jobplane.runs.waiting import Waiting
 
 
-class _TornConnection:
-    """What redis-py's cluster client raised mid node restart, from a torn-down connection."""
-
-    async def live_workers(self) -> dict[str, Offer]:
-        raise AttributeError("'NoneType' object has no attribute 'writelines'")
-
-
-async def test_an_unreadable_registry_leaves_waiting_for_null() -> None:
+def queued(**fields: Any) -> Run:
     now = datetime.now(UTC)
-    run = Run(
+    return Run(
         id="0" * 24,
         template_type="t",
         template_version=1,
         scope="user",
         scope_id="u",
         status=RunStatus.QUEUED,
-        handler="reports.render",
         create_at=now,
         update_at=now,
+        **fields,
     )
-    [explained] = await Waiting(cast(RedisQueue, _TornConnection())).explain([run])
+
+
+class _TornConnection:
+    """What redis-py's cluster client raised mid node restart, from a torn-down connection."""
+
+    reads = 0
+
+    async def live_workers(self) -> dict[str, Offer]:
+        self.reads += 1
+        raise AttributeError("'NoneType' object has no attribute 'writelines'")
+
+
+async def test_an_unreadable_registry_leaves_waiting_for_null() -> None:
+    run = queued(handler="reports.render")
+    torn = _TornConnection()
+    waiting = Waiting(cast(RedisQueue, torn), max_age=60)
+    [explained] = await waiting.explain([run])
     assert explained.waiting_for is None
+    await waiting.explain([run])
+    assert torn.reads == 1, "a failed read is not repeated for every answer"
+
+
+def test_a_run_waiting_for_a_handler_says_which() -> None:
+    run = queued(waiting_for=WaitingFor(reason="handler", detail="reports.render"))
+    assert "  waiting for handler: reports.render" in render(run)
+    assert not any(
+        "waiting" in line for line in render(run.model_copy(update={"waiting_for": None}))
+    )

@@ -8,6 +8,7 @@ at most once per `max_age` per process, so answering runs adds no round trip of 
 """
 
 import logging
+import math
 import time
 from collections.abc import Sequence
 
@@ -25,21 +26,25 @@ class Waiting:
         self.queue = queue
         self.max_age = max_age
         self._offered: frozenset[Lane] | None = None
-        self._read_at = 0.0
+        self._read_at = -math.inf
 
     async def offered(self) -> frozenset[Lane] | None:
-        """The (queue, handler) lanes live workers offer; None while Redis does not answer."""
-        if self._offered is None or time.monotonic() - self._read_at > self.max_age:
+        """The (queue, handler) lanes live workers offer; None while Redis does not answer.
+
+        A failed read is remembered for `max_age` too: a Redis that does not answer costs one
+        bounded wait a second, not one per request."""
+        if time.monotonic() - self._read_at > self.max_age:
             try:
                 live = await self.queue.live_workers()
+                lanes = {(q, h) for o in live.values() for q in o.queues for h in o.handlers}
+                self._offered = frozenset(lanes)
             except Exception as exc:
                 # Only an explanation: it must never fail the answer it is part of. Beyond
                 # `REDIS_DOWN`, redis-py's cluster client was seen to raise AttributeError and
                 # RuntimeError from a connection torn down under it while a node restarted.
                 log.warning("worker registry unreadable: %s", exc or type(exc).__name__)
-                return None
-            lanes = {(q, h) for o in live.values() for q in o.queues for h in o.handlers}
-            self._offered, self._read_at = frozenset(lanes), time.monotonic()
+                self._offered = None
+            self._read_at = time.monotonic()
         return self._offered
 
     async def explain(self, runs: Sequence[Run]) -> list[Run]:
