@@ -23,6 +23,7 @@ tuned          the set-up behind the figures docs/benchmarks.md led with before:
 direct+c32, direct+uvloop, direct+gc
                users-direct with one tuning each: the workers' concurrency 32, the producer on
                uvloop, the producer's collector tuned; direct+all has the three together.
+http+uvloop    users-http with the producer on uvloop.
 
 Within a round the set-ups run one after another, so `--repeat 3` interleaves them (A B C A B
 C A B C). This process is the producer: each set-up's workloads run in an event loop of their
@@ -98,6 +99,7 @@ SETUPS = {
     "direct+uvloop": SetUp("client-direct", loop="uvloop"),
     "direct+gc": SetUp("client-direct", tuned_collector=True),
     "direct+all": SetUp("client-direct", "uvloop", tuned_collector=True, concurrency=32),
+    "http+uvloop": SetUp("client-http", loop="uvloop"),
 }
 
 
