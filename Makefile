@@ -71,6 +71,7 @@ chaos: $(STAMP)
 # docs/benchmarks.md says what they mean. The peers' comparison installs Celery and SAQ in
 # virtual environments of their own (.bench-venvs/).
 bench: $(STAMP)
+	$(BIN)/python bench/as_users.py --repeat 3
 	$(BIN)/python bench/throughput.py --repeat 3
 	$(BIN)/python bench/redis_topologies.py --repeat 3
 	$(BIN)/python bench/producer.py

@@ -40,18 +40,17 @@ from typing import ClassVar
 # benchmark's process registry, throwaway servers, counters and machine line are importable.
 import throughput
 from jobplane.model import TemplateSpec
-from jobplane.runs import RunService
 from jobplane.runs.service import RunRequest
 from jobplane.settings import Settings
 from jobplane.store.database import Collections
 from jobplane.worker import StepContext, handler
-from throughput import Counters, run_main
+from throughput import Counters, Create, run_main
 
 HANDLER_MODULE = "latency"  # this file, as the workers import it
 TEMPLATE = TemplateSpec.model_validate(
     {"type": "bench_latency", "steps": [{"id": "only", "handler": "bench.started"}]}
 )
-ACTOR = "user:bench"
+LATENCY = "create call -> step handler started"
 
 
 @handler("bench.started")
@@ -70,7 +69,7 @@ def line(values: Sequence[float]) -> str:
     return ", ".join(f"{label} {nearest_rank(values, q):.2f}" for label, q in quantiles) + " ms"
 
 
-async def open_loop(service: RunService, rate: float, count: int) -> tuple[list[float], float]:
+async def open_loop(create: Create, rate: float, count: int) -> tuple[list[float], float]:
     """Create runs 0..count-1 at `rate` a second on a fixed clock, none waiting for another.
 
     Returns how long each create call took (seconds) and how late the latest call began
@@ -78,12 +77,10 @@ async def open_loop(service: RunService, rate: float, count: int) -> tuple[list[
     calls = [0.0] * count
     lag = 0.0
 
-    async def create(i: int) -> None:
+    async def one(i: int) -> None:
         sent = time.time()
         began = time.perf_counter()
-        await service.create(
-            RunRequest("bench_latency", "system", "bench", {"i": i, "t": sent}), ACTOR
-        )
+        await create(RunRequest("bench_latency", "system", "bench", {"i": i, "t": sent}))
         calls[i] = time.perf_counter() - began
 
     start = time.perf_counter()
@@ -92,7 +89,7 @@ async def open_loop(service: RunService, rate: float, count: int) -> tuple[list[
         due = start + i / rate
         await asyncio.sleep(max(0.0, due - time.perf_counter()))
         lag = max(lag, time.perf_counter() - due)
-        creates.append(asyncio.create_task(create(i)))
+        creates.append(asyncio.create_task(one(i)))
     await asyncio.gather(*creates)
     return calls, lag
 
@@ -108,17 +105,21 @@ class Bench(throughput.Bench):
         a = self.args
         warm, measured = round(a.rate * a.warmup), round(a.rate * a.seconds)
         count = warm + measured
-        async with self.fresh() as (settings, backends, service):
+        async with (
+            self.fresh() as (settings, backends, service),
+            self.producer(settings, service) as create,
+        ):
             self.procs.start(settings, "scheduler")
             self.procs.start(settings, "worker", a.workers)
             await self.procs.workers_ready()
             await asyncio.sleep(0.5)  # let start-up settle so the workers are really idle
             before = await Counters.read(backends, settings, self.procs)
             began = time.perf_counter()
-            calls, lag = await open_loop(service, a.rate, count)
+            calls, lag = await open_loop(create, a.rate, count)
             await self.wait_succeeded(backends, settings, count)
             seconds = time.perf_counter() - began
             after = await Counters.read(backends, settings, self.procs)
+            self.spent(LATENCY, before, after, count)
             latencies: dict[int, float] = {}
             projection = {"payload": 1, "outputs.only.startedAt": 1}
             async for doc in Collections.of(backends.store.db).runs.find({}, projection):
@@ -128,7 +129,7 @@ class Bench(throughput.Bench):
             raise RuntimeError(f"{len(latencies)} runs found for {count} created")
         ms = [latencies[i] for i in range(warm, count)]
         print(f"  {measured} runs at {a.rate:g}/s after {warm} warm-up runs ({seconds:.1f} s)")
-        print(f"  create call -> step handler started: {line(ms)}")
+        print(f"  {LATENCY}: {line(ms)}")
         print(f"  create call returned:                {line([1000 * c for c in calls[warm:]])}")
         print(f"  creates began at most {1000 * lag:.2f} ms after their arrival time")
         for detail in before.per_run(after, count, seconds):

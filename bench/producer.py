@@ -44,8 +44,6 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
 
-import httpx
-
 import jobplane.process
 from jobplane import Client, CreateRequest
 from jobplane.backends import open_backends
@@ -60,7 +58,6 @@ from throughput import Processes, machine, run_main
 TEMPLATE = TemplateSpec.model_validate(
     {"type": "bench_noop", "steps": [{"id": "only", "handler": "builtin.noop"}]}
 )
-START_SECONDS = 60.0
 
 
 @dataclass
@@ -92,7 +89,7 @@ class Bench:
             if transport == "http":
                 self.procs.start(settings, "api")
                 url = f"http://{settings.host}:{settings.port}"
-                await self.api_ready(url)
+                await self.procs.api_ready(url)
                 client = Client(url, api_key=settings.admin_key)
             else:
                 client = Client(
@@ -108,15 +105,6 @@ class Bench:
             self.procs.stop()
             async with open_backends(settings) as backends:
                 await backends.store.client.drop_database(settings.db)
-
-    async def api_ready(self, url: str) -> None:
-        async with httpx.AsyncClient(base_url=url) as http, asyncio.timeout(START_SECONDS):
-            while True:
-                self.procs.check()
-                with contextlib.suppress(httpx.TransportError):
-                    if (await http.get("/readyz")).status_code == 200:
-                        return
-                await asyncio.sleep(0.05)
 
 
 @dataclass

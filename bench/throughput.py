@@ -51,6 +51,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any, ClassVar, Protocol
 
+import httpx
 import pymongo
 import redis
 import redis.asyncio as aioredis
@@ -68,6 +69,7 @@ from jobplane.settings import Settings
 from jobplane.store.database import Collections
 
 CALLERS = 32
+ACTOR = "user:bench"
 TEMPLATE = TemplateSpec.model_validate(
     {"type": "bench_noop", "steps": [{"id": "only", "handler": "builtin.noop"}]}
 )
@@ -81,6 +83,8 @@ E2E = "end-to-end, first create -> last done"
 # the scheduler's reconciler re-pushes those every JOBPLANE_RECONCILE_SECONDS (10 s).
 QUIET_SECONDS = 1.0
 STALL_SECONDS = 30.0
+# A way of creating one run, as a producer of the end-to-end and latency workloads has it.
+Create = Callable[[RunRequest], Awaitable[object]]
 
 
 # -- processes -------------------------------------------------------------------------------------
@@ -121,7 +125,8 @@ class Processes:
     def start(self, settings: Settings, command: str, count: int = 1) -> None:
         """Start `count` processes `jobplane COMMAND`, `settings` in their environment."""
         env = dict(os.environ)
-        for name, value in settings.model_dump(exclude_none=True).items():
+        # Only what the benchmark set: a setting it leaves alone is the process's own default.
+        for name, value in settings.model_dump(exclude_unset=True, exclude_none=True).items():
             if name in {"queues", "handlers"}:
                 value = ",".join(value)
             env[f"JOBPLANE_{name.upper()}"] = str(value)
@@ -146,6 +151,16 @@ class Processes:
                 ):
                     self.check()
                     await asyncio.sleep(0.02)
+
+    async def api_ready(self, url: str) -> None:
+        """Return once the API process at `url` answers /readyz (it reaches MongoDB and Redis)."""
+        async with httpx.AsyncClient(base_url=url) as http, asyncio.timeout(60):
+            while True:
+                self.check()
+                with contextlib.suppress(httpx.TransportError):
+                    if (await http.get("/readyz")).status_code == 200:
+                        return
+                await asyncio.sleep(0.05)
 
     def check(self) -> None:
         for child in self.children:
@@ -273,10 +288,10 @@ class Counters:
         top_time = delta(self.top_time, later.top_time)
         top = {f"{k} {top_count[k]:.2f}x": v for k, v in top_time.items() if k in top_count}
         rds = delta(self.redis, later.redis)
-        cpu = {k: 1000 * v for k, v in delta(self.cpu, later.cpu).items()}
-        ours = sum(v for k, v in cpu.items() if k != "machine")
-        others = max(0.0, cpu.get("machine", 0) - ours)
-        cpu = {k: v for k, v in cpu.items() if k != "machine"} | {"others": others}
+        cpu = {k: 1000 * v for k, v in delta(self.cpu, later.cpu).items() if k != "machine"}
+        others = self.others_ms(later, runs)
+        ours = sum(cpu.values())
+        cpu |= {"others": others}
         cores = runs * (ours + others) / 1000 / seconds if seconds else 0
         return [
             "mongod per run: " + _fmt(delta(self.mongo, later.mongo), "{:.2f}"),
@@ -286,6 +301,13 @@ class Counters:
             + _fmt(cpu, "{:.2f}")
             + f"; {cores:.2f} of {os.cpu_count()} cores busy",
         ]
+
+    def others_ms(self, later: Counters, runs: int) -> float:
+        """CPU ms per run that processes the benchmark did not start took until `later`."""
+        used = {k: v - self.cpu.get(k, 0) for k, v in later.cpu.items()}
+        # A process gone meanwhile reads 0: its negative difference is not taken off ours.
+        ours = sum(v for k, v in used.items() if k != "machine" and v > 0)
+        return max(0.0, 1000 * (used.get("machine", 0) - ours) / runs)
 
 
 async def redis_info(client: RedisClient, section: str) -> list[dict[str, Any]]:
@@ -415,9 +437,22 @@ class Bench:
             from_spawn = (last - spawned).total_seconds()
             self.record("drain, from spawn", n / from_spawn, f"{from_spawn:.2f} s")
 
+    @contextlib.asynccontextmanager
+    async def producer(self, settings: Settings, service: RunService) -> AsyncIterator[Create]:
+        """How the end-to-end and latency workloads create runs: `service` in this process
+        (the API's code path without HTTP); bench/as_users.py puts `jobplane.Client` here."""
+
+        async def create(request: RunRequest) -> object:
+            return await service.create(request, ACTOR)
+
+        yield create
+
     async def end_to_end(self) -> None:
         n = self.args.runs
-        async with self.fresh() as (settings, backends, service):
+        async with (
+            self.fresh() as (settings, backends, service),
+            self.producer(settings, service) as create,
+        ):
             # The scheduler's reconciler belongs to a deployment: it re-pushes queued runs
             # missing from Redis, which the bench needs when a popped run was not claimed.
             self.procs.start(settings, "scheduler")
@@ -426,7 +461,7 @@ class Bench:
             await asyncio.sleep(0.5)  # let start-up settle so the workers are really idle
             before = await Counters.read(backends, settings, self.procs)
             started = datetime.now(UTC)
-            created = await create_many(service, n, CALLERS)
+            created = await closed_loop(lambda: create(REQUEST), n, CALLERS)
             quiet = await self.wait_succeeded(backends, settings, n)
             after = await Counters.read(backends, settings, self.procs)
             last = await self.last_completed(backends)
@@ -499,15 +534,23 @@ class Quiet:
 async def create_many(service: RunService, n: int, callers: int) -> float:
     """Create `n` runs from `callers` concurrent callers; returns the seconds it took, up to
     the end of the work the creates left behind (event copies)."""
+    started = time.perf_counter()
+    await closed_loop(lambda: service.create(REQUEST, ACTOR), n, callers)
+    await service.store.trail.flush()
+    return time.perf_counter() - started
+
+
+async def closed_loop(create: Callable[[], Awaitable[object]], n: int, callers: int) -> float:
+    """Call `create` `n` times from `callers` concurrent callers, each calling again once its
+    last call returned; returns the seconds until the last one returned."""
     todo = iter(range(n))
 
     async def caller() -> None:
         for _ in todo:
-            await service.create(REQUEST, "user:bench")
+            await create()
 
     started = time.perf_counter()
     await asyncio.gather(*(caller() for _ in range(min(callers, n))))
-    await service.store.trail.flush()
     return time.perf_counter() - started
 
 
