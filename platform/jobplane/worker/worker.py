@@ -29,8 +29,9 @@ from jobplane.worker.runner import Held, Runner
 log = logging.getLogger("jobplane.worker")
 
 # With runs waiting and few slots free, how long the claim loop may wait for more slots to
-# free up, so that it claims them together.
-CLAIM_GATHER = 0.005
+# free up, so that it claims them together. 5 ms halved the claims' batches once the Redis
+# lock mirror's round trip no longer paced the loop: docs/benchmarks.md, "Issue 21".
+CLAIM_GATHER = 0.01
 
 
 def default_worker_id() -> str:
