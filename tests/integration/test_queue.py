@@ -5,10 +5,12 @@ import time
 from collections import Counter
 from datetime import UTC, datetime, timedelta
 
+from bson import ObjectId
 from redis.asyncio import RedisCluster
 
 from jobplane.backends import Backends
 from jobplane.clock import ManualClock
+from jobplane.model import RunStatus
 from jobplane.queue.connect import RedisClient
 from jobplane.queue.redis import QueueEntry, RedisQueue
 from jobplane.runs import RunRequest, RunService
@@ -17,6 +19,7 @@ from jobplane.settings import Settings
 from jobplane.store import MongoStore
 from tests.conftest import REDIS_TOPOLOGIES
 from tests.integration.conftest import Register
+from tests.integration.db import raw
 
 pytestmark = REDIS_TOPOLOGIES
 
@@ -193,3 +196,26 @@ async def test_the_tick_promotes_delayed_runs_of_a_queue_no_worker_polls(
     clock.advance(61)
     await scheduler.reconcile()
     assert await backends.queue.redis.zscore(ready, run.id) is not None
+
+
+async def test_the_tick_queues_a_run_left_pending_and_pushes_it_once_queued(
+    backends: Backends, settings: Settings, register: Register
+) -> None:
+    """A run whose process died after it took its dedupe key, before it queued the run."""
+    clock = ManualClock(datetime(2026, 3, 1, tzinfo=UTC))
+    store = MongoStore(backends.store.client, settings.db, clock=clock)
+    await register()
+    run, _ = await RunService(store, backends.queue).create(
+        RunRequest("t_noop", "user", "u1"), "user:test"
+    )
+    await backends.queue.remove(QueueEntry.of(run))
+    await raw(store).runs.update_one({"_id": ObjectId(run.id)}, {"$set": {"status": "pending"}})
+    scheduler = Scheduler(store, backends.queue, settings, clock)
+    ready = backends.queue.keys.queue("default", run.handler)
+
+    clock.advance(settings.reconcile_seconds + 1)
+    assert await scheduler.reconcile() == 1
+    found = await store.runs.get(run.id)
+    assert found is not None and found.status == RunStatus.QUEUED
+    assert await backends.queue.redis.zscore(ready, run.id) is not None
+    assert await scheduler.reconcile() == 0, "queued and in Redis: nothing more to do"

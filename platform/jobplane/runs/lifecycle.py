@@ -145,11 +145,16 @@ class Lifecycle:
         expired = await self.store.transitions.deadline_expire(run, actor)
         return await self._ended(run, expired, actor)
 
-    # -- the reaper's -------------------------------------------------------------------------
+    # -- the reaper's: each move counted by its transition ------------------------------------
+
+    async def overdue(self, run: Run) -> Moved | Lost:
+        """End a run the reaper found past its deadline."""
+        expired = await self.deadline_expire(run, "reaper")
+        return _reaped(run, "deadline_expire", expired)
 
     async def cancel_timeout(self, run: Run) -> Moved | Lost:
         cancelled = await self.store.transitions.cancel_timeout(run, "reaper")
-        return await self._ended(run, cancelled, "reaper")
+        return _reaped(run, "cancel_timeout", await self._ended(run, cancelled, "reaper"))
 
     async def reap(self, run: Run) -> Moved | Lost:
         """Recover a run whose lease expired, by the transition the policy picks: queued again
@@ -160,12 +165,13 @@ class Lifecycle:
             "reap_requeue": rows.reap_requeue,
             "reap_expire": rows.reap_expire,
         }
-        reaped = await reaping[lease_expired(run)](run, "reaper")
+        transition = lease_expired(run)
+        reaped = await reaping[transition](run, "reaper")
         if isinstance(reaped, Moved) and reaped.to == RunStatus.QUEUED:
             await self.push([run])
             self.observe(run, reaped)
-            return reaped
-        return await self._ended(run, reaped, "reaper")
+            return _reaped(run, transition, reaped)
+        return _reaped(run, transition, await self._ended(run, reaped, "reaper"))
 
     # -- the API's ----------------------------------------------------------------------------
 
@@ -191,9 +197,20 @@ class Lifecycle:
                 await self.queue.remove(QueueEntry.of(run))
             # The run may have taken the key it waited for since it was read.
             if key := run.dedupe_key or run.dedupe_wait:
-                await self.admit_next(key, actor)
+                await self._admit_after_end(key, actor)
         self.observe(run, cancelled)
         return cancelled
+
+    # -- the scheduler's ----------------------------------------------------------------------
+
+    async def enqueue(self, run: Run, actor: str) -> Moved | Lost:
+        """pending → queued, and into Redis: a run that took the dedupe key it waited for, or
+        one the reconciler found `pending` (its process died before it could queue it)."""
+        queued = await self.store.transitions.enqueue(run.id, actor, _scope(run))
+        if isinstance(queued, Moved):
+            await self.push([run])
+        self.observe(run, queued)
+        return queued
 
     # -- what follows -------------------------------------------------------------------------
 
@@ -219,11 +236,8 @@ class Lifecycle:
                 continue
             if isinstance(taken, Lost):
                 continue  # cancelled meanwhile; look at the next
-            if isinstance(
-                await self.store.transitions.enqueue(waiting.id, actor, _scope(waiting)), Lost
-            ):
+            if isinstance(await self.enqueue(waiting, actor), Lost):
                 continue  # cancelled since it took the key; the cancel admits the next
-            await self.push([waiting])
             return
 
     async def push(self, runs: Sequence[Run]) -> None:
@@ -247,13 +261,23 @@ class Lifecycle:
         key may start."""
         self.observe(run, outcome)
         if isinstance(outcome, Moved) and run.dedupe_key is not None:
-            try:
-                await self.admit_next(run.dedupe_key, actor)
-            except Exception:
-                log.exception(
-                    "admitting the next run for key %s failed; the scheduler will", run.dedupe_key
-                )
+            await self._admit_after_end(run.dedupe_key, actor)
         return outcome
+
+    async def _admit_after_end(self, key: str, actor: str) -> None:
+        """Admit the next run for a key a run's end freed. The end is written whatever happens
+        here: should the admission fail, the scheduler's reconciler admits the run."""
+        try:
+            await self.admit_next(key, actor)
+        except Exception:
+            log.exception("admitting the next run for key %s failed; the scheduler will", key)
+
+
+def _reaped(run: Run, transition: str, outcome: Moved | Lost) -> Moved | Lost:
+    """Count a reaper's move by its transition."""
+    if isinstance(outcome, Moved):
+        metrics.reaped(run, transition)
+    return outcome
 
 
 def _scope(run: Run) -> tuple[str, str]:

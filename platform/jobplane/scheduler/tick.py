@@ -21,7 +21,6 @@ from jobplane.model import RunStatus
 from jobplane.process import finish_within
 from jobplane.queue.redis import QueueEntry, RedisQueue
 from jobplane.runs.lifecycle import Lifecycle
-from jobplane.runs.policy import lease_expired
 from jobplane.schedules import ScheduleService
 from jobplane.settings import Settings
 from jobplane.store import Moved, Store
@@ -138,20 +137,14 @@ class Scheduler:
         batch = self.settings.reap_batch
         late, slow = await self.store.maintenance.overdue(batch)
         outcomes = [
+            *[await self.lifecycle.overdue(run) for run in late],
+            *[await self.lifecycle.cancel_timeout(run) for run in slow],
             *[
-                ("deadline_expire", run, await self.lifecycle.deadline_expire(run, "reaper"))
-                for run in late
-            ],
-            *[("cancel_timeout", run, await self.lifecycle.cancel_timeout(run)) for run in slow],
-            *[
-                (lease_expired(run), run, await self.lifecycle.reap(run))
+                await self.lifecycle.reap(run)
                 for run in await self.store.maintenance.expired_leases(batch)
             ],
         ]
-        moved = [(transition, run) for transition, run, o in outcomes if isinstance(o, Moved)]
-        for transition, run in moved:
-            metrics.reaped(run, transition)
-        return len(moved)
+        return sum(isinstance(o, Moved) for o in outcomes)
 
     async def reconcile(self) -> int:
         """Queue pending runs, re-push queued runs that Redis lost, and admit runs waiting for
@@ -175,14 +168,13 @@ class Scheduler:
             if not runs:
                 return pushed
             after = runs[-1].id
-            entries = [QueueEntry.of(r) for r in runs]
-            missing = await self.queue.missing(entries)
-            await self.queue.push(missing, self.clock.now())
-            pushed += len(missing)
             # Runs are created `queued`. A pending one here took its dedupe key in a process
             # that died before queueing it, or was created by an earlier version.
             for run in runs:
                 if run.status == RunStatus.PENDING:
-                    await self.store.transitions.enqueue(
-                        run.id, "scheduler", (run.scope, run.scope_id)
-                    )
+                    if isinstance(await self.lifecycle.enqueue(run, "scheduler"), Moved):
+                        pushed += 1
+            entries = [QueueEntry.of(r) for r in runs if r.status != RunStatus.PENDING]
+            missing = await self.queue.missing(entries)
+            await self.queue.push(missing, self.clock.now())
+            pushed += len(missing)
