@@ -50,7 +50,6 @@ import sys
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Iterator, Sequence
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any, Literal
 
 import uvloop
@@ -60,7 +59,6 @@ import uvloop
 import jobplane.process
 import latency
 import throughput
-from jobplane import Client
 from jobplane.backends import Backends
 from jobplane.devstack.servers import free_port
 from jobplane.runs import RunService
@@ -140,18 +138,7 @@ class Bench(latency.Bench):
             async with super().producer(settings, service) as in_process:
                 yield in_process
             return
-        if self.setup.producer == "client-http":
-            self.procs.start(settings, "api")
-            url = f"http://{settings.host}:{settings.port}"
-            await self.procs.api_ready(url)
-            client = Client(url, api_key=settings.admin_key)
-        else:
-            client = Client(
-                mongodb_url=settings.mongodb_url,
-                redis_url=settings.redis_url,
-                db=settings.db,
-                redis_prefix=settings.redis_prefix,
-            )
+        client = await self.procs.client(settings, http=self.setup.producer == "client-http")
 
         async def create(request: RunRequest) -> object:
             return await client.create(
@@ -262,17 +249,13 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
         parser.error(f"unknown set-ups: {', '.join(sorted(unknown))}")
     if unknown := set(args.workloads) - set(WORKLOADS):
         parser.error(f"unknown workloads: {', '.join(sorted(unknown))}")
-    if args.rate <= 0 or args.seconds * args.rate < 1 or args.warmup < 0:
-        parser.error("--rate and --seconds must give at least one measured run; --warmup >= 0")
+    latency.check_rate(parser, args)
     return args
 
 
 def main() -> None:
     args = parse()
-    # The workers import bench/latency.py by name (JOBPLANE_HANDLERS); they inherit our
-    # environment.
-    here = str(Path(__file__).resolve().parent)
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    latency.let_workers_import_this()
     signal.signal(signal.SIGTERM, interrupt)
     try:
         with servers(args) as (mongo_url, redis_url, procs):

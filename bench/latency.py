@@ -171,16 +171,24 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--write-concern", choices=["majority", "1"], default="majority")
     parser.add_argument("--json", action="store_true", help="end with the figures as JSON")
     args = parser.parse_args(argv)
+    check_rate(parser, args)
+    return args
+
+
+def check_rate(parser: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.rate <= 0 or args.seconds * args.rate < 1 or args.warmup < 0:
         parser.error("--rate and --seconds must give at least one measured run; --warmup >= 0")
-    return args
+
+
+def let_workers_import_this() -> None:
+    """The workers import this file by name (JOBPLANE_HANDLERS); they inherit our environment."""
+    here = str(Path(__file__).resolve().parent)
+    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
 
 
 def main() -> None:
     args = parse()
-    # The workers import this file by name (JOBPLANE_HANDLERS); they inherit our environment.
-    here = str(Path(__file__).resolve().parent)
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
+    let_workers_import_this()
     run_main(args, lambda mongo, redis, procs: main_async(Bench(args, mongo, redis, procs)))
 
 

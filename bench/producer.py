@@ -86,19 +86,7 @@ class Bench:
         async with open_backends(settings) as backends:
             await backends.store.templates.register(TEMPLATE)
         try:
-            if transport == "http":
-                self.procs.start(settings, "api")
-                url = f"http://{settings.host}:{settings.port}"
-                await self.procs.api_ready(url)
-                client = Client(url, api_key=settings.admin_key)
-            else:
-                client = Client(
-                    mongodb_url=settings.mongodb_url,
-                    redis_url=settings.redis_url,
-                    db=settings.db,
-                    redis_prefix=settings.redis_prefix,
-                    actor="client:bench",
-                )
+            client = await self.procs.client(settings, http=transport == "http")
             async with client:
                 yield client, settings
         finally:

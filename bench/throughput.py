@@ -58,6 +58,7 @@ import redis.asyncio as aioredis
 from bson import ObjectId
 
 import jobplane.process
+from jobplane import Client
 from jobplane.backends import Backends, open_backends
 from jobplane.devstack.servers import MongoServer, RedisServer, free_port
 from jobplane.devstack.topologies import RedisClusterNodes, SentinelGroup
@@ -151,6 +152,22 @@ class Processes:
                 ):
                     self.check()
                     await asyncio.sleep(0.02)
+
+    async def client(self, settings: Settings, http: bool) -> Client:
+        """The public `Client` of `settings`' database: over HTTP to an API process started
+        here, or direct to MongoDB and Redis."""
+        if http:
+            self.start(settings, "api")
+            url = f"http://{settings.host}:{settings.port}"
+            await self.api_ready(url)
+            return Client(url, api_key=settings.admin_key)
+        return Client(
+            mongodb_url=settings.mongodb_url,
+            redis_url=settings.redis_url,
+            db=settings.db,
+            redis_prefix=settings.redis_prefix,
+            actor="client:bench",
+        )
 
     async def api_ready(self, url: str) -> None:
         """Return once the API process at `url` answers /readyz (it reaches MongoDB and Redis)."""
