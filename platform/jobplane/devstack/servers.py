@@ -12,6 +12,7 @@ import fcntl
 import importlib.util
 import json
 import os
+import random
 import socket
 import subprocess
 import time
@@ -24,6 +25,8 @@ from pymongo import MongoClient
 from pymongo.errors import OperationFailure, PyMongoError
 
 _HOST = "127.0.0.1"
+# Where free_port starts looking: above the ports well-known services use.
+_LOWEST_PORT = 20000
 _REPLSET = "rs0"
 _INSTALL_HINT = "pip install 'jobplane[local]'"
 _LOG_TAIL_LINES = 20
@@ -59,11 +62,30 @@ def _executable(path: Path) -> Path:
 
 
 def free_port() -> int:
-    """Return a TCP port on 127.0.0.1 that nothing listens on right now."""
+    """Return a TCP port on 127.0.0.1 that nothing listens on right now.
+
+    Chosen below the kernel's ephemeral range where there is room: a port from that range
+    may be taken by any outgoing connection (a client of MongoDB or Redis) before the server
+    meant for it binds it, which a test suite opening thousands of connections did meet.
+    """
+    low = _ephemeral_floor()
+    if low - _LOWEST_PORT >= 1000:
+        for _ in range(50):
+            port = random.randrange(_LOWEST_PORT, low)
+            if port_is_free(port):
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
         sock.bind((_HOST, 0))
-        port: int = sock.getsockname()[1]
-        return port
+        chosen: int = sock.getsockname()[1]
+        return chosen
+
+
+def _ephemeral_floor() -> int:
+    """The lowest port the kernel hands to outgoing connections (Linux; 32768 elsewhere)."""
+    try:
+        return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768
 
 
 def port_is_free(port: int) -> bool:
