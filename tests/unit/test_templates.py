@@ -1,4 +1,6 @@
+import json
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -58,8 +60,81 @@ def test_bad_templates_name_the_bad_field(text: str, yaml_syntax: bool, pointer:
 
 def test_duplicate_step_ids_are_rejected() -> None:
     text = '{"type": "x", "steps": [{"id": "a", "handler": "h"}, {"id": "a", "handler": "h"}]}'
-    with pytest.raises(ValidationFailed, match="unique"):
+    with pytest.raises(ValidationFailed) as caught:
         parse_template(text, False)
+    [problem] = caught.value.details["errors"]
+    assert problem["pointer"] == "/steps" and "unique" in problem["message"]
+
+
+FLOW_CONTROL = """
+type: partner_sync
+concurrencyPolicy: queue_same_scope
+dedupeKeys: [payload.partner]
+concurrencyLimit: 3
+maxRunning: 20
+rateLimit: {limit: 100, periodSeconds: 60, key: [payload.partner]}
+fairness: round_robin
+steps:
+  - id: call
+    handler: builtin.noop
+    locks: [{name: partner-api, key: [payload.partner]}, {name: global-quota}]
+"""
+
+
+def test_flow_control_fields_are_read_as_written() -> None:
+    spec = parse_template(FLOW_CONTROL, True)
+    assert (spec.concurrency_limit, spec.max_running, spec.fairness) == (3, 20, "round_robin")
+    assert spec.rate_limit is not None and spec.rate_limit.key == ["payload.partner"]
+    assert [(lock.name, lock.key) for lock in spec.steps[0].locks] == [
+        ("partner-api", ["payload.partner"]),
+        ("global-quota", []),
+    ]
+    assert parse_template(FLOW_CONTROL.replace("queue_same_scope", "cancel_previous"), True)
+
+
+@pytest.mark.parametrize(
+    ("change", "pointer"),
+    [
+        # A limit of 0, of each kind.
+        ({"concurrencyLimit": 0}, "/concurrencyLimit"),
+        ({"maxRunning": 0}, "/maxRunning"),
+        ({"rateLimit": {"limit": 0, "periodSeconds": 60}}, "/rateLimit/limit"),
+        ({"rateLimit": {"limit": 5, "periodSeconds": 0}}, "/rateLimit/periodSeconds"),
+        # A limit with nothing to limit.
+        ({"concurrencyPolicy": "allow"}, "/concurrencyLimit"),
+        # Two runs of a key that may succeed only once.
+        ({"repeatable": False}, "/concurrencyLimit"),
+        # Key parts dedupeKeys would refuse.
+        ({"rateLimit": {"limit": 5, "periodSeconds": 1, "key": ["partner"]}}, "/rateLimit/key/0"),
+        (
+            {"steps": [{"id": "a", "handler": "h", "locks": [{"name": "l", "key": ["payload"]}]}]},
+            "/steps/0/locks/0/key/0",
+        ),
+        (
+            {"steps": [{"id": "a", "handler": "h", "locks": [{"name": "no spaces"}]}]},
+            "/steps/0/locks/0/name",
+        ),
+        (
+            {"steps": [{"id": "a", "handler": "h", "locks": [{"name": "l"}, {"name": "l"}]}]},
+            "/steps/0/locks/1",
+        ),
+        ({"fairness": "weighted"}, "/fairness"),
+        ({"concurrencyPolicy": "latest_wins"}, "/concurrencyPolicy"),
+    ],
+)
+def test_flow_control_nonsense_is_refused_with_a_pointer(
+    change: dict[str, Any], pointer: str
+) -> None:
+    doc: dict[str, Any] = {
+        "type": "x",
+        "concurrencyPolicy": "queue_same_scope",
+        "concurrencyLimit": 2,
+        "steps": [{"id": "a", "handler": "h"}],
+    }
+    doc.update(change)
+    with pytest.raises(ValidationFailed) as caught:
+        parse_template(json.dumps(doc), False)
+    assert pointer in [e["pointer"] for e in caught.value.details["errors"]]
 
 
 def test_yaml_cannot_build_python_objects() -> None:

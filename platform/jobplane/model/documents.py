@@ -112,6 +112,15 @@ Seconds = Annotated[float, Field(ge=0, le=MAX_SECONDS)]
 PositiveSeconds = Annotated[float, Field(gt=0, le=MAX_SECONDS)]
 
 
+class LockSpec(Spec):
+    """A lock a step holds while it runs: `<name>:<values of key>`, shared by every template
+    that names it (`docs/contract.md`, "Locks")."""
+
+    name: Name
+    # Dedupe parts (as `dedupeKeys`) whose values tell one lock of the name from another.
+    key: list[DedupePart] = Field(default_factory=list)
+
+
 class StepSpec(Spec):
     id: StepId
     name: str = ""
@@ -119,6 +128,7 @@ class StepSpec(Spec):
     worker_type: Literal["inline", "external"] = "inline"
     timeout_seconds: PositiveSeconds | None = None
     cancelable: bool = True
+    locks: list[LockSpec] = Field(default_factory=list)
 
 
 class CancelPolicy(Spec):
@@ -138,6 +148,18 @@ class RetryPolicy(Spec):
     jitter: Literal["full", "equal", "none"] = "full"
 
 
+class RateLimit(Spec):
+    """At most `limit` starts in any `periodSeconds`: per template, or per value of `key`
+    (dedupe parts, as `dedupeKeys`)."""
+
+    limit: Annotated[int, Field(ge=1, le=1_000_000)]
+    period_seconds: PositiveSeconds
+    key: list[DedupePart] | None = None
+
+
+ConcurrencyPolicy = Literal["allow", "reject_same_scope", "queue_same_scope", "cancel_previous"]
+
+
 class TemplateSpec(Spec):
     """What a template author registers."""
 
@@ -147,8 +169,15 @@ class TemplateSpec(Spec):
     enabled: bool = True
     payload_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object"})
     repeatable: bool = True
-    concurrency_policy: Literal["allow", "reject_same_scope", "queue_same_scope"] = "allow"
+    concurrency_policy: ConcurrencyPolicy = "allow"
     dedupe_keys: list[DedupePart] = Field(default_factory=list)
+    # How many runs of one dedupe key may be active at once (with a policy other than allow).
+    concurrency_limit: Annotated[int, Field(ge=1, le=1000)] = 1
+    # How many runs of the template (all versions, all scopes) may be started at once.
+    max_running: Annotated[int, Field(ge=1, le=1_000_000)] | None = None
+    rate_limit: RateLimit | None = None
+    # `round_robin`: a lane's ready runs are taken in turns across their scopes.
+    fairness: Literal["none", "round_robin"] = "none"
     timeout_seconds: PositiveSeconds | None = None
     cancel_policy: CancelPolicy = Field(default_factory=CancelPolicy)
     retry_policy: RetryPolicy = Field(default_factory=RetryPolicy)
@@ -209,13 +238,40 @@ class RunError(Document):
     traceback: str | None = None
 
 
-class WaitingFor(Document):
-    """Why a run that could start does not: `handler` (no live worker on its queue offers
-    the handler of its current step; `detail` names it) or `concurrency` (a
-    `queue_same_scope` run waits for the run holding its dedupe key; `detail` is the key)."""
+WaitingReason = Literal[
+    "queue_paused", "concurrency", "handler", "max_running", "lock", "rate_limit"
+]
 
-    reason: Literal["handler", "concurrency"]
+
+class WaitingFor(Document):
+    """Why a run that could start does not, and a short human `detail`:
+    - `queue_paused`: an operator paused its queue;
+    - `concurrency`: its dedupe key has `concurrencyLimit` active runs (the key);
+    - `handler`: no live worker on its queue offers its current step's handler (the handler);
+    - `max_running`: its template has `maxRunning` runs started;
+    - `lock`: another run holds a lock its step needs (the lock);
+    - `rate_limit`: its `rateLimit` window is full (when it opens).
+    """
+
+    reason: WaitingReason
     detail: str
+
+
+class RunRate(Document):
+    """A run's share of its template's `rateLimit`: the window it counts in (`key`: the
+    template type and the values of the limit's key parts) and the limit."""
+
+    key: str
+    limit: int
+    period_seconds: float
+
+
+class LockWait(Document):
+    """The lock a run was handed back for, while it waits to take it again."""
+
+    lock: str
+    # How many times in a row the run found it held: its wait backs off with each.
+    count: int = 1
 
 
 class Attempt(Document):
@@ -274,8 +330,20 @@ class Run(Document):
     cancel_reason: str | None = None
     cancel_requested_by: str | None = None
     dedupe_key: str | None = None
-    # Set while a `queue_same_scope` run waits for the active run holding this key to end.
+    # Which of the key's `concurrencyLimit` places the run holds (unset: the first).
+    dedupe_slot: int | None = None
+    # Set while a run waits for a place of this key to free up (`queue_same_scope`,
+    # `cancel_previous`).
     dedupe_wait: str | None = None
+    # Copied from the template version at creation, where they limit starts: how many runs
+    # of a key may be active (unset: 1), how many of the template may be started, its rate
+    # window, and whether its lane takes runs in turns across scopes.
+    concurrency_limit: int | None = None
+    max_running: int | None = None
+    rate: RunRate | None = None
+    fairness: Literal["round_robin"] | None = None
+    # While the run waits for a lock its step needs (`docs/contract.md`, "Locks").
+    lock_wait: LockWait | None = None
     idempotency_key: str | None = None
     schedule_id: str | None = None
     scheduled_for: datetime | None = None

@@ -20,7 +20,7 @@ from jobplane.clock import Clock
 from jobplane.model import Run, RunError, RunStatus, Template
 from jobplane.queue.connect import REDIS_DOWN
 from jobplane.queue.redis import QueueEntry, RedisQueue
-from jobplane.runs.policy import cancel_grace, cancel_of, lease_expired, retry_at, spent
+from jobplane.runs.policy import cancel_grace, cancel_of, lease_expired, retry_at
 from jobplane.store import KeyHeld, Lease, Lost, Moved, Store
 
 log = logging.getLogger("jobplane.runs")
@@ -175,23 +175,29 @@ class Lifecycle:
 
     # -- the API's ----------------------------------------------------------------------------
 
-    async def cancel(self, run: Run, actor: str, reason: str | None) -> Moved | Lost | None:
+    async def cancel(
+        self, run: Run, actor: str, reason: str | None, displaced_by: str | None = None
+    ) -> Moved | Lost | None:
         """Cancel `run` as the policy says: a run no worker holds ends at once and leaves the
         queue; a held one is asked to stop, and its worker signalled. None: it was asked already.
+        `displaced_by` (a newer run of a `cancel_previous` key) goes in the events.
         """
         way = cancel_of(run)
         if way is None:
             return None
         scope = _scope(run)
+        metadata = {"displacedBy": displaced_by} if displaced_by else {}
         if way == "request_cancel":
             grace = cancel_grace(run)
-            asked = await self.store.transitions.request_cancel(run.id, actor, reason, grace, scope)
+            asked = await self.store.transitions.request_cancel(
+                run.id, actor, reason, grace, scope, metadata
+            )
             if isinstance(asked, Moved):
                 # Heartbeats bring the cancel from MongoDB too, should the signal be lost.
                 with contextlib.suppress(*REDIS_DOWN):
                     await self.queue.signal_cancel(run.id)
             return asked
-        cancelled = await self.store.transitions.cancel(run.id, actor, reason, scope)
+        cancelled = await self.store.transitions.cancel(run.id, actor, reason, scope, metadata)
         if isinstance(cancelled, Moved):
             with contextlib.suppress(*REDIS_DOWN):  # a popped id is skipped
                 await self.queue.remove(QueueEntry.of(run))
@@ -225,7 +231,7 @@ class Lifecycle:
             try:
                 taken = await self.store.runs.take_key(waiting, actor)
             except KeyHeld as held:
-                if not spent(held):
+                if not held.spent:
                     return  # an active run has it; its end admits the next
                 assert held.holder is not None
                 reason = f"run {held.holder.id} already succeeded for this key"

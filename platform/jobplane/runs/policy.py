@@ -12,7 +12,7 @@ from typing import Literal
 
 from jobplane.errors import ResourceInvalidState
 from jobplane.model import CLAIMABLE, TERMINAL, RetryPolicy, Run, RunStatus
-from jobplane.store import KeyHeld, Lost, Moved
+from jobplane.store import Lost, Moved
 
 # The reaper's transitions for a run whose lease ran out.
 LeaseExpiry = Literal["reap_cancel", "reap_requeue", "reap_expire"]
@@ -84,9 +84,3 @@ def cancel_asked(outcome: Moved | Lost | None) -> bool:
         and outcome.reason == "status"
         and outcome.status == RunStatus.CANCEL_REQUESTED
     )
-
-
-def spent(held: KeyHeld) -> bool:
-    """The dedupe key's holder succeeded (its template is not repeatable): the key is never
-    free again, so a run waiting for it can never start."""
-    return held.holder is not None and held.holder.status == RunStatus.SUCCEEDED

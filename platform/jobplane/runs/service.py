@@ -1,7 +1,7 @@
 """The run service: template lookup, payload validation, durable insert, then enqueue."""
 
 import asyncio
-import json
+import contextlib
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
@@ -20,8 +20,9 @@ from jobplane.errors import (
 from jobplane.model import TERMINAL, Run, Template
 from jobplane.model.storable import unstorable
 from jobplane.queue.redis import RedisQueue
+from jobplane.runs.admission.concurrency import displaced, displaced_reason, places, when_full
+from jobplane.runs.admission.keys import dedupe_key, rate_key
 from jobplane.runs.lifecycle import Lifecycle
-from jobplane.runs.policy import spent
 from jobplane.store import DuplicateRun, KeyHeld, Moved, NewRun, Store
 
 
@@ -136,14 +137,18 @@ class RunService:
         not_before = as_stored(request.not_before) if request.not_before else None
         if request.delay_seconds:
             not_before = self.store.clock.now() + timedelta(seconds=request.delay_seconds)
+        scope, scope_id, payload = request.scope, request.scope_id, request.payload
+        queue_behind = request.queue_behind is not None
         new = NewRun(
             template=template,
-            scope=request.scope,
-            scope_id=request.scope_id,
-            payload=request.payload,
+            scope=scope,
+            scope_id=scope_id,
+            payload=payload,
             priority=request.priority,
             not_before=not_before,
-            dedupe_key=request.queue_behind or dedupe_key(template, request),
+            dedupe_key=request.queue_behind or dedupe_key(template, scope, scope_id, payload),
+            key_places=places(template, queue_behind),
+            rate_key=rate_key(template, scope, scope_id, payload),
             idempotency_key=request.idempotency_key,
             rerun_of=request.rerun_of,
             schedule_id=request.schedule_id,
@@ -151,7 +156,8 @@ class RunService:
         )
         return template, new
 
-    async def _insert(self, new: NewRun, template: Template, actor: str, queueing: bool) -> Run:
+    async def _insert(self, new: NewRun, template: Template, actor: str, queue_behind: bool) -> Run:
+        full = when_full(template, queue_behind)
         # A key whose holder ended between our insert and the read of the holder is free now.
         for _ in range(3):
             try:
@@ -159,17 +165,30 @@ class RunService:
             except KeyHeld as held:
                 if held.holder is None:
                     continue
-                queueing = queueing or template.concurrency_policy == "queue_same_scope"
-                if not queueing or spent(held):
+                if full == "refuse" or held.spent:
                     raise _refusal(held) from None
                 waiting = replace(new, dedupe_key=None, dedupe_wait=held.key)
                 run = await self.store.runs.insert(waiting, actor)
-                # The holder may have ended before this run was written: nobody would admit it.
+                if full == "displace":
+                    await self._displace(held.key, run, actor)
+                # The holders may have ended before this run was written: nobody would admit
+                # it.
                 await self.lifecycle.admit_next(held.key, actor)
                 return await self.get(run.id)
             await self.lifecycle.push([run])
             return run
         raise ResourceInvalidState("the run's dedupe key kept changing hands; try again")
+
+    async def _displace(self, key: str, newcomer: Run, actor: str) -> None:
+        """Latest wins: cancel the key's active runs beyond its limit, oldest first, each
+        naming the run that displaced it. Every create does this after its insert, so of
+        two concurrent ones at least one sees the other, and the newest survive."""
+        active = await self.store.runs.with_key(key, newcomer.scope, newcomer.scope_id)
+        newest = active[-1].id if active else newcomer.id
+        reason = displaced_reason(newest)
+        for run in displaced(active, newcomer.concurrency_limit or 1):
+            with contextlib.suppress(ResourceInvalidState):  # it ended meanwhile
+                await self.cancel(run.id, actor, reason, displaced_by=newest)
 
     async def rerun(self, run_id: str, actor: str) -> Run:
         """A new run of a finished one: same template version, scope, payload and priority."""
@@ -188,14 +207,17 @@ class RunService:
         new, _ = await self.create(request, actor)
         return new
 
-    async def cancel(self, run_id: str, actor: str, reason: str | None) -> Run:
+    async def cancel(
+        self, run_id: str, actor: str, reason: str | None, displaced_by: str | None = None
+    ) -> Run:
         """Cancel the run as the policy says (`policy.cancel_of`); a finished one is refused,
-        and cancelling a run whose cancel was already requested changes nothing."""
+        and cancelling a run whose cancel was already requested changes nothing.
+        `displaced_by` names the newer run a `cancel_previous` template put in its place."""
         # A run that moves between the read and the guarded write (claimed, say) is looked at
         # again; each retry means another writer made progress, so a few tries are plenty.
         for _ in range(5):
             run = await self.get(run_id)
-            moved = await self.lifecycle.cancel(run, actor, reason)
+            moved = await self.lifecycle.cancel(run, actor, reason, displaced_by)
             if moved is None:
                 return run
             if isinstance(moved, Moved):
@@ -228,32 +250,6 @@ def validate_payload(template: Template, payload: dict[str, Any]) -> None:
         )
 
 
-def dedupe_key(template: Template, request: RunRequest) -> str | None:
-    """The key that keeps runs of one template apart, or None if any number may be active.
-
-    Made of the template type, the run's scope and the values named by `dedupeKeys`. The scope
-    is always part of it: the policies are per scope (`*_same_scope`), and a conflict names the
-    run holding the key, which must be one the caller may see. A template that is not
-    `repeatable` always has one: its key must be held from creation to success, so two runs of
-    it cannot both succeed.
-    """
-    if template.concurrency_policy == "allow" and template.repeatable:
-        return None
-    fields: dict[str, Any] = {"scope": request.scope, "scopeId": request.scope_id}
-    values = [_lookup(part, fields, request.payload) for part in template.dedupe_keys]
-    key = [template.type, request.scope, request.scope_id, *values]
-    return json.dumps(key, sort_keys=True, separators=(",", ":"))
-
-
-def _lookup(part: str, fields: dict[str, Any], payload: dict[str, Any]) -> Any:
-    if not part.startswith("payload."):
-        return fields[part]
-    value: Any = payload
-    for name in part.split(".")[1:]:
-        value = value.get(name) if isinstance(value, dict) else None
-    return value
-
-
 def _repeated(duplicate: DuplicateRun, template: Template, request: RunRequest) -> Run:
     """The first run of a repeated idempotency key, if the repeat asked for the same thing."""
     first = duplicate.run
@@ -267,7 +263,7 @@ def _repeated(duplicate: DuplicateRun, template: Template, request: RunRequest) 
 
 
 def _refusal(held: KeyHeld) -> ConcurrencyConflict | ResourceInvalidState:
-    if spent(held):
+    if held.spent:
         assert held.holder is not None
         return ResourceInvalidState(
             f"template is not repeatable and run {held.holder.id} already succeeded for this key",

@@ -35,6 +35,8 @@ _REPLACED_INDEXES = {
         "status_1_dedupeKey_1_updateAt_1",
         # Unique indexes that did not start with the shard key (see `SHARD_KEYS`).
         "dedupeKey_1",
+        # Unique on the key alone: one place a key. Now (key, place), for `concurrencyLimit`.
+        "scope_1_scopeId_1_dedupeKey_1",
         "scheduleId_1_scheduledFor_1",
     },
     "job_events": {"jobId_1_runVersion_1__id_1"},
@@ -69,12 +71,20 @@ def index_models() -> dict[str, list[IndexModel]]:
             name="cancel_deadlines",
         ),
         # The unique indexes start with the shard key (scope, scopeId). For dedupe that is the
-        # same guarantee as a unique `dedupeKey`: a key is `runs.service.dedupe_key`, which
-        # holds the run's scope and scope id, or a schedule's `schedule:<id>` (overlapPolicy
-        # queue), whose runs all carry the schedule's scope, which never changes.
+        # same guarantee as a unique (`dedupeKey`, `dedupeSlot`): a key is
+        # `runs.admission.keys.dedupe_key`, which holds the run's scope and scope id, or a
+        # schedule's `schedule:<id>` (overlapPolicy queue), whose runs all carry the
+        # schedule's scope, which never changes. A key has `concurrencyLimit` places; a run
+        # holding the first has no `dedupeSlot` (indexed as null), so a key of one place is
+        # stored as before places existed.
         _only_with(
             "dedupeKey",
-            [("scope", ASCENDING), ("scopeId", ASCENDING), ("dedupeKey", ASCENDING)],
+            [
+                ("scope", ASCENDING),
+                ("scopeId", ASCENDING),
+                ("dedupeKey", ASCENDING),
+                ("dedupeSlot", ASCENDING),
+            ],
             unique=True,
         ),
         _only_with(

@@ -63,19 +63,21 @@ class MongoMaintenanceStore:
         return [convert.run(d) async for d in cursor]
 
     async def waited_keys(self, limit: int) -> list[str]:
-        """Keys that pending runs wait for and no active run holds: the process that freed
-        them may have died before it admitted the next run (held keys are left out, so a
-        backlog of them cannot crowd out the free ones)."""
+        """Keys that pending runs wait for and that have a free place (fewer active holders
+        than the runs' `concurrencyLimit`): the process that freed it may have died before it
+        admitted the next run (full keys are left out, so a backlog of them cannot crowd out
+        the free ones)."""
         cursor = await self._db.runs.aggregate(
             [
                 {"$match": {"dedupeWait": {"$exists": True}, "status": RunStatus.PENDING}},
-                # A key's runs are all of one scope (see `index_models`), so the holder is
+                # A key's runs are all of one scope (see `index_models`), so the holders are
                 # looked up under the unique index, which starts with the scope.
                 {
                     "$group": {
                         "_id": "$dedupeWait",
                         "scope": {"$first": "$scope"},
                         "scopeId": {"$first": "$scopeId"},
+                        "places": {"$min": {"$ifNull": ["$concurrencyLimit", 1]}},
                     }
                 },
                 {
@@ -96,11 +98,12 @@ class MongoMaintenanceStore:
                                     },
                                     "status": {"$nin": sorted(TERMINAL)},
                                 }
-                            }
+                            },
+                            {"$project": {"_id": 1}},
                         ],
                     }
                 },
-                {"$match": {"holder": {"$size": 0}}},
+                {"$match": {"$expr": {"$lt": [{"$size": "$holder"}, "$places"]}}},
                 {"$limit": limit},
             ]
         )

@@ -80,7 +80,7 @@ def entering(
         until = now + timedelta(seconds=lease_seconds)
         fields |= _lease(granted.worker_id, granted.token, until, now)
     if t.key is KeyChange.FREE or (t.key is KeyChange.SPEND and not spend_key):
-        removed += ["dedupeKey", "dedupeWait"]
+        removed += ["dedupeKey", "dedupeSlot", "dedupeWait"]
     if t.attempt is AttemptChange.HAND_BACK:
         count["attempt"] = -1
     update: Doc = {"$set": fields, "$inc": count}

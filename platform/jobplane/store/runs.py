@@ -6,6 +6,7 @@ creates for one key exactly one wins; every later change to a run is a transitio
 """
 
 from collections.abc import Sequence
+from dataclasses import replace
 from datetime import datetime
 
 from bson import ObjectId
@@ -18,9 +19,11 @@ from jobplane.model import (
     TERMINAL,
     Progress,
     Run,
+    RunRate,
     RunStatus,
     Schedule,
     StepProgress,
+    Template,
 )
 from jobplane.store import convert
 from jobplane.store.convert import DUPLICATE_KEY, NO_TRAIL, Doc, listed, object_id, owner
@@ -40,9 +43,21 @@ class MongoRunStore:
         dedupe key.
 
         Concurrent calls are written together (group commit). The unique indexes decide dedupe
-        and idempotency, so concurrent creates cannot both win.
+        and idempotency, so concurrent creates cannot both win. A key with several places
+        (`key_places`) is held in its first free place; `KeyHeld` (naming the oldest holder)
+        once every place is held.
         """
-        return await self._inserts.submit((new, actor))
+        if new.dedupe_key is None or new.key_places == 1:
+            return await self._inserts.submit((new, actor))
+        for _ in range(_PLACE_TRIES):
+            place = await self._free_place(new.dedupe_key, new.scope, new.scope_id, new.key_places)
+            try:
+                return await self._inserts.submit((replace(new, dedupe_slot=place), actor))
+            except KeyHeld as held:
+                if held.spent:
+                    raise
+                # Another create took this place first; look for the next.
+        raise KeyHeld(new.dedupe_key, None)
 
     async def insert_many(self, news: Sequence[NewRun], actor: str) -> list[Run | Exception]:
         """Write many new runs in one unordered bulk insert; each item gets its run or the
@@ -90,20 +105,61 @@ class MongoRunStore:
         doc = await self._db.runs.find_one(query, NO_TRAIL, sort=[("_id", 1)])
         return convert.run(doc) if doc else None
 
-    async def take_key(self, run: Run, actor: str) -> Moved | Lost:
-        """A run waiting for its dedupe key takes it (it stays `pending`, ready to queue).
+    async def holders(self, key: str, scope: str, scope_id: str) -> list[Run]:
+        """The runs holding a place of `key`, oldest first: active ones, or one that spent it
+        (the unique index is per scope, as every key is)."""
+        cursor = self._db.runs.find(
+            {**owner(scope, scope_id), "dedupeKey": key}, NO_TRAIL, sort=[("_id", 1)]
+        )
+        return [convert.run(d) async for d in cursor]
 
-        The unique index decides between takers; raises `KeyHeld` if another run has the key.
+    async def with_key(self, key: str, scope: str, scope_id: str) -> list[Run]:
+        """The active runs of `key`, oldest first: those holding a place and those waiting for
+        one."""
+        either = {"$or": [{"dedupeKey": key}, {"dedupeWait": key}]}
+        active = {**owner(scope, scope_id), **either, "status": {"$nin": sorted(TERMINAL)}}
+        cursor = self._db.runs.find(active, NO_TRAIL, sort=[("_id", 1)])
+        return [convert.run(d) async for d in cursor]
+
+    async def take_key(self, run: Run, actor: str) -> Moved | Lost:
+        """A run waiting for its dedupe key takes a place of it (it stays `pending`, ready to
+        queue): the first free one of the run's `concurrencyLimit`.
+
+        The unique index decides between takers; raises `KeyHeld` if every place is held.
         """
         key = run.dedupe_wait
-        oid = object_id(run.id)
-        if key is None or oid is None:
+        if key is None:
             return Lost(run.id, "status", run.status)
+        places = run.concurrency_limit or 1
+        for _ in range(_PLACE_TRIES):
+            place = 0
+            if places > 1:
+                place = await self._free_place(key, run.scope, run.scope_id, places)
+            try:
+                return await self._take_place(run, key, place, actor)
+            except KeyHeld as held:
+                if places == 1 or held.spent:
+                    raise
+        raise KeyHeld(key, None)
+
+    async def _free_place(self, key: str, scope: str, scope_id: str, places: int) -> int:
+        """The first place of `key` no run holds; `KeyHeld` naming the oldest holder if none."""
+        holders = await self.holders(key, scope, scope_id)
+        taken = {h.dedupe_slot or 0 for h in holders}
+        free = next((p for p in range(places) if p not in taken), None)
+        if free is None:
+            raise KeyHeld(key, holders[0] if holders else None)
+        return free
+
+    async def _take_place(self, run: Run, key: str, place: int, actor: str) -> Moved | Lost:
+        oid = object_id(run.id)
+        if oid is None:
+            return Lost(run.id, "missing")
         query = {"_id": oid, **owner(run.scope, run.scope_id)}
         query |= {"status": RunStatus.PENDING, "dedupeWait": key}
         now = self._clock.now()
         update: Doc = {
-            "$set": {"dedupeKey": key, "updateAt": now},
+            "$set": {"dedupeKey": key, "updateAt": now, **_place(place)},
             "$unset": {"dedupeWait": ""},
             "$inc": {"version": 1},
         }
@@ -117,7 +173,7 @@ class MongoRunStore:
                     state.scope,
                     state.scope_id,
                     state.version + 1,
-                    metadata={"dedupeKey": key},
+                    metadata={"dedupeKey": key, **({"place": place} if place else {})},
                     now=now,
                 )
             ]
@@ -189,6 +245,16 @@ class MongoRunStore:
         return KeyHeld(key, convert.run(holder) if holder else None)
 
 
+# A create or an admission that loses a place to another tries the next this many times.
+_PLACE_TRIES = 5
+
+
+def _place(place: int) -> Doc:
+    """The field naming the place of a key a run holds: none for the first, so a key of one
+    place is stored as it always was."""
+    return {"dedupeSlot": place} if place else {}
+
+
 def _new_run(new: NewRun, actor: str, now: datetime) -> tuple[Run, Doc]:
     """A new run and its document, with its `created` event in its trail."""
     t = new.template
@@ -212,7 +278,12 @@ def _new_run(new: NewRun, actor: str, now: datetime) -> tuple[Run, Doc]:
         cancel_grace_seconds=t.cancel_policy.grace_seconds,
         not_before=new.not_before,
         dedupe_key=new.dedupe_key,
+        dedupe_slot=new.dedupe_slot or None,
         dedupe_wait=new.dedupe_wait,
+        concurrency_limit=new.key_places if new.key_places > 1 else None,
+        max_running=t.max_running,
+        rate=_rate(t, new.rate_key),
+        fairness="round_robin" if t.fairness == "round_robin" else None,
         idempotency_key=new.idempotency_key,
         schedule_id=new.schedule_id,
         scheduled_for=new.scheduled_for,
@@ -228,3 +299,9 @@ def _new_run(new: NewRun, actor: str, now: datetime) -> tuple[Run, Doc]:
     )
     doc["trail"] = [created]
     return run, doc
+
+
+def _rate(t: Template, key: str | None) -> RunRate | None:
+    if t.rate_limit is None or key is None:
+        return None
+    return RunRate(key=key, limit=t.rate_limit.limit, period_seconds=t.rate_limit.period_seconds)

@@ -199,8 +199,10 @@ class MongoTransitionStore:
         actor: str,
         reason: str | None,
         scope: tuple[str, str] | None = None,
+        metadata: Doc | None = None,
     ) -> Moved | Lost:
-        """A run no worker holds yet ends at once; its pending steps are skipped."""
+        """A run no worker holds yet ends at once; its pending steps are skipped. `metadata`
+        goes in its event."""
         return await self._apply(
             "cancel",
             run_id,
@@ -211,6 +213,7 @@ class MongoTransitionStore:
             },
             array_filters=[UNDONE_STEP],
             message=reason,
+            metadata=metadata,
             scope=scope,
         )
 
@@ -221,9 +224,11 @@ class MongoTransitionStore:
         reason: str | None,
         grace_seconds: float = 30,
         scope: tuple[str, str] | None = None,
+        metadata: Doc | None = None,
     ) -> Moved | Lost:
         """Ask the worker holding the run to stop; it converges via `acknowledge_cancel`, or
-        the reaper overrules it once `grace_seconds` have passed (`cancel_timeout`)."""
+        the reaper overrules it once `grace_seconds` have passed (`cancel_timeout`).
+        `metadata` goes in its events."""
         now = self._clock.now()
         return await self._apply(
             "request_cancel",
@@ -233,8 +238,9 @@ class MongoTransitionStore:
                 **_cancel_asked(now, actor, reason),
                 "cancelDeadline": now + timedelta(seconds=grace_seconds),
             },
-            also=[("cancel_requested", reason, {})],
+            also=[("cancel_requested", reason, dict(metadata or {}))],
             message=reason,
+            metadata=metadata,
             scope=scope,
         )
 
@@ -361,6 +367,7 @@ class MongoTransitionStore:
         before: Sequence[TrailEntry] = (),
         also: Sequence[TrailEntry] = (),
         message: str | None = None,
+        metadata: Doc | None = None,
         scope: tuple[str, str] | None = None,
     ) -> Moved | Lost:
         """Make the row `name` one conditional write, then hand its events to the copier.
@@ -403,7 +410,7 @@ class MongoTransitionStore:
                 from_=state.status,
                 to=t.target,
                 message=message,
-                metadata={"transition": name},
+                metadata={"transition": name, **(metadata or {})},
                 now=now,
             )
             return [*ahead, moved, *recorded(run_id, actor, state, now, also)]

@@ -77,9 +77,15 @@ class NewRun:
     payload: dict[str, Any] = field(default_factory=dict)
     priority: int | None = None
     not_before: datetime | None = None
-    # The key the run holds while active, or the one it waits for (`queue_same_scope`).
+    # The key the run holds while active, or the one it waits for (`queue_same_scope`,
+    # `cancel_previous`); `key_places` of it may be active at once.
     dedupe_key: str | None = None
     dedupe_wait: str | None = None
+    key_places: int = 1
+    # Which place of the key the run takes: chosen by the store, the first one free.
+    dedupe_slot: int = 0
+    # The window the run's starts count in (its template's `rateLimit`).
+    rate_key: str | None = None
     idempotency_key: str | None = None
     schedule_id: str | None = None
     scheduled_for: datetime | None = None
@@ -131,6 +137,12 @@ class KeyHeld(Exception):
         super().__init__(f"dedupe key {key} is held by {holder.id if holder else 'a run'}")
         self.key = key
         self.holder = holder
+
+    @property
+    def spent(self) -> bool:
+        """The holder succeeded (its template is not repeatable): the key is never free again,
+        so a run waiting for it can never start."""
+        return self.holder is not None and self.holder.status == RunStatus.SUCCEEDED
 
 
 class DuplicateRun(Exception):

@@ -50,12 +50,37 @@ def parse_template(text: str | bytes, yaml_syntax: bool) -> TemplateSpec:
             "payloadSchema is not a valid JSON Schema",
             [{"pointer": pointer, "message": exc.message}],
         ) from exc
+    if problems := nonsense(spec):
+        raise ValidationFailed("invalid template", problems)
+    return spec
+
+
+def nonsense(spec: TemplateSpec) -> list[dict[str, Any]]:
+    """What each field allows alone but the template cannot mean, with a pointer each."""
+    problems: list[dict[str, Any]] = []
+
+    def refuse(pointer: str, message: str) -> None:
+        problems.append({"pointer": pointer, "message": message})
+
     ids = [s.id for s in spec.steps]
     if len(set(ids)) != len(ids):
-        raise ValidationFailed(
-            "step ids must be unique", [{"pointer": "/steps", "message": f"ids: {ids}"}]
+        refuse("/steps", f"step ids must be unique; ids: {ids}")
+    if "concurrency_limit" in spec.model_fields_set and spec.concurrency_policy == "allow":
+        refuse(
+            "/concurrencyLimit",
+            "concurrencyLimit needs a concurrencyPolicy (reject_same_scope, queue_same_scope "
+            "or cancel_previous): with allow, any number of runs may be active",
         )
-    return spec
+    if spec.concurrency_limit > 1 and not spec.repeatable:
+        # A key of a template that is not repeatable may see one run succeed, ever: two
+        # active at once could both succeed.
+        refuse("/concurrencyLimit", "a template that is not repeatable allows 1 run per key")
+    for i, step in enumerate(spec.steps):
+        names = [lock.name for lock in step.locks]
+        for j, name in enumerate(names):
+            if name in names[:j]:
+                refuse(f"/steps/{i}/locks/{j}", f"lock {name!r} is listed twice")
+    return problems
 
 
 def _values_over(data: Any, limit: int) -> bool:
