@@ -356,7 +356,7 @@ class DirectTransport:
         with _reachable():
             backends = await self._stack.enter_async_context(open_backends(self.settings))
         self._service = RunService(backends.store, backends.queue)
-        self._waiting = Waiting(backends.queue)
+        self._waiting = Waiting(backends.store, backends.queue)
 
     async def create(self, request: CreateRequest) -> Run:
         checked = read_request(request.body(), self.settings.max_payload_bytes)

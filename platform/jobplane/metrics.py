@@ -26,7 +26,7 @@ from prometheus_client import (
 from prometheus_client.core import GaugeMetricFamily, Metric
 from pymongo.errors import PyMongoError
 
-from jobplane.model import TERMINAL, Run
+from jobplane.model import TERMINAL, QueueState, Run
 from jobplane.queue.connect import REDIS_DOWN
 from jobplane.queue.redis import Offer, RedisQueue
 from jobplane.settings import Settings
@@ -164,8 +164,10 @@ async def read_state(store: Store, queue: RedisQueue, queues: Sequence[str]) -> 
     )
     families: list[Metric] = [up]
     try:
-        # Every queue a template names, and the ones this process was told of.
-        queues = sorted({*queues, *await store.templates.queues()})
+        # Every queue a template names, an operator paused, or this process was told of.
+        states = await store.queues.states()
+        queues = sorted({*queues, *await store.templates.queues(), *(s.queue for s in states)})
+        families += _started_state(queues, await store.overview.started_by_queue(), states)
         up.add_metric(["mongodb"], 1)
     except PyMongoError:
         up.add_metric(["mongodb"], 0)
@@ -180,6 +182,18 @@ async def read_state(store: Store, queue: RedisQueue, queues: Sequence[str]) -> 
     except REDIS_DOWN:
         up.add_metric(["redis"], 0)
     return families
+
+
+Gauges = dict[tuple[str, tuple[str, ...]], float]
+
+
+def gauges(state: list[Metric]) -> Gauges:
+    """Each sample of `read_state`'s families by (name, label values)."""
+    return {
+        (sample.name, tuple(sample.labels.values())): sample.value
+        for family in state
+        for sample in family.samples
+    }
 
 
 def render(state: list[Metric]) -> bytes:
@@ -222,6 +236,28 @@ async def _queues_state(
         depth.add_metric([name, "delayed"], delayed)
         oldest.add_metric([name], _seconds(now, min(times)) if times else 0.0)
     return [depth, oldest, waiting]
+
+
+def _started_state(
+    queues: Sequence[str], started: dict[str, int], states: Sequence[QueueState]
+) -> list[Metric]:
+    """Each queue's started runs and whether it is paused, from MongoDB."""
+    running = GaugeMetricFamily(
+        "jobplane_queue_started",
+        "Runs of a queue started and not yet ended (running, waiting for an external worker, "
+        "or asked to cancel)",
+        labels=["queue"],
+    )
+    paused = GaugeMetricFamily(
+        "jobplane_queue_paused",
+        "1 while an operator has the queue paused: its runs wait, none starts",
+        labels=["queue"],
+    )
+    pauses = {s.queue: s.paused for s in states}
+    for name in queues:
+        running.add_metric([name], started.get(name, 0))
+        paused.add_metric([name], int(pauses.get(name, False)))
+    return [running, paused]
 
 
 def _workers_state(live: dict[str, Offer]) -> list[Metric]:

@@ -41,6 +41,9 @@ def settings(mongo_url: str, redis_url: str, db_name: str, redis_prefix: str) ->
 @pytest.fixture
 async def backends(settings: Settings) -> AsyncIterator[Backends]:
     async with open_backends(settings) as opened:
+        # Redis holds the queues' pauses (none yet), as after a worker's first pop, so that a
+        # test may pop without a worker.
+        await opened.queue.mirror_pauses([], complete=True)
         yield opened
 
 

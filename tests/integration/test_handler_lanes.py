@@ -92,7 +92,7 @@ async def test_a_run_waits_for_its_handler_and_starts_when_a_worker_offers_it(
     await register("render_only", steps=STEPS[1:2])
     service = RunService(backends.store, backends.queue)
     run, _ = await service.create(RunRequest("render_only", "user", "u"), "user:a")
-    waiting = Waiting(backends.queue, max_age=0)
+    waiting = Waiting(backends.store, backends.queue, max_age=0)
     cpu = worker(settings, tmp_path, "cpu", CPU)
     try:
         await alive(backends, "cpu")

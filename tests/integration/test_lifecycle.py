@@ -112,7 +112,9 @@ async def test_fatal_error_and_exhausted_attempts_fail(
     assert [a.attempt for a in by_id[spent.id].attempts] == [1, 2]
     assert by_id[spent.id].error == by_id[spent.id].attempts[-1].error
     # No worker offers the unknown handler: its run waits, saying so, and spends nothing.
-    [waiting] = await Waiting(backends.queue).explain([await service.get(unknown.id)])
+    [waiting] = await Waiting(backends.store, backends.queue).explain(
+        [await service.get(unknown.id)]
+    )
     assert waiting.status == RunStatus.QUEUED and waiting.attempt == 0
     assert waiting.waiting_for == WaitingFor(reason="handler", detail="nowhere.to_be:found")
 

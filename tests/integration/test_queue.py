@@ -219,3 +219,103 @@ async def test_the_tick_queues_a_run_left_pending_and_pushes_it_once_queued(
     assert found is not None and found.status == RunStatus.QUEUED
     assert await backends.queue.redis.zscore(ready, run.id) is not None
     assert await scheduler.reconcile() == 0, "queued and in Redis: nothing more to do"
+
+
+def _ids(n: int, start: int = 1) -> list[str]:
+    return [f"{i:024x}" for i in range(start, start + n)]
+
+
+async def test_a_fair_lane_takes_its_groups_in_turns_within_a_priority(
+    queue: RedisQueue, store: MongoStore
+) -> None:
+    now = store.clock.now()
+    big = [QueueEntry(i, "q", 0, group="account:big") for i in _ids(20)]
+    small = [QueueEntry(i, "q", 0, group="account:small") for i in _ids(3, 100)]
+    urgent = QueueEntry(f"{200:024x}", "q", 5, group="account:big")
+    plain = QueueEntry(f"{300:024x}", "q", 1)
+    await queue.push(big, now)
+    await queue.push([*small, urgent, plain], now)
+    popped = (await queue.pop(["q"], 9, now)).run_ids
+    # Priorities first (the fair and the plain runs alike), then the groups take turns: big
+    # was served last (its urgent run), so small goes first.
+    assert popped[:2] == [urgent.run_id, plain.run_id]
+    assert popped[2:] == [
+        small[0].run_id,
+        big[0].run_id,
+        small[1].run_id,
+        big[1].run_id,
+        small[2].run_id,
+        big[2].run_id,
+        big[3].run_id,
+    ]
+    depth = await queue.lane_depth("q", None, now)
+    assert depth.ready == 16, "the fair runs still ready count as ready"
+    assert (await queue.pop(["q"], 100, now)).run_ids == [e.run_id for e in big[4:]]
+    assert await queue.redis.zcard(queue.keys.ring("q")) == 0
+    assert await queue.redis.zcard(queue.keys.bell("q")) == 0
+
+
+async def test_a_fair_run_is_delayed_removed_and_found_missing_in_its_group(
+    queue: RedisQueue, store: MongoStore
+) -> None:
+    now = store.clock.now()
+    later = QueueEntry(_ids(1)[0], "q", 2, now + timedelta(seconds=30), "h", "user:u1")
+    ready = QueueEntry(_ids(1, 2)[0], "q", 0, handler="h", group="user:u2")
+    gone = QueueEntry(_ids(1, 3)[0], "q", 0, handler="h", group="user:u2")
+    await queue.push([later, ready, gone], now)
+    assert await queue.missing([later, ready, gone]) == []
+    await queue.remove(gone)
+    assert await queue.missing([later, ready, gone]) == [gone]
+    popped = await queue.pop(["q"], 5, now + timedelta(seconds=31), handlers=["h"])
+    assert popped.run_ids == [later.run_id, ready.run_id], "promoted into its group, priority 2"
+
+
+async def test_a_blocking_pop_wakes_for_a_fair_run(queue: RedisQueue, store: MongoStore) -> None:
+    async def push_soon() -> None:
+        await asyncio.sleep(0.1)
+        entries = [QueueEntry(i, "q", 0, group="user:u") for i in _ids(2)]
+        await queue.push(entries, store.clock.now())
+
+    pusher = asyncio.create_task(push_soon())
+    began = time.monotonic()
+    popped = await queue.pop(["q"], 1, store.clock.now(), 5)
+    await pusher
+    assert time.monotonic() - began < 4, "woken by the push, not by the timeout"
+    # The bell woke the pop; with one slot free the pop after the wait took none, so both
+    # runs wait in their group and the bell still rings for them.
+    assert popped.run_ids == []
+    assert await queue.redis.zcard(queue.keys.bell("q")) == 2
+    assert (await queue.pop(["q"], 5, store.clock.now(), 1)).run_ids == _ids(2)
+
+
+async def test_a_paused_queue_keeps_its_runs_and_a_pop_says_so(
+    queue: RedisQueue, store: MongoStore
+) -> None:
+    now = store.clock.now()
+    await queue.push([QueueEntry(i, "q1", 0) for i in _ids(2)], now)
+    await queue.push([QueueEntry(i, "q2", 0) for i in _ids(2, 10)], now)
+    await queue.mirror_pauses([("q1", 1, True)], complete=False)
+    popped = await queue.pop(["q1", "q2"], 10, now, 1)
+    assert (popped.run_ids, popped.paused) == (_ids(2, 10), frozenset({"q1"}))
+    # A blocking pop does not wait on the paused queue's lanes, and takes none of its runs.
+    waited = await queue.pop(["q1", "q2"], 10, now, 0.05, paused=popped.paused)
+    assert waited.run_ids == [] and await queue.redis.zcard(queue.keys.queue("q1")) == 2
+    # An older copy of the pause does not undo a newer one; a newer one resumes.
+    await queue.mirror_pauses([("q1", 0, False)], complete=True)
+    assert (await queue.pop(["q1"], 10, now)).paused == frozenset({"q1"})
+    await queue.mirror_pauses([("q1", 2, False)], complete=False)
+    resumed = await queue.pop(["q1"], 10, now)
+    assert (resumed.run_ids, resumed.paused) == (_ids(2), frozenset())
+
+
+async def test_a_redis_without_the_pauses_pops_nothing_until_they_are_loaded(
+    queue: RedisQueue, store: MongoStore
+) -> None:
+    now = store.clock.now()
+    await queue.push([QueueEntry(i, "q", 0) for i in _ids(3)], now)
+    await queue.redis.delete(queue.keys.paused)  # as a wiped Redis would be
+    blocked = await queue.pop(["q"], 10, now, 0.2)
+    assert (blocked.run_ids, blocked.mirrored) == ([], False)
+    assert await queue.redis.zcard(queue.keys.queue("q")) == 3, "the wait put its run back"
+    await queue.mirror_pauses([], complete=True)
+    assert (await queue.pop(["q"], 10, now)).run_ids == _ids(3)

@@ -5,9 +5,10 @@ from datetime import UTC, datetime
 from typing import Any, cast
 
 from jobplane.cli.render import render
-from jobplane.model import Run, RunStatus, WaitingFor
+from jobplane.model import QueueState, Run, RunStatus, WaitingFor
 from jobplane.queue.redis import Offer, RedisQueue
 from jobplane.runs.waiting import Waiting
+from jobplane.store import Store
 
 
 def queued(**fields: Any) -> Run:
@@ -35,10 +36,17 @@ class _TornConnection:
         raise AttributeError("'NoneType' object has no attribute 'writelines'")
 
 
+class _NothingPaused:
+    class queues:  # the store's aggregate, by its name
+        @staticmethod
+        async def states() -> list[QueueState]:
+            return []
+
+
 async def test_an_unreadable_registry_leaves_waiting_for_null() -> None:
     run = queued(handler="reports.render")
     torn = _TornConnection()
-    waiting = Waiting(cast(RedisQueue, torn), max_age=60)
+    waiting = Waiting(cast(Store, _NothingPaused), cast(RedisQueue, torn), max_age=60)
     [explained] = await waiting.explain([run])
     assert explained.waiting_for is None
     await waiting.explain([run])

@@ -16,6 +16,7 @@ from jobplane.api.routes import (
     keys,
     metrics,
     overview,
+    queues,
     runs,
     schedules,
     templates,
@@ -34,16 +35,28 @@ def create_app(settings: Settings, backends: Backends | None = None) -> FastAPI:
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with open_backends(settings) as opened:
             app.state.store, app.state.queue = opened.store, opened.queue
-            app.state.waiting = Waiting(opened.queue)
+            app.state.waiting = Waiting(opened.store, opened.queue)
             yield
 
     app = FastAPI(title="jobplane", version="1", lifespan=None if backends else lifespan)
     app.state.settings = settings
     if backends is not None:
         app.state.store, app.state.queue = backends.store, backends.queue
-        app.state.waiting = Waiting(backends.queue)
+        app.state.waiting = Waiting(backends.store, backends.queue)
     errors.install(app)
-    for module in (health, metrics, keys, templates, runs, schedules, events, external, overview):
+    routers = (
+        health,
+        metrics,
+        keys,
+        templates,
+        runs,
+        schedules,
+        events,
+        external,
+        overview,
+        queues,
+    )
+    for module in routers:
         app.include_router(module.router)
     # The web dashboard: static files that call the API above like any other client.
     app.mount("/ui", Dashboard(), name="ui")

@@ -36,6 +36,9 @@ class Permission(StrEnum):
     KEYS_WRITE = "keys:write"
     # Claiming and finishing external steps: the work of any scope, so admin keys only.
     EXTERNAL_WORK = "external:work"
+    # Queues' figures, and pausing and resuming them: every account's work, so admin only.
+    QUEUES_READ = "queues:read"
+    QUEUES_WRITE = "queues:write"
 
 
 P = Permission

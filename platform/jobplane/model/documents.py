@@ -395,6 +395,22 @@ class ApiKey(ApiKeyPublic):
     secret_hash: str
 
 
+class QueueState(Document):
+    """A queue's pause, as MongoDB holds it: workers start none of a paused queue's runs.
+
+    Only queues an operator ever paused have one; `version` orders its changes, so a stale
+    copy in Redis never overwrites a newer one."""
+
+    queue: str
+    paused: bool = False
+    paused_by: str | None = None
+    pause_reason: str | None = None
+    paused_at: datetime | None = None
+    resumed_by: str | None = None
+    resumed_at: datetime | None = None
+    version: int = 0
+
+
 class ScheduleSpec(Spec):
     """What an account asks for: run a template on a cron, in its own time zone."""
 

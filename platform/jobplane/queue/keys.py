@@ -10,10 +10,16 @@ decides the slot):
 A queue is split into lanes, one per handler: a run waits in the lane of its current step's
 handler, and a worker pops only the lanes of the handlers it offers. A run whose current
 step is external (any worker hands it on) waits in the queue's own lane, `handler` None.
+A fair lane (a template's `fairness: round_robin`) keeps its runs in one sorted set per group
+(a scope and scope id), which take turns through the lane's ring (`lua/fair.lua`); its bell
+holds every one of them, for a worker blocked in BZPOPMIN to wake on. The pause mirror and the
+ring turn counter share the queues' tag, so a pop reads them in the same script.
+
 The scheduler lock carries no tag. Why one slot for all queues rather than one per queue is
 in docs/architecture.md.
 """
 
+import hashlib
 from dataclasses import dataclass
 
 
@@ -38,6 +44,33 @@ class Keys:
         """Runs of a lane waiting for `notBefore`: a sorted set, score epoch ms, member
         `<id>|<priority>`."""
         return f"{self.prefix}jobs:delayed:{{{self.prefix}queues}}:{queue}{_lane(handler)}"
+
+    def ring(self, queue: str, handler: str | None = None) -> str:
+        """A fair lane's groups in turn: a sorted set, score priority class and turn, member
+        the group's key."""
+        return f"{self.prefix}jobs:ring:{{{self.prefix}queues}}:{queue}{_lane(handler)}"
+
+    def bell(self, queue: str, handler: str | None = None) -> str:
+        """Every ready run of a fair lane: a sorted set, score `-priority`, member the run id."""
+        return f"{self.prefix}jobs:bell:{{{self.prefix}queues}}:{queue}{_lane(handler)}"
+
+    def group(self, queue: str, handler: str | None, group: str) -> str:
+        """One group's ready runs in a fair lane: a sorted set like a ready set. The group (a
+        scope and its id, which may hold any printable character) is hashed, so the key parts
+        stay apart."""
+        digest = hashlib.sha1(group.encode(), usedforsecurity=False).hexdigest()[:24]
+        return f"{self.prefix}jobs:group:{{{self.prefix}queues}}:{queue}:{digest}{_lane(handler)}"
+
+    @property
+    def turn(self) -> str:
+        """The counter fair lanes' rings take turns by."""
+        return f"{self.prefix}jobs:turn:{{{self.prefix}queues}}"
+
+    @property
+    def paused(self) -> str:
+        """The copy of MongoDB's queue pauses the pops read: a hash, queue -> `<version>:<1 if
+        paused else 0>`, and `_loaded` once a full copy was written."""
+        return f"{self.prefix}jobs:paused:{{{self.prefix}queues}}"
 
     def lanes(self, queue: str) -> str:
         """The handlers a queue's runs were ever pushed for: a set, read by the metrics."""
@@ -73,5 +106,6 @@ def _lane(handler: str | None) -> str:
     return "" if handler is None else f":{handler}"
 
 
-def delayed_member(run_id: str, priority: int) -> str:
-    return f"{run_id}|{priority}"
+def delayed_member(run_id: str, priority: int, group_key: str | None = None) -> str:
+    """A delayed run: its id and priority, and in a fair lane the key of its group."""
+    return f"{run_id}|{priority}" + (f"|{group_key}" if group_key else "")

@@ -12,6 +12,7 @@ from collections.abc import (
     AsyncIterator,
     Awaitable,
     Callable,
+    Collection,
     Coroutine,
     Iterable,
     Sequence,
@@ -63,8 +64,10 @@ def _bounded(
     return bounded
 
 
-def _script(redis: RedisClient, name: str) -> AsyncScript:
-    source = (resources.files("jobplane.queue") / "lua" / f"{name}.lua").read_text()
+def _script(redis: RedisClient, name: str, *preludes: str) -> AsyncScript:
+    """The script `lua/<name>.lua`, after the `preludes` it shares functions with."""
+    lua = resources.files("jobplane.queue") / "lua"
+    source = "\n".join((lua / f"{part}.lua").read_text() for part in [*preludes, name])
     return redis.register_script(source)
 
 
@@ -89,10 +92,13 @@ class QueueEntry:
     not_before: datetime | None = None
     # The lane: the handler of the run's current step (None: any worker may take it).
     handler: str | None = None
+    # In a fair lane, the run's group: its scope and scope id, which take turns with others.
+    group: str | None = None
 
     @classmethod
     def of(cls, run: Run) -> "QueueEntry":
-        return cls(run.id, run.queue, run.priority, run.not_before, run.handler)
+        group = f"{run.scope}:{run.scope_id}" if run.fairness == "round_robin" else None
+        return cls(run.id, run.queue, run.priority, run.not_before, run.handler, group)
 
 
 @dataclass(frozen=True)
@@ -112,6 +118,11 @@ class Popped:
     run_ids: list[str]
     # When the earliest delayed run of the queues falls due, so a worker knows how long to block.
     next_due: datetime | None
+    # The queues asked for that are paused: none of their runs were popped.
+    paused: frozenset[str] = frozenset()
+    # False while Redis holds no copy of the queues' pauses (new, or wiped): nothing was popped,
+    # and the caller loads the copy from MongoDB (`mirror_pauses`) before it pops again.
+    mirrored: bool = True
 
 
 @dataclass(frozen=True)
@@ -126,6 +137,8 @@ class LaneDepth:
 
 # Where a push puts a run: its queue and lane, the sorted set, the member and its score.
 _Placed = tuple[str, str | None, str, str, float]
+# A ready run of a fair lane: its queue and lane, its ring, group and bell, its id and priority.
+_Entered = tuple[str, str | None, str, str, str, str, int]
 
 
 class RedisQueue:
@@ -138,8 +151,9 @@ class RedisQueue:
         self.keys = keys
         # The longest any call may take, beyond the wait of a blocking pop (see `_bounded`).
         self.timeout_seconds = timeout_seconds
-        self._claim = _script(redis, "claim")
-        self._dequeue = _script(redis, "dequeue")
+        self._pop_script = _script(redis, "pop", "fair")
+        self._enter = _script(redis, "enter", "fair")
+        self._pauses = _script(redis, "pauses")
         self._acquire = _script(redis, "acquire")
         self._release = _script(redis, "release")
         self._alive = _script(redis, "alive")
@@ -153,12 +167,16 @@ class RedisQueue:
 
         Concurrent pushes go out together, one ZADD per sorted set.
         """
-        placed: list[_Placed] = []
+        placed: list[_Placed | _Entered] = []
         for e in entries:
             if e.not_before is not None and e.not_before > now:
-                member = delayed_member(e.run_id, e.priority)
+                member = delayed_member(e.run_id, e.priority, self._group(e))
                 key = self.keys.delayed(e.queue, e.handler)
                 placed.append((e.queue, e.handler, key, member, epoch_ms(e.not_before)))
+            elif e.group is not None:
+                ring, bell = self.keys.ring(e.queue, e.handler), self.keys.bell(e.queue, e.handler)
+                group = self.keys.group(e.queue, e.handler, e.group)
+                placed.append((e.queue, e.handler, ring, group, bell, e.run_id, e.priority))
             else:
                 key = self.keys.queue(e.queue, e.handler)
                 placed.append((e.queue, e.handler, key, e.run_id, -e.priority))
@@ -166,21 +184,36 @@ class RedisQueue:
             await self._pushes.submit(placed)
 
     @_bounded
-    async def _push_many(self, pushes: list[list[_Placed]]) -> list[None]:
+    async def _push_many(self, pushes: list[list[_Placed | _Entered]]) -> list[None]:
         by_key: dict[str, dict[str, float]] = {}
+        entered: list[_Entered] = []
         lanes: dict[str, set[str]] = {}
         for placed in pushes:
-            for queue, handler, key, member, score in placed:
-                by_key.setdefault(key, {})[member] = score
+            for item in placed:
+                queue, handler = item[0], item[1]
+                if len(item) == 7:
+                    entered.append(item)
+                else:
+                    _, _, key, member, score = item
+                    by_key.setdefault(key, {})[member] = score
                 if handler is not None:
                     lanes.setdefault(queue, set()).add(handler)
         async with self.redis.pipeline(transaction=False) as pipe:
             for key, members in by_key.items():
                 pipe.zadd(key, members)
+            if entered:
+                keys = [self.keys.turn, *(k for e in entered for k in e[2:5])]
+                _eval(pipe, self._enter, keys, [a for e in entered for a in e[5:]])
             for queue, handlers in lanes.items():
                 pipe.sadd(self.keys.lanes(queue), *handlers)
             await pipe.execute()
         return [None] * len(pushes)
+
+    def _group(self, entry: QueueEntry) -> str | None:
+        """The key of the entry's group, in a fair lane."""
+        if entry.group is None:
+            return None
+        return self.keys.group(entry.queue, entry.handler, entry.group)
 
     async def lanes(self, queue: str) -> list[str]:
         """The handlers of the lanes of `queue` that runs were ever pushed to."""
@@ -195,30 +228,33 @@ class RedisQueue:
         now: datetime,
         block_seconds: float = 0,
         handlers: Sequence[str] = (),
+        paused: Collection[str] = (),
     ) -> Popped:
         """Pop up to `n` ready ids across `queues` in order, promoting due delayed runs first.
 
         Of each queue, the lanes popped are its own and those of `handlers`; within a queue,
-        its lanes' runs come out by priority as if they were one set.
+        its lanes' runs come out by priority as if they were one set (a fair lane's in turns
+        across its groups). A paused queue's runs stay; the answer names the paused queues.
 
-        With `block_seconds` (and `n` > 0) a BZPOPMIN over the ready sets goes first: it takes
-        a ready id at once (the first non-empty lane's, so a caller that wants strict
-        priority under a backlog does not block), or waits up to that long for one to be
-        pushed. It shares a round trip with the pop of the others: a worker waiting for work
-        pays one round trip a wake-up, not a pop that finds nothing and then a wait.
+        With `block_seconds` (and `n` > 0) a BZPOPMIN over the ready sets and bells of the
+        queues not in `paused` (the caller's last answer) goes first: it takes a ready id at
+        once (the first non-empty lane's, so a caller that wants strict priority under a
+        backlog does not block), or waits up to that long for one to be pushed. It shares a
+        round trip with the pop of the others: a worker waiting for work pays one round trip
+        a wake-up, not a pop that finds nothing and then a wait.
         """
         if not queues:
             return Popped([], None)
         async with _answered_within(self.timeout_seconds + max(block_seconds, 0), "pop"):
-            return await self._pop(queues, handlers, n, now, block_seconds)
+            return await self._pop(queues, handlers, n, now, block_seconds, paused)
 
     @_bounded
     async def promote(self, queues: Sequence[str], now: datetime) -> None:
         """Move the due delayed runs of every lane of `queues` to their ready sets. Workers
         do it for their own lanes as they pop; this covers lanes no worker pops."""
         for queue in queues:
-            # A pop of none: the claim script promotes, and takes nothing.
-            await self._pop([queue], await self.lanes(queue), 0, now, 0)
+            # A pop of none: the pop script promotes, and takes nothing.
+            await self._pop([queue], await self.lanes(queue), 0, now, 0, ())
 
     async def _pop(
         self,
@@ -227,75 +263,133 @@ class RedisQueue:
         n: int,
         now: datetime,
         block_seconds: float,
+        paused: Collection[str],
     ) -> Popped:
-        blocking = block_seconds > 0 and n > 0
         lanes = [(q, h) for q in queues for h in [None, *handlers]]
-        keys = [k for q, h in lanes for k in (self.keys.queue(q, h), self.keys.delayed(q, h))]
-        counts = [len(handlers) + 1] * len(queues)
+        keys = [self.keys.paused, self.keys.turn]
+        for q, h in lanes:
+            keys += [self.keys.queue(q, h), self.keys.delayed(q, h)]
+            keys += [self.keys.ring(q, h), self.keys.bell(q, h)]
+        args: list[str | int] = [epoch_ms(now), n, 1000]
+        for q in queues:
+            args += [q, len(handlers) + 1]
+        # Redis truncates a timeout to whole milliseconds (0.001 s can come out as 0.999 ms)
+        # and reads 0 as "forever".
+        timeout = max(block_seconds, 0.002)
+        awake = [(q, h) for q, h in lanes if q not in paused]
+        waiting = [k for q, h in awake for k in (self.keys.queue(q, h), self.keys.bell(q, h))]
+        blocking = block_seconds > 0 and n > 0 and bool(waiting)
         async with self.redis.pipeline(transaction=False) as pipe:
             if blocking:
-                # Redis truncates a timeout to whole milliseconds (0.001 s can come out as
-                # 0.999 ms) and reads 0 as "forever".
-                timeout = max(block_seconds, 0.002)
-                pipe.bzpopmin(keys[::2], timeout=timeout)
-            wanted = n - 1 if blocking else n
-            _eval(pipe, self._claim, keys, [epoch_ms(now), wanted, 1000, *counts])
+                pipe.bzpopmin(waiting, timeout=timeout)
+            args[1] = n - 1 if blocking else n
+            _eval(pipe, self._pop_script, keys, args)
             replies = await pipe.execute()
-        waited, popped = replies[-2] if blocking else None, replies[-1]
-        ids = [_text(waited[1])] if waited else []
-        ids.extend(_text(v) for v in popped[:-1])
-        due = int(float(_text(popped[-1]))) if popped[-1] else None
+        waited, (popped, due_text, paused_now, mirrored) = (
+            replies[0] if blocking else None,
+            replies[-1],
+        )
+        ids = [_text(v) for v in popped]
+        paused_now = frozenset(_text(q) for q in paused_now)
+        if waited:
+            key, member, score = _text(waited[0]), _text(waited[1]), waited[2]
+            stays = not mirrored or self._queue_of(key, lanes) in paused_now
+            if stays or key in self._bells(awake):
+                # A fair run's bell only woke this worker (the run is still in its group,
+                # unless the pop took it), or the queue may not be popped (paused since the
+                # last answer, or Redis has no copy of the pauses): the member goes back.
+                if member not in ids:
+                    await self.redis.zadd(key, {member: score})
+            else:
+                ids.insert(0, member)
+        elif block_seconds > 0 and n > 0 and not waiting and not ids:
+            await asyncio.sleep(block_seconds)  # every queue paused: wait as a pop would
+        due = int(float(_text(due_text))) if due_text else None
         next_due = datetime.fromtimestamp(due / 1000, now.tzinfo) if due is not None else None
-        return Popped(ids, next_due)
+        return Popped(ids, next_due, paused_now, bool(mirrored))
+
+    def _bells(self, lanes: Sequence[tuple[str, str | None]]) -> set[str]:
+        return {self.keys.bell(q, h) for q, h in lanes}
+
+    def _queue_of(self, key: str, lanes: Sequence[tuple[str, str | None]]) -> str | None:
+        return next((q for q, h in lanes if self.keys.queue(q, h) == key), None)
+
+    # -- the queues' pauses ----------------------------------------------------------------------
+
+    @_bounded
+    async def mirror_pauses(self, states: Sequence[tuple[str, int, bool]], complete: bool) -> None:
+        """Copy queues' pauses (name, version, paused) into the mirror the pops read; a copy
+        older than the mirror's is left out. `complete`: these are every queue MongoDB holds,
+        so the mirror counts as loaded."""
+        args: list[str | int] = [1 if complete else 0]
+        for queue, version, paused in states:
+            args += [queue, version, 1 if paused else 0]
+        await self._pauses(keys=[self.keys.paused], args=args)
 
     # -- removal, and the reconciler's check ---------------------------------------------------
 
     @_bounded
     async def remove(self, entry: QueueEntry) -> None:
         """Take a run out of its lane, ready or delayed."""
-        keys = [self.keys.queue(entry.queue, entry.handler)]
-        keys.append(self.keys.delayed(entry.queue, entry.handler))
-        await self._dequeue(keys=keys, args=[entry.run_id, _delayed(entry)])
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.zrem(self._ready(entry), entry.run_id)
+            pipe.zrem(self.keys.delayed(entry.queue, entry.handler), self._delayed(entry))
+            if entry.group is not None:
+                pipe.zrem(self.keys.bell(entry.queue, entry.handler), entry.run_id)
+            await pipe.execute()
 
     @_bounded
     async def missing(self, entries: Sequence[QueueEntry]) -> list[QueueEntry]:
         """The entries that are in neither their ready nor their delayed set."""
         async with self.redis.pipeline(transaction=False) as pipe:
             for e in entries:
-                pipe.zscore(self.keys.queue(e.queue, e.handler), e.run_id)
-                pipe.zscore(self.keys.delayed(e.queue, e.handler), _delayed(e))
+                pipe.zscore(self._ready(e), e.run_id)
+                pipe.zscore(self.keys.delayed(e.queue, e.handler), self._delayed(e))
             scores = await pipe.execute()
         return [
             e for i, e in enumerate(entries) if scores[2 * i] is None and scores[2 * i + 1] is None
         ]
 
+    def _ready(self, entry: QueueEntry) -> str:
+        """The sorted set that holds the entry while it is ready: its lane's, or its group's."""
+        if entry.group is not None:
+            return self.keys.group(entry.queue, entry.handler, entry.group)
+        return self.keys.queue(entry.queue, entry.handler)
+
+    def _delayed(self, entry: QueueEntry) -> str:
+        return delayed_member(entry.run_id, entry.priority, self._group(entry))
+
     # -- what the lanes hold ---------------------------------------------------------------------
 
     @_bounded
     async def lane_depth(self, queue: str, handler: str | None, now: datetime) -> LaneDepth:
-        """What a lane holds, counted (never read whole), for `/metrics` and the overview."""
-        ready_key, delayed_key = self.keys.queue(queue, handler), self.keys.delayed(queue, handler)
+        """What a lane holds, counted (never read whole), for `/metrics` and the overview: its
+        fair part's ready runs (its bell) with the others."""
+        delayed_key = self.keys.delayed(queue, handler)
+        ready_keys = [self.keys.queue(queue, handler), self.keys.bell(queue, handler)]
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.zcard(ready_key)
+            for key in ready_keys:
+                pipe.zcard(key)
             pipe.zcount(delayed_key, "-inf", epoch_ms(now))
             pipe.zcard(delayed_key)
             pipe.zrange(delayed_key, 0, 0, withscores=True)
-            ready, due, delayed, first_delayed = await pipe.execute()
+            plain, fair, due, delayed, first_delayed = await pipe.execute()
         times: list[datetime] = []
         if due:
             times.append(datetime.fromtimestamp(first_delayed[0][1] / 1000, UTC))
-        # The ready set orders by -priority, then by id; ids are ObjectIds, which begin with
+        # A ready set orders by -priority, then by id; ids are ObjectIds, which begin with
         # their creation time, so the first member of each priority is its oldest. One read per
         # priority present (at most 201), each O(log n).
-        after = "-inf"
-        while head := await self.redis.zrangebyscore(
-            ready_key, after, "+inf", start=0, num=1, withscores=True
-        ):
-            member, score = cast(tuple[bytes, float], head[0])
-            if ObjectId.is_valid(run_id := _text(member)):
-                times.append(ObjectId(run_id).generation_time)
-            after = f"({score}"
-        return LaneDepth(ready, due, delayed, min(times, default=None))
+        for key in ready_keys:
+            after = "-inf"
+            while head := await self.redis.zrangebyscore(
+                key, after, "+inf", start=0, num=1, withscores=True
+            ):
+                member, score = cast(tuple[bytes, float], head[0])
+                if ObjectId.is_valid(run_id := _text(member)):
+                    times.append(ObjectId(run_id).generation_time)
+                after = f"({score}"
+        return LaneDepth(plain + fair, due, delayed, min(times, default=None))
 
     # -- the scheduler lock --------------------------------------------------------------------
 
@@ -387,10 +481,6 @@ class RedisQueue:
     @property
     def _registry(self) -> list[str]:
         return [self.keys.workers, self.keys.workers_held, self.keys.workers_offers]
-
-
-def _delayed(entry: QueueEntry) -> str:
-    return delayed_member(entry.run_id, entry.priority)
 
 
 def _text(value: bytes | str | float) -> str:

@@ -1,10 +1,12 @@
-"""Why a run that could start does not: what a run's `waitingFor` says.
+"""Why a run that could start does not: what a run's `waitingFor` says, from the rules that
+hold it back (`runs/admission/`), in the order a run meets them.
 
-A `queue_same_scope` run waits for the run holding its dedupe key (`concurrency`). A run whose
-current step's handler no live worker offers on its queue waits for such a worker
-(`handler`): workers claim only the lanes of the handlers they offer (`queue/keys.py`), so
-nothing fails or spins meanwhile. The second is read from the worker registry in Redis,
-at most once per `max_age` per process, so answering runs adds no round trip of its own.
+A paused queue starts nothing (`queue_paused`); a run may wait for a place of its dedupe key
+(`concurrency`), for a worker that offers its current step's handler (`handler`: workers
+claim only the lanes of the handlers they offer, `queue/keys.py`, so nothing fails or spins
+meanwhile). The facts come from MongoDB (the pauses) and Redis (the worker registry), each
+read at most once per `max_age` per process, so answering runs adds no round trip of its own;
+a fact that cannot be read leaves its reason out, never failing the answer.
 """
 
 import logging
@@ -15,6 +17,9 @@ from collections.abc import Sequence
 from jobplane.errors import JobplaneError
 from jobplane.model import CLAIMABLE, Run, WaitingFor
 from jobplane.queue.redis import RedisQueue
+from jobplane.runs.admission import concurrency, pause
+from jobplane.runs.admission.pause import Pauses
+from jobplane.store import Store
 
 log = logging.getLogger("jobplane.runs")
 
@@ -22,9 +27,10 @@ Lane = tuple[str, str]
 
 
 class Waiting:
-    def __init__(self, queue: RedisQueue, max_age: float = 1.0) -> None:
+    def __init__(self, store: Store, queue: RedisQueue, max_age: float = 1.0) -> None:
         self.queue = queue
         self.max_age = max_age
+        self.pauses = Pauses(store, queue, max_age)
         self._offered: frozenset[Lane] | None = None
         self._read_at = -math.inf
 
@@ -49,10 +55,16 @@ class Waiting:
 
     async def explain(self, runs: Sequence[Run]) -> list[Run]:
         """The runs, each with its `waiting_for` said."""
-        offered = None
-        if any(r.status in CLAIMABLE and r.handler is not None for r in runs):
+        waiting = [r for r in runs if r.status in CLAIMABLE]
+        offered, paused = None, frozenset[str]()
+        if any(r.handler is not None for r in waiting):
             offered = await self.offered()
-        return [r.model_copy(update={"waiting_for": _reason(r, offered)}) for r in runs]
+        if waiting:
+            try:
+                paused = await self.pauses.paused()
+            except Exception as exc:
+                log.warning("queue pauses unreadable: %s", exc or type(exc).__name__)
+        return [r.model_copy(update={"waiting_for": _reason(r, offered, paused)}) for r in runs]
 
     async def explain_created(
         self, outcomes: Sequence[tuple[Run, bool] | JobplaneError]
@@ -62,11 +74,13 @@ class Waiting:
         return [(next(runs), o[1]) if isinstance(o, tuple) else o for o in outcomes]
 
 
-def _reason(run: Run, offered: frozenset[Lane] | None) -> WaitingFor | None:
+def _reason(run: Run, offered: frozenset[Lane] | None, paused: frozenset[str]) -> WaitingFor | None:
     if run.status not in CLAIMABLE:
         return None
-    if run.dedupe_wait is not None:
-        return WaitingFor(reason="concurrency", detail=run.dedupe_wait)
-    if run.handler is not None and offered is not None and (run.queue, run.handler) not in offered:
-        return WaitingFor(reason="handler", detail=run.handler)
-    return None
+    return pause.waiting_for(run, paused) or concurrency.waiting_for(run) or _handler(run, offered)
+
+
+def _handler(run: Run, offered: frozenset[Lane] | None) -> WaitingFor | None:
+    if run.handler is None or offered is None or (run.queue, run.handler) in offered:
+        return None
+    return WaitingFor(reason="handler", detail=run.handler)

@@ -20,6 +20,7 @@ from jobplane.clock import Clock, SystemClock
 from jobplane.model import RunStatus
 from jobplane.process import finish_within
 from jobplane.queue.redis import QueueEntry, RedisQueue
+from jobplane.runs.admission.pause import Pauses
 from jobplane.runs.lifecycle import Lifecycle
 from jobplane.schedules import ScheduleService
 from jobplane.settings import Settings
@@ -148,7 +149,10 @@ class Scheduler:
 
     async def reconcile(self) -> int:
         """Queue pending runs, re-push queued runs that Redis lost, and admit runs waiting for
-        a dedupe key that is free (the process that freed it may have died before it could)."""
+        a dedupe key that is free (the process that freed it may have died before it could).
+        The queues' pauses are copied to Redis first, so that a run pushed back after a Redis
+        loss finds its queue's pause there."""
+        await Pauses(self.store, self.queue).mirror()
         for key in await self.store.maintenance.waited_keys(self.settings.reap_batch):
             try:
                 await self.lifecycle.admit_next(key, "scheduler")

@@ -14,6 +14,7 @@ from jobplane.model import (
     ApiKey,
     ApiKeyPublic,
     Event,
+    QueueState,
     Run,
     RunError,
     Schedule,
@@ -54,6 +55,15 @@ class KeyStore(Protocol):
     async def get(self, key_id: str) -> ApiKey | None: ...
     async def page(self, before: str | None, limit: int) -> list[ApiKeyPublic]: ...
     async def revoke(self, key_id: str, actor: str) -> ApiKeyPublic | None: ...
+
+
+class QueueStore(Protocol):
+    """Queues' pauses, each with its audit event."""
+
+    async def states(self) -> list[QueueState]: ...
+    async def set_paused(
+        self, queue: str, paused: bool, actor: str, reason: str | None
+    ) -> tuple[QueueState, bool]: ...
 
 
 class RunStore(Protocol):
@@ -193,6 +203,7 @@ class MaintenanceStore(Protocol):
 
 
 class OverviewStore(Protocol):
+    async def started_by_queue(self) -> dict[str, int]: ...
     async def run_figures(
         self, within: Sequence[tuple[str, str]] | None, now: datetime
     ) -> RunFigures: ...
@@ -205,6 +216,7 @@ class Store(Protocol):
     templates: TemplateStore
     schedules: ScheduleStore
     keys: KeyStore
+    queues: QueueStore
     runs: RunStore
     transitions: TransitionStore
     leases: LeaseStore

@@ -17,7 +17,7 @@ from jobplane.clock import Clock
 from jobplane.model import ApiKey, ApiKeyPublic
 from jobplane.store import convert
 from jobplane.store.convert import Doc, object_id
-from jobplane.store.database import Collections
+from jobplane.store.database import Collections, transaction
 from jobplane.store.trail import MongoTrailStore
 
 T = TypeVar("T")
@@ -102,11 +102,7 @@ class MongoKeyStore:
         return convert.public_key(doc) if doc else None
 
     async def _transaction(self, write: Callable[[AsyncClientSession], Awaitable[T]]) -> T:
-        """`write` in one transaction, committed with the store's write concern; a write
-        conflict runs it again."""
-        async with self._client.start_session() as session:
-            concern = self._db.api_keys.write_concern
-            return await session.with_transaction(write, write_concern=concern)
+        return await transaction(self._client, self._db.api_keys.write_concern, write)
 
 
 def _key_event(key: ApiKeyPublic, kind: str, actor: str, now: datetime) -> Doc:

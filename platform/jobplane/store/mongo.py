@@ -20,6 +20,7 @@ from jobplane.store.keys import MongoKeyStore
 from jobplane.store.leases import MongoLeaseStore
 from jobplane.store.maintenance import MongoMaintenanceStore
 from jobplane.store.overview import MongoOverviewStore
+from jobplane.store.queues import MongoQueueStore
 from jobplane.store.runs import MongoRunStore
 from jobplane.store.schedules import MongoScheduleStore
 from jobplane.store.templates import MongoTemplateStore
@@ -50,6 +51,7 @@ class MongoStore:
         self.templates: abc.TemplateStore = MongoTemplateStore(db, self.clock)
         self.schedules: abc.ScheduleStore = MongoScheduleStore(db, self.clock)
         self.keys: abc.KeyStore = MongoKeyStore(client, db, self.clock, trail)
+        self.queues: abc.QueueStore = MongoQueueStore(client, db, self.clock, trail)
         self.runs: abc.RunStore = MongoRunStore(writes)
         self.transitions: abc.TransitionStore = MongoTransitionStore(writes)
         self.leases: abc.LeaseStore = MongoLeaseStore(writes)

@@ -91,6 +91,17 @@ class MongoOverviewStore:
     def __init__(self, db: Collections) -> None:
         self._runs = db.runs
 
+    async def started_by_queue(self) -> dict[str, int]:
+        """Runs started and not yet ended (`running`, `waiting_worker`, `cancel_requested`),
+        by queue: as many as workers hold, read by `(status, _id)`."""
+        cursor = await self._runs.aggregate(
+            [
+                {"$match": {"status": {"$in": sorted(LEASED)}}},
+                {"$group": {"_id": "$queue", "n": {"$sum": 1}}},
+            ]
+        )
+        return {d["_id"]: d["n"] async for d in cursor}
+
     async def run_figures(
         self, within: Sequence[tuple[str, str]] | None, now: datetime
     ) -> RunFigures:

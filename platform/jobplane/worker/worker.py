@@ -20,6 +20,7 @@ from jobplane.clock import Clock, SystemClock
 from jobplane.model import RunStatus
 from jobplane.process import CANCEL_SECONDS, finish_within, log_context
 from jobplane.queue.redis import RedisQueue
+from jobplane.runs.admission.pause import Pauses
 from jobplane.runs.lifecycle import Lifecycle
 from jobplane.settings import Settings
 from jobplane.store import Store
@@ -55,6 +56,7 @@ class Worker:
         self.id = worker_id or settings.worker_id or default_worker_id()
         self.clock = clock or SystemClock()
         self.lifecycle = Lifecycle(store, queue, self.clock)
+        self.pauses = Pauses(store, queue)
         self.held: dict[str, Held] = {}
         # The handlers this worker claims runs for: the lanes it pops, which its heartbeat
         # advertises. A run whose step needs another is handed on, never failed.
@@ -143,6 +145,8 @@ class Worker:
         # Until when a pop may block: the earliest delayed run's due time, which only a pop
         # promotes. Unknown at first, so the first pop does not block.
         due = self.clock.now()
+        # The queues paused at the last pop, whose lanes a blocking pop does not wait on.
+        paused: frozenset[str] = frozenset()
         while not stop.is_set():
             free = concurrency - len(self.held)
             if free <= 0 or (backlog and free < concurrency // 4 and gathered < CLAIM_GATHER):
@@ -160,7 +164,12 @@ class Worker:
                 block = (
                     0 if backlog else min(self.settings.poll_seconds, (due - now).total_seconds())
                 )
-                popped = await self.queue.pop(queues, free, now, block, self.offered)
+                popped = await self.queue.pop(queues, free, now, block, self.offered, paused)
+                if not popped.mirrored:
+                    log.info("Redis holds no copy of the queues' pauses: loading it from MongoDB")
+                    await self.pauses.mirror()
+                    continue
+                paused = popped.paused
                 due = popped.next_due or now + timedelta(seconds=self.settings.poll_seconds)
                 backlog = len(popped.run_ids) == free
                 if popped.run_ids:

@@ -11,13 +11,13 @@ from datetime import datetime, timedelta
 from typing import Annotated
 
 from fastapi import APIRouter, Depends, Request
-from prometheus_client.core import Metric
 
 from jobplane.api.auth import PERMISSIONS, Caller, Permission, authenticate
 from jobplane.api.deps import SettingsDep, StoreDep
 from jobplane.api.errors import ERROR_RESPONSES
 from jobplane.api.schema import ResponseBody
-from jobplane.metrics import read_state
+from jobplane.metrics import Gauges, read_state
+from jobplane.metrics import gauges as read_gauges
 from jobplane.model import RunStatus
 from jobplane.model.documents import Role
 from jobplane.queue.connect import REDIS_DOWN
@@ -164,7 +164,7 @@ async def read_overview(
     queue: RedisQueue = request.app.state.queue
     reads_runs = Permission.RUNS_READ in PERMISSIONS[caller.role]
     figures = await store.overview.run_figures(caller.within, now) if reads_runs else None
-    gauges = _gauges(await read_state(store, queue, settings.queues))
+    gauges = read_gauges(await read_state(store, queue, settings.queues))
     redis_up = gauges.get(("jobplane_backend_up", ("redis",))) == 1
     held = figures.held if figures else []
     leader: str | None = None
@@ -194,18 +194,6 @@ async def read_overview(
             mongodb=gauges.get(("jobplane_backend_up", ("mongodb",))) == 1, redis=redis_up
         ),
     )
-
-
-Gauges = dict[tuple[str, tuple[str, ...]], float]
-
-
-def _gauges(families: list[Metric]) -> Gauges:
-    """Each sample of the gauge families by (name, label values)."""
-    return {
-        (sample.name, tuple(sample.labels.values())): sample.value
-        for family in families
-        for sample in family.samples
-    }
 
 
 _NO_SCHEDULER = SchedulerFigures(leader=None, lock_ttl_seconds=None, last_tick_at=None)

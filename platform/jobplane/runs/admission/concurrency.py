@@ -16,7 +16,7 @@ active than it has places. When every place is held, the template's policy decid
 from collections.abc import Sequence
 from typing import Literal
 
-from jobplane.model import Run, RunStatus, Template
+from jobplane.model import Run, RunStatus, Template, WaitingFor
 
 KeyFull = Literal["refuse", "wait", "displace"]
 
@@ -48,3 +48,10 @@ def displaced(active: Sequence[Run], limit: int) -> list[Run]:
 
 def displaced_reason(newest: str) -> str:
     return f"displaced by run {newest} (concurrencyPolicy cancel_previous)"
+
+
+def waiting_for(run: Run) -> WaitingFor | None:
+    """A run kept `pending` until a place of its key frees up says which key."""
+    if run.dedupe_wait is None:
+        return None
+    return WaitingFor(reason="concurrency", detail=run.dedupe_wait)
