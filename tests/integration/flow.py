@@ -8,7 +8,7 @@ no moment between two samples.
 
 import asyncio
 import subprocess
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
 from datetime import datetime
@@ -40,6 +40,15 @@ async def workers(
     finally:
         for proc in procs:
             terminate(proc)
+
+
+async def until(holds: Callable[[], Awaitable[bool]], within: float = 30) -> None:
+    """Wait until `holds()` is true, looking every 50 ms; fails the test after `within` s."""
+    async with asyncio.timeout(within):
+        while True:
+            if await holds():
+                return
+            await asyncio.sleep(0.05)
 
 
 @asynccontextmanager

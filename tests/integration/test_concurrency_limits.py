@@ -16,7 +16,7 @@ from tests.conftest import sync_redis
 from tests.integration.api_client import error_of
 from tests.integration.conftest import Client, Register
 from tests.integration.db import raw
-from tests.integration.flow import peak, sampled, started, started_spans, workers
+from tests.integration.flow import peak, sampled, started, started_spans, until, workers
 from tests.integration.workers import running, settled
 
 KEYED = {"dedupeKeys": ["payload.partner"]}
@@ -147,9 +147,8 @@ async def test_cancel_previous_leaves_only_the_newest_running(
 
 
 async def _until(backends: Backends, run_id: str, status: RunStatus) -> None:
-    async with asyncio.timeout(30):
-        while True:
-            run = await backends.store.runs.get(run_id)
-            if run is not None and run.status == status:
-                return
-            await asyncio.sleep(0.02)
+    async def reached() -> bool:
+        run = await backends.store.runs.get(run_id)
+        return run is not None and run.status == status
+
+    await until(reached)

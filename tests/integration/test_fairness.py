@@ -1,6 +1,5 @@
 """`fairness: round_robin`: one scope's backlog does not hold up another scope's runs."""
 
-import asyncio
 from pathlib import Path
 
 from jobplane.backends import Backends
@@ -9,7 +8,7 @@ from jobplane.runs import RunRequest, RunService
 from jobplane.settings import Settings
 from tests.integration.conftest import Register
 from tests.integration.db import raw
-from tests.integration.flow import workers
+from tests.integration.flow import until, workers
 from tests.integration.workers import settled
 
 BACKLOG = 10_000
@@ -26,9 +25,8 @@ async def test_a_scope_with_10000_queued_runs_does_not_delay_another_scopes_10(
     assert len(created) == BACKLOG
     runs = raw(backends.store).runs
     async with workers(settings, tmp_path):
-        async with asyncio.timeout(60):
-            while not await runs.count_documents({"status": "succeeded"}, limit=1):
-                await asyncio.sleep(0.05)  # the workers are into the backlog
+        # The workers are into the backlog.
+        await until(lambda: runs.count_documents({"status": "succeeded"}, limit=1), 60)
         small = [
             (await service.create(RunRequest("report", "account", "small", {}), "user:t"))[0]
             for _ in range(10)

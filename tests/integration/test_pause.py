@@ -14,7 +14,7 @@ from jobplane.settings import Settings
 from tests.conftest import sync_redis
 from tests.integration.api_client import error_of
 from tests.integration.conftest import Client, Register
-from tests.integration.flow import workers
+from tests.integration.flow import until, workers
 from tests.integration.workers import running, settled
 
 
@@ -121,7 +121,9 @@ async def test_queues_are_listed_and_only_admins_may_touch_them(
     await register("slow", steps=[{"id": "s", "handler": "builtin.sleep"}])
     run = (await api.post("/v1/runs", json=body("slow", payload={"sleepSeconds": 3}))).json()
     async with running(backends, settings):
-        async with asyncio.timeout(30):
-            while (await queue_item(api, "default"))["running"] != 1:
-                await asyncio.sleep(0.05)
+
+        async def started() -> bool:
+            return (await queue_item(api, "default"))["running"] == 1
+
+        await until(started)
         await api.post(f"/v1/runs/{run['id']}/cancel")
