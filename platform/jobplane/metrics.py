@@ -79,6 +79,23 @@ SCHEDULE_MISFIRES = Counter(
     "schedule's misfirePolicy",
     ["policy"],
 )
+RUNS_HELD = Counter(
+    "jobplane_runs_held",
+    "Runs a claim held back because their template had maxRunning runs started; each goes "
+    "back to its lane as one of those ends",
+    ["template"],
+)
+RATE_LIMIT_DELAYS = Counter(
+    "jobplane_rate_limit_delays",
+    "Starts a rateLimit window refused: the run went back to wait for the window",
+    ["template"],
+)
+RATE_LIMIT_DELAY = Histogram(
+    "jobplane_rate_limit_delay_seconds",
+    "How long a run a rateLimit window refused was told to wait",
+    ["template"],
+    buckets=(0.1, 0.5, 1, 5, 15, 60, 300, 900, 3600, 4 * 3600, 24 * 3600),
+)
 START_DELAY = Histogram(
     "jobplane_run_start_delay_seconds",
     "Claim-to-start latency: from when a new run could start (created, or its notBefore) "
@@ -106,6 +123,12 @@ def run_claimed(run: Run) -> None:
     if run.started_at is not None and run.started_at == run.heartbeat_at:
         due = max(run.create_at, run.not_before or run.create_at)
         START_DELAY.labels(run.queue).observe(_seconds(run.started_at, due))
+
+
+def rate_delayed(run: Run, seconds: float) -> None:
+    """Count a start a rate window refused, and how long the run waits."""
+    RATE_LIMIT_DELAYS.labels(run.template_type).inc()
+    RATE_LIMIT_DELAY.labels(run.template_type).observe(max(0.0, seconds))
 
 
 def observe(run: Run, outcome: Moved | Lost | None, now: datetime) -> None:

@@ -40,6 +40,7 @@ Args = Callable[[MongoStore, Run, Lease], tuple[object, ...]]
 ARGS: dict[str, Args] = {
     "enqueue": lambda s, r, le: (r.id, "user:t"),
     "claim": lambda s, r, le: ([r.id], "w2", 5),
+    "claim_limited": lambda s, r, le: ([r], "w2", 5, s.clock.now()),
     "wait_worker": lambda s, r, le: (le, 0, "only", "external"),
     "resume": lambda s, r, le: ("external", "x2", 5),
     "complete": lambda s, r, le: (le, 0, "only", 1, 1),
@@ -62,6 +63,8 @@ async def call(store: MongoStore, name: str, run: Run, lease: Lease) -> Moved | 
     outcome = await getattr(store.transitions, name)(*ARGS[name](store, run, lease))
     if name == "claim":  # the runs it leased
         outcome = outcome[0][0] if outcome else None
+    elif name == "claim_limited":  # the runs it leased, and those `maxRunning` held back
+        outcome = outcome[0][0][0] if outcome[0] else None
     elif name == "resume":  # the oldest run waiting for the worker type, and its lease
         outcome = outcome[0] if outcome else None
     if isinstance(outcome, Run):
@@ -145,6 +148,7 @@ def entered(t: Transition, before: Run, after: Run) -> None:
 FUTURE = datetime(2100, 1, 1, tzinfo=UTC)
 REFUSED: dict[Guard, dict[str, Any]] = {
     Guard.NOT_WAITING: {"dedupeWait": "k"},
+    Guard.UNLIMITED: {"maxRunning": 5},
     Guard.DUE: {"notBefore": FUTURE},
     Guard.EXTERNAL_TYPE: {"externalType": "gpu"},
     Guard.AS_READ: {},
@@ -426,3 +430,29 @@ async def test_an_expiry_records_the_attempt_it_ended_not_the_one_read(
         (2, "deadline_exceeded"),
     ]
     assert expired.error is not None and expired.error.attempt == 2
+
+
+async def test_concurrent_claims_under_max_running_start_no_more_than_it(
+    store: MongoStore, register: Register
+) -> None:
+    """Twelve workers claim at once from thirty runs of a template capped at three: MongoDB
+    serializes their transactions on the template's gate, so three start, whatever the race."""
+    template = await register("capped", maxRunning=3)
+    runs = [await store.runs.insert(NewRun(template, "user", f"u{i}"), "u") for i in range(30)]
+    started = await asyncio.gather(
+        *(
+            store.transitions.claim_limited(runs[i::12], f"w{i}", 30, store.clock.now())
+            for i in range(12)
+        )
+    )
+    claimed = [run for leased, _ in started for run, _ in leased]
+    held = [run for _, over in started for run in over]
+    assert len(claimed) == 3 and len(held) == 27
+    assert {r.status for r in claimed} == {RunStatus.RUNNING}
+    assert {r.id for r in claimed} | {r.id for r in held} == {r.id for r in runs}
+    # An ended run makes room for one more.
+    first, lease = claimed[0], next(le for leased, _ in started for r, le in leased)
+    assert first.id == lease.run_id
+    assert isinstance(await store.transitions.complete(lease, 0, "only", 1, 1), Moved)
+    [more], still = await store.transitions.claim_limited(held[:2], "w", 30, store.clock.now())
+    assert len(still) == 1 and more[0].id == held[0].id

@@ -50,6 +50,9 @@ class Guard(StrEnum):
     LEASE = "lease"
     # The run waits for no dedupe key: a waiting run may be neither queued nor claimed.
     NOT_WAITING = "not_waiting"
+    # The run has no limit to pass as it starts (`maxRunning`, `rateLimit`): those that have
+    # are claimed by `claim_limited`, under their limits.
+    UNLIMITED = "unlimited"
     # The run's `notBefore` has come, or it has none.
     DUE = "due"
     # The run waits for the kind of external worker that claims it.
@@ -144,6 +147,18 @@ _ALL = [
     _t("enqueue", {S.PENDING}, S.QUEUED, G.NOT_WAITING),
     _t(
         "claim",
+        {S.PENDING, S.QUEUED},
+        S.RUNNING,
+        G.NOT_WAITING,
+        G.DUE,
+        G.UNLIMITED,
+        lease=LeaseChange.GRANT,
+        attempt=AttemptChange.START,
+    ),
+    # A run with limits to pass as it starts: its rate window granted the start, and its
+    # template's `maxRunning` is checked in the same transaction as the claim.
+    _t(
+        "claim_limited",
         {S.PENDING, S.QUEUED},
         S.RUNNING,
         G.NOT_WAITING,

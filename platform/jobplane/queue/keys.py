@@ -72,6 +72,28 @@ class Keys:
         paused else 0>`, and `_loaded` once a full copy was written."""
         return f"{self.prefix}jobs:paused:{{{self.prefix}queues}}"
 
+    def held(self, template_type: str) -> str:
+        """Runs a claim found over their template's `maxRunning`: a sorted set, score
+        `-priority`, member the run's queue entry (JSON, its id first, so a priority's members
+        sort by age). They go back to their lanes as started runs of the template end."""
+        return f"{self.prefix}jobs:held:{{{self.prefix}queues}}:{template_type}"
+
+    @property
+    def held_types(self) -> str:
+        """The template types whose runs were ever held back by `maxRunning`: a set."""
+        return f"{self.prefix}jobs:held:{{{self.prefix}queues}}"
+
+    def rate(self, window: str) -> str:
+        """One rate window's starts: a sorted set, member the run id, score when it started.
+        A window (a template type and its key's values) may hold any character, so it is
+        hashed; each window has its own slot, its hint beside it."""
+        digest = hashlib.sha1(window.encode(), usedforsecurity=False).hexdigest()[:24]
+        return f"{self.prefix}jobs:rate:{{{self.prefix}rate:{digest}}}"
+
+    def rate_hint(self, window: str) -> str:
+        """The latest time a run refused by the window was told to come back."""
+        return f"{self.rate(window)}:next"
+
     def lanes(self, queue: str) -> str:
         """The handlers a queue's runs were ever pushed for: a set, read by the metrics."""
         return f"{self.prefix}jobs:lanes:{{{self.prefix}queues}}:{queue}"

@@ -94,11 +94,26 @@ class QueueEntry:
     handler: str | None = None
     # In a fair lane, the run's group: its scope and scope id, which take turns with others.
     group: str | None = None
+    # The template whose `maxRunning` the run counts against, if it has one: a claim over it
+    # holds the run back, and it goes back to its lane as the template's runs end.
+    capped: str | None = None
 
     @classmethod
     def of(cls, run: Run) -> "QueueEntry":
         group = f"{run.scope}:{run.scope_id}" if run.fairness == "round_robin" else None
-        return cls(run.id, run.queue, run.priority, run.not_before, run.handler, group)
+        capped = run.template_type if run.max_running is not None else None
+        return cls(run.id, run.queue, run.priority, run.not_before, run.handler, group, capped)
+
+    def held(self) -> str:
+        """The entry as a member of its template's held runs: ready (no `notBefore`), its id
+        first, so that members of one priority sort by age."""
+        parts = [self.run_id, self.priority, self.queue, self.handler, self.group, self.capped]
+        return json.dumps(parts, separators=(",", ":"))
+
+    @classmethod
+    def unheld(cls, member: str) -> "QueueEntry":
+        run_id, priority, queue, handler, group, capped = json.loads(member)
+        return cls(run_id, queue, priority, None, handler, group, capped)
 
 
 @dataclass(frozen=True)
@@ -154,6 +169,7 @@ class RedisQueue:
         self._pop_script = _script(redis, "pop", "fair")
         self._enter = _script(redis, "enter", "fair")
         self._pauses = _script(redis, "pauses")
+        self._rate = _script(redis, "rate")
         self._acquire = _script(redis, "acquire")
         self._release = _script(redis, "release")
         self._alive = _script(redis, "alive")
@@ -330,25 +346,113 @@ class RedisQueue:
 
     @_bounded
     async def remove(self, entry: QueueEntry) -> None:
-        """Take a run out of its lane, ready or delayed."""
+        """Take a run out of its lane, ready or delayed, or out of its template's held runs."""
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.zrem(self._ready(entry), entry.run_id)
             pipe.zrem(self.keys.delayed(entry.queue, entry.handler), self._delayed(entry))
             if entry.group is not None:
                 pipe.zrem(self.keys.bell(entry.queue, entry.handler), entry.run_id)
+            if entry.capped is not None:
+                pipe.zrem(self.keys.held(entry.capped), entry.held())
             await pipe.execute()
 
     @_bounded
     async def missing(self, entries: Sequence[QueueEntry]) -> list[QueueEntry]:
-        """The entries that are in neither their ready nor their delayed set."""
+        """The entries that are in none of their ready set, their delayed set and their
+        template's held runs."""
         async with self.redis.pipeline(transaction=False) as pipe:
             for e in entries:
                 pipe.zscore(self._ready(e), e.run_id)
                 pipe.zscore(self.keys.delayed(e.queue, e.handler), self._delayed(e))
+                if e.capped is not None:
+                    pipe.zscore(self.keys.held(e.capped), e.held())
+            scores = iter(await pipe.execute())
+        found = [(e, [next(scores) for _ in range(2 if e.capped is None else 3)]) for e in entries]
+        return [e for e, places in found if all(p is None for p in places)]
+
+    # -- runs held back by their template's maxRunning -------------------------------------------
+
+    @_bounded
+    async def hold(self, entries: Sequence[QueueEntry]) -> None:
+        """Hold runs back until their template's started runs go below its `maxRunning`:
+        out of every lane, so no worker pops them meanwhile."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for e in entries:
+                assert e.capped is not None, e
+                pipe.zadd(self.keys.held(e.capped), {e.held(): -e.priority})
+            pipe.sadd(self.keys.held_types, *{e.capped for e in entries if e.capped})
+            await pipe.execute()
+
+    async def release_held(self, template_type: str, n: int, now: datetime) -> int:
+        """Put up to `n` of the template's held runs back in their lanes, highest priority and
+        oldest first; how many went."""
+        if n <= 0:
+            return 0
+        async with _answered_within(self.timeout_seconds, "release_held"):
+            taken = await self.redis.zpopmin(self.keys.held(template_type), n)
+        members = cast(list[tuple[bytes, float]], taken)
+        entries = [QueueEntry.unheld(_text(member)) for member, _ in members]
+        if entries:
+            await self.push(entries, now)
+        return len(entries)
+
+    @_bounded
+    async def held_counts(self) -> dict[str, int]:
+        """How many runs each template has held back."""
+        types = sorted(_text(t) for t in await self.redis.smembers(self.keys.held_types))
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for t in types:
+                pipe.zcard(self.keys.held(t))
+            counts = await pipe.execute()
+        return dict(zip(types, counts, strict=True))
+
+    @_bounded
+    async def holding(self, entries: Sequence[QueueEntry]) -> set[str]:
+        """The ids of those of `entries` that are held back."""
+        capped = [e for e in entries if e.capped is not None]
+        if not capped:
+            return set()
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for e in capped:
+                pipe.zscore(self.keys.held(cast(str, e.capped)), e.held())
             scores = await pipe.execute()
+        return {e.run_id for e, score in zip(capped, scores, strict=True) if score is not None}
+
+    # -- rate limits -------------------------------------------------------------------------
+
+    @_bounded
+    async def rate_take(
+        self, starts: Sequence[tuple[str, str, int, float]], now: datetime
+    ) -> list[datetime | None]:
+        """For each (run id, window, limit, period in seconds): None if the run may start now
+        (its start counts in the window from `now`), or when it should try again."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for run_id, window, limit, period in starts:
+                keys = [self.keys.rate(window), self.keys.rate_hint(window)]
+                args = [epoch_ms(now), limit, int(period * 1000), run_id]
+                _eval(pipe, self._rate, keys, args)
+            replies = await pipe.execute()
         return [
-            e for i, e in enumerate(entries) if scores[2 * i] is None and scores[2 * i + 1] is None
+            None if not at else datetime.fromtimestamp(int(at) / 1000, now.tzinfo) for at in replies
         ]
+
+    @_bounded
+    async def rate_return(self, starts: Sequence[tuple[str, str]]) -> None:
+        """Take back starts counted for (run id, window) that did not happen (the run was not
+        claimed after all)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for run_id, window in starts:
+                pipe.zrem(self.keys.rate(window), run_id)
+            await pipe.execute()
+
+    @_bounded
+    async def delayed_until(self, entries: Sequence[QueueEntry]) -> list[datetime | None]:
+        """When each entry's delayed member falls due, or None when it is not delayed."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for e in entries:
+                pipe.zscore(self.keys.delayed(e.queue, e.handler), self._delayed(e))
+            scores = await pipe.execute()
+        return [None if s is None else datetime.fromtimestamp(s / 1000, UTC) for s in scores]
 
     def _ready(self, entry: QueueEntry) -> str:
         """The sorted set that holds the entry while it is ready: its lane's, or its group's."""

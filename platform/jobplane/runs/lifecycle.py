@@ -20,6 +20,7 @@ from jobplane.clock import Clock
 from jobplane.model import Run, RunError, RunStatus, Template
 from jobplane.queue.connect import REDIS_DOWN
 from jobplane.queue.redis import QueueEntry, RedisQueue
+from jobplane.runs.admission.starts import Starts
 from jobplane.runs.policy import cancel_grace, cancel_of, lease_expired, retry_at
 from jobplane.store import KeyHeld, Lease, Lost, Moved, Store
 
@@ -53,6 +54,7 @@ class Lifecycle:
         self.store = store
         self.queue = queue
         self.clock = clock or store.clock
+        self.starts = Starts(store, queue, self.clock)
 
     # -- the lease holder's writes: an inline worker's, or an external one's through the API --
 
@@ -116,6 +118,7 @@ class Lifecycle:
         if isinstance(retried, Moved):
             metrics.RUN_RETRIES.labels(run.template_type).inc()
             await self.push([run.model_copy(update={"not_before": not_before})])
+            await self._freed(run)
         self.observe(run, retried)
         return retried
 
@@ -133,6 +136,7 @@ class Lifecycle:
         if isinstance(released, Moved):
             ready = {"handler": handler or run.handler, "not_before": None}
             await self.push([run.model_copy(update=ready)])
+            await self._freed(run)
         self.observe(run, released)
         return released
 
@@ -169,6 +173,7 @@ class Lifecycle:
         reaped = await reaping[transition](run, "reaper")
         if isinstance(reaped, Moved) and reaped.to == RunStatus.QUEUED:
             await self.push([run])
+            await self._freed(run)
             self.observe(run, reaped)
             return _reaped(run, transition, reaped)
         return _reaped(run, transition, await self._ended(run, reaped, "reaper"))
@@ -264,11 +269,21 @@ class Lifecycle:
 
     async def _ended(self, run: Run, outcome: Moved | Lost, actor: str) -> Moved | Lost:
         """A run that ended let go of its dedupe key (unless it spent it): a run waiting for the
-        key may start."""
+        key may start; and of its place among its template's started runs."""
         self.observe(run, outcome)
-        if isinstance(outcome, Moved) and run.dedupe_key is not None:
-            await self._admit_after_end(run.dedupe_key, actor)
+        if isinstance(outcome, Moved):
+            if run.dedupe_key is not None:
+                await self._admit_after_end(run.dedupe_key, actor)
+            await self._freed(run)
         return outcome
+
+    async def _freed(self, run: Run) -> None:
+        """A started run ended or went back to its queue: a run its template's `maxRunning`
+        held back may take its place. Should Redis fail here, the scheduler's tick lets it go."""
+        try:
+            await self.starts.freed(run)
+        except REDIS_DOWN as exc:
+            log.warning("run %s ended; a held run waits for the scheduler: %s", run.id, exc)
 
     async def _admit_after_end(self, key: str, actor: str) -> None:
         """Admit the next run for a key a run's end freed. The end is written whatever happens

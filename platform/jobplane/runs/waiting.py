@@ -4,20 +4,24 @@ hold it back (`runs/admission/`), in the order a run meets them.
 A paused queue starts nothing (`queue_paused`); a run may wait for a place of its dedupe key
 (`concurrency`), for a worker that offers its current step's handler (`handler`: workers
 claim only the lanes of the handlers they offer, `queue/keys.py`, so nothing fails or spins
-meanwhile). The facts come from MongoDB (the pauses) and Redis (the worker registry), each
-read at most once per `max_age` per process, so answering runs adds no round trip of its own;
-a fact that cannot be read leaves its reason out, never failing the answer.
+meanwhile), for a started run of its template to end (`max_running`), or for its rate window
+(`rate_limit`). The pauses (MongoDB) and the worker registry (Redis) are read at most once per
+`max_age` per process, so answering runs adds no round trip for them; whether a run is held
+back or sent back by its limits is one pipelined Redis read per answer that holds such runs.
+A fact that cannot be read leaves its reason out, never failing the answer.
 """
 
 import logging
 import math
 import time
 from collections.abc import Sequence
+from dataclasses import dataclass
+from datetime import datetime
 
 from jobplane.errors import JobplaneError
 from jobplane.model import CLAIMABLE, Run, WaitingFor
-from jobplane.queue.redis import RedisQueue
-from jobplane.runs.admission import concurrency, pause
+from jobplane.queue.redis import QueueEntry, RedisQueue
+from jobplane.runs.admission import concurrency, pause, starts
 from jobplane.runs.admission.pause import Pauses
 from jobplane.store import Store
 
@@ -56,15 +60,25 @@ class Waiting:
     async def explain(self, runs: Sequence[Run]) -> list[Run]:
         """The runs, each with its `waiting_for` said."""
         waiting = [r for r in runs if r.status in CLAIMABLE]
-        offered, paused = None, frozenset[str]()
+        facts = _Facts(None, frozenset(), set(), {})
         if any(r.handler is not None for r in waiting):
-            offered = await self.offered()
+            facts.offered = await self.offered()
         if waiting:
             try:
-                paused = await self.pauses.paused()
+                facts.paused = await self.pauses.paused()
             except Exception as exc:
                 log.warning("queue pauses unreadable: %s", exc or type(exc).__name__)
-        return [r.model_copy(update={"waiting_for": _reason(r, offered, paused)}) for r in runs]
+        capped = [QueueEntry.of(r) for r in waiting if r.max_running is not None]
+        rated = [r for r in waiting if r.rate is not None]
+        try:
+            if capped:
+                facts.holding = await self.queue.holding(capped)
+            if rated:
+                due = await self.queue.delayed_until([QueueEntry.of(r) for r in rated])
+                facts.due = {r.id: d for r, d in zip(rated, due, strict=True) if d is not None}
+        except Exception as exc:
+            log.warning("runs held back unreadable: %s", exc or type(exc).__name__)
+        return [r.model_copy(update={"waiting_for": _reason(r, facts)}) for r in runs]
 
     async def explain_created(
         self, outcomes: Sequence[tuple[Run, bool] | JobplaneError]
@@ -74,10 +88,28 @@ class Waiting:
         return [(next(runs), o[1]) if isinstance(o, tuple) else o for o in outcomes]
 
 
-def _reason(run: Run, offered: frozenset[Lane] | None, paused: frozenset[str]) -> WaitingFor | None:
+@dataclass
+class _Facts:
+    """What the explanations are read from: the lanes live workers offer (None: unknown), the
+    paused queues, the runs held back by `maxRunning`, and when runs a rate window sent back
+    fall due."""
+
+    offered: frozenset[Lane] | None
+    paused: frozenset[str]
+    holding: set[str]
+    due: dict[str, datetime]
+
+
+def _reason(run: Run, facts: _Facts) -> WaitingFor | None:
     if run.status not in CLAIMABLE:
         return None
-    return pause.waiting_for(run, paused) or concurrency.waiting_for(run) or _handler(run, offered)
+    return (
+        pause.waiting_for(run, facts.paused)
+        or concurrency.waiting_for(run)
+        or _handler(run, facts.offered)
+        or starts.held_back(run, facts.holding)
+        or starts.rate_delayed(run, facts.due.get(run.id))
+    )
 
 
 def _handler(run: Run, offered: frozenset[Lane] | None) -> WaitingFor | None:

@@ -153,6 +153,9 @@ class Scheduler:
         The queues' pauses are copied to Redis first, so that a run pushed back after a Redis
         loss finds its queue's pause there."""
         await Pauses(self.store, self.queue).mirror()
+        # Runs `maxRunning` held back whose hand-over was lost (the process that ended a run
+        # of their template died first, or Redis lost the hand-over).
+        await self.lifecycle.starts.release_all_room()
         for key in await self.store.maintenance.waited_keys(self.settings.reap_batch):
             try:
                 await self.lifecycle.admit_next(key, "scheduler")

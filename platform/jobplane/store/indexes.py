@@ -117,6 +117,13 @@ def index_models() -> dict[str, list[IndexModel]]:
         _only_with(
             "scheduleId", [("scheduleId", ASCENDING), ("_id", DESCENDING)], name="schedule_runs"
         ),
+        # A template's started runs, counted by every claim under its `maxRunning`: only runs
+        # of a version that has one.
+        _only_with(
+            "maxRunning",
+            [("templateType", ASCENDING), ("status", ASCENDING)],
+            name="capped_by_template",
+        ),
         # Runs waiting for a dedupe key, oldest first.
         _only_with("dedupeWait", [("dedupeWait", ASCENDING), ("_id", ASCENDING)]),
         # The sweep: runs written since its last pass.
@@ -168,6 +175,11 @@ async def ensure_indexes(db: AsyncDatabase[Doc]) -> None:
     """
     for collection, models in index_models().items():
         await db[collection].create_indexes(models)
+    # A claim under `maxRunning` writes its template's gate in a transaction, which on a
+    # sharded cluster may not create the collection: it exists from the start.
+    if "job_gates" not in await db.list_collection_names(filter={"name": "job_gates"}):
+        with contextlib.suppress(OperationFailure):  # another process created it first
+            await db.create_collection("job_gates")
     for collection, names in _REPLACED_INDEXES.items():
         existing = await db[collection].index_information()
         for name in names & existing.keys():

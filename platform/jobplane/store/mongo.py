@@ -53,7 +53,7 @@ class MongoStore:
         self.keys: abc.KeyStore = MongoKeyStore(client, db, self.clock, trail)
         self.queues: abc.QueueStore = MongoQueueStore(client, db, self.clock, trail)
         self.runs: abc.RunStore = MongoRunStore(writes)
-        self.transitions: abc.TransitionStore = MongoTransitionStore(writes)
+        self.transitions: abc.TransitionStore = MongoTransitionStore(client, writes)
         self.leases: abc.LeaseStore = MongoLeaseStore(writes)
         self.maintenance: abc.MaintenanceStore = MongoMaintenanceStore(db, self.clock)
         self.overview: abc.OverviewStore = MongoOverviewStore(db)

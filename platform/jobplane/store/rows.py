@@ -10,6 +10,7 @@ from datetime import datetime, timedelta
 from bson import ObjectId
 
 from jobplane.model import (
+    LEASED,
     Attempt,
     AttemptChange,
     Guard,
@@ -31,6 +32,11 @@ _LEASE_REMOVED = {
 }
 
 
+# Runs that count against their template's `maxRunning`: started and not yet ended, of a
+# version that has the limit.
+STARTED_CAPPED: Doc = {"maxRunning": {"$exists": True}, "status": {"$in": sorted(LEASED)}}
+
+
 def guarded(
     t: Transition,
     now: datetime,
@@ -48,6 +54,9 @@ def guarded(
                 query |= held_by(lease.worker_id, lease.token)
             case Guard.NOT_WAITING:
                 query["dedupeWait"] = {"$exists": False}
+            case Guard.UNLIMITED:
+                query["maxRunning"] = {"$exists": False}
+                query["rate"] = {"$exists": False}
             case Guard.DUE:
                 query["$or"] = [{"notBefore": None}, {"notBefore": {"$lte": now}}]
             case Guard.EXTERNAL_TYPE:

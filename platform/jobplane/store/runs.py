@@ -99,6 +99,21 @@ class MongoRunStore:
         doc = await self._db.runs.find_one(active, NO_TRAIL)
         return convert.run(doc) if doc else None
 
+    async def limited(self, run_ids: Sequence[str]) -> list[Run]:
+        """Those of `run_ids` that could start now but have limits to pass first (a template's
+        `maxRunning` or `rateLimit`), in the order asked: what `transitions.claim` left out."""
+        oids = [oid for oid in map(object_id, run_ids) if oid]
+        now = self._clock.now()
+        query = {
+            "_id": {"$in": oids},
+            "status": {"$in": sorted(CLAIMABLE)},
+            "dedupeWait": {"$exists": False},
+            "$or": [{"maxRunning": {"$exists": True}}, {"rate": {"$exists": True}}],
+            "$and": [{"$or": [{"notBefore": None}, {"notBefore": {"$lte": now}}]}],
+        }
+        found = {str(d["_id"]): convert.run(d) async for d in self._db.runs.find(query, NO_TRAIL)}
+        return [found[i] for i in run_ids if i in found]
+
     async def next_waiting(self, key: str) -> Run | None:
         """The oldest pending run waiting for `key`."""
         query = {"dedupeWait": key, "status": RunStatus.PENDING}

@@ -13,17 +13,21 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from bson import ObjectId
+from pymongo import AsyncMongoClient
+from pymongo.asynchronous.client_session import AsyncClientSession
 
 from jobplane.model import TRANSITIONS, AttemptChange, Run, RunError, StepStatus
 from jobplane.store import convert, rows, steps
 from jobplane.store.convert import NO_TRAIL, OWNER_FIELDS, Doc, known_owner, merged, object_id
+from jobplane.store.database import transaction
 from jobplane.store.steps import RUNNING_STEP, UNDONE_STEP
 from jobplane.store.types import Known, Lease, Lost, Moved
 from jobplane.store.writes import RunWrites, TrailEntry, held_by, recorded
 
 
 class MongoTransitionStore:
-    def __init__(self, writes: RunWrites) -> None:
+    def __init__(self, client: AsyncMongoClient[Doc], writes: RunWrites) -> None:
+        self._client = client
         self._writes = writes
         self._db, self._clock, self._trail = writes.db, writes.clock, writes.trail
 
@@ -41,39 +45,116 @@ class MongoTransitionStore:
     async def claim(
         self, run_ids: Sequence[str], worker_id: str, lease_seconds: float
     ) -> list[tuple[Run, Lease]]:
-        """Lease every claimable run among `run_ids` to `worker_id` under a fresh token.
+        """Lease every claimable run without limits among `run_ids` to `worker_id` under a
+        fresh token.
 
         One conditional `update_many` and one read-back take the leases; ids whose runs are no
-        longer claimable (cancelled, claimed by another worker, not yet due) are not returned.
-        Ids popped from Redis come without their runs' scopes, so on a sharded cluster both go
-        to every shard: a `find_one_and_update` would need the shard key (MongoDB 6.0), while
-        a multi-document update and a read may go by `_id` alone.
+        longer claimable (cancelled, claimed by another worker, not yet due) or have limits to
+        pass (`claim_limited`) are not returned. Ids popped from Redis come without their runs'
+        scopes, so on a sharded cluster both go to every shard: a `find_one_and_update` would
+        need the shard key (MongoDB 6.0), while a multi-document update and a read may go by
+        `_id` alone.
         """
         oids = [oid for oid in map(object_id, run_ids) if oid]
         if not oids:
             return []
-        t = TRANSITIONS["claim"]
-        now = self._clock.now()
+        docs = await self._claimed("claim", oids, worker_id, lease_seconds, self._clock.now())
+        return await self._leased(docs, worker_id)
+
+    async def claim_limited(
+        self, runs: Sequence[Run], worker_id: str, lease_seconds: float, at: datetime
+    ) -> tuple[list[tuple[Run, Lease]], list[Run]]:
+        """Lease runs that have limits to pass as they start, which the caller checked but for
+        `maxRunning`: returns the runs leased, and those their template's `maxRunning` held back.
+
+        Runs of a template with `maxRunning` are claimed in one transaction per template that
+        first writes the template's gate document (so MongoDB serializes every such claim: of
+        two at once, one aborts on the write conflict and runs again, seeing the other's
+        claims), then counts the template's started runs (`running`, `waiting_worker`,
+        `cancel_requested`: every version, every scope) and claims, oldest first, as many as
+        the runs' own `maxRunning` leave room for. A Redis wipe cannot let more start. Runs
+        without one are claimed at `at`, the time their rate window counted them from.
+        """
+        claimed: list[tuple[Run, Lease]] = []
+        held: list[Run] = []
+        free = [oid for r in runs if r.max_running is None if (oid := object_id(r.id))]
+        if free:
+            docs = await self._claimed("claim_limited", free, worker_id, lease_seconds, at)
+            claimed += await self._leased(docs, worker_id)
+        capped: dict[str, list[Run]] = {}
+        for run in runs:
+            if run.max_running is not None:
+                capped.setdefault(run.template_type, []).append(run)
+        for template_type, batch in capped.items():
+            docs, over = await self._claim_capped(template_type, batch, worker_id, lease_seconds)
+            claimed += await self._leased(docs, worker_id)
+            held += over
+        return claimed, held
+
+    async def _claim_capped(
+        self, template_type: str, runs: Sequence[Run], worker_id: str, lease_seconds: float
+    ) -> tuple[list[Doc], list[Run]]:
+        async def claim(session: AsyncClientSession) -> tuple[list[Doc], list[Run]]:
+            await self._db.gates.update_one(
+                {"_id": template_type}, {"$inc": {"claims": 1}}, upsert=True, session=session
+            )
+            # Read after the gate is ours: every claim that started runs before this one has
+            # committed, and their times come before this one's.
+            now = self._clock.now()
+            started = await self._db.runs.count_documents(
+                {"templateType": template_type, **rows.STARTED_CAPPED}, session=session
+            )
+            admitted: list[Run] = []
+            for run in runs:
+                assert run.max_running is not None
+                if started + len(admitted) < run.max_running:
+                    admitted.append(run)
+            over = [r for r in runs if r not in admitted]
+            oids = [oid for r in admitted if (oid := object_id(r.id))]
+            if not oids:
+                return [], over
+            claimed = await self._claimed(
+                "claim_limited", oids, worker_id, lease_seconds, now, session
+            )
+            return claimed, over
+
+        return await transaction(self._client, self._db.runs.write_concern, claim)
+
+    async def _claimed(
+        self,
+        name: str,
+        oids: list[ObjectId],
+        worker_id: str,
+        lease_seconds: float,
+        now: datetime,
+        session: AsyncClientSession | None = None,
+    ) -> list[Doc]:
+        """The claim row `name` over `oids`: the documents of the runs it leased, each with
+        only this claim's event in its trail (the rest is not the worker's to copy)."""
+        t = TRANSITIONS[name]
         token = secrets.token_hex(12)
         event_ids = [ObjectId() for _ in oids]
         until = now + timedelta(seconds=lease_seconds)
         claimable, take = rows.claiming(t, oids, event_ids, worker_id, token, until, now)
-        await self._db.runs.update_many(claimable, take)
-        # The runs this token won, each with only this claim's event of its trail: the rest is
-        # not the worker's to copy.
+        await self._db.runs.update_many(claimable, take, session=session)
         mine = {"$in": ["$$this._id", {"$literal": event_ids}]}
         cursor = await self._db.runs.aggregate(
             [
                 {"$match": {"_id": {"$in": oids}, **held_by(worker_id, token)}},
                 {"$set": {"trail": {"$filter": {"input": "$trail", "cond": mine}}}},
-            ]
+            ],
+            session=session,
         )
-        docs = await cursor.to_list()
+        docs: list[Doc] = await cursor.to_list()
+        return docs
+
+    async def _leased(self, docs: list[Doc], worker_id: str) -> list[tuple[Run, Lease]]:
+        """The runs a claim leased, once it is durable; their claim events go to be copied."""
         claimed = [
-            (convert.run(doc), Lease(str(doc["_id"]), worker_id, token, convert.known(doc)))
-            for doc in docs
+            (convert.run(d), Lease(str(d["_id"]), worker_id, d["leaseToken"], convert.known(d)))
+            for d in docs
         ]
-        await self._trail.hand([e for doc in docs for e in doc.get("trail", [])])
+        await self._trail.hand([e for d in docs for e in d.get("trail", [])])
         return claimed
 
     async def wait_worker(

@@ -181,7 +181,7 @@ class Worker:
 
     async def claim(self, run_ids: list[str]) -> None:
         """Take the leases MongoDB grants among `run_ids` and start their runs."""
-        claimed = await self.store.transitions.claim(run_ids, self.id, self.settings.lease_seconds)
+        claimed = await self.lifecycle.starts.claim(run_ids, self.id, self.settings.lease_seconds)
         for run, lease in claimed:
             metrics.run_claimed(run)
             held = Held(run, lease)

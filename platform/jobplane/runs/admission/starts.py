@@ -1,0 +1,144 @@
+"""Starting runs: a worker's claim, and the limits a run passes as it starts.
+
+Most runs have none and are claimed in one conditional update (`transitions.claim`). A run of a
+template with `rateLimit` or `maxRunning` is left out of that update and starts only past both:
+
+- **`rateLimit`**: at most `limit` starts in any `periodSeconds` of its window (the template,
+  or one window per value of the limit's key). The window lives in Redis (`queue/lua/rate.lua`,
+  a log of the starts of the last period); a run over the limit goes back to its lane's delayed
+  set until the window allows it, a share of the period after the run refused before it, so a
+  backlog comes back at the limit's pace. It never holds a worker and is never refused.
+- **`maxRunning`**: at most that many runs of the template (all versions, all scopes) started
+  at once. MongoDB decides, in the claim's own transaction (`transitions.claim_limited`), so no
+  loss of Redis lets more start. A run over the cap is held back out of every lane (Redis's
+  held set, `queue/keys.py`) and goes back to its lane when a started run of its template
+  ends: no worker pops it meanwhile. Should that hand-over be lost (a process died, Redis was
+  wiped), the scheduler's tick lets held runs go while there is room, and the reconciler
+  pushes again what Redis lost.
+
+A Redis wipe loses the rate windows: in the window after it, up to `limit` more runs may start
+than the limit allows (at most one window's over-admission).
+"""
+
+import logging
+from collections.abc import Sequence
+from dataclasses import replace
+from datetime import datetime
+
+from jobplane import metrics
+from jobplane.clock import Clock
+from jobplane.model import Run, WaitingFor
+from jobplane.queue.redis import QueueEntry, RedisQueue
+from jobplane.store import Lease, Store
+
+log = logging.getLogger("jobplane.runs")
+
+
+class Starts:
+    def __init__(self, store: Store, queue: RedisQueue, clock: Clock | None = None) -> None:
+        self.store = store
+        self.queue = queue
+        self.clock = clock or store.clock
+
+    async def claim(
+        self, run_ids: Sequence[str], worker_id: str, lease_seconds: float
+    ) -> list[tuple[Run, Lease]]:
+        """Lease the runs among `run_ids` that may start, to `worker_id`: those without limits
+        at once, those with limits once they pass them. The others are where they belong
+        again (delayed by their rate window, or held back by `maxRunning`), or were not
+        claimable (cancelled, claimed by another worker)."""
+        claimed = await self.store.transitions.claim(run_ids, worker_id, lease_seconds)
+        if len(claimed) == len(run_ids):
+            return claimed
+        won = {run.id for run, _ in claimed}
+        limited = await self.store.runs.limited([i for i in run_ids if i not in won])
+        if limited:
+            claimed += await self._claim_limited(limited, worker_id, lease_seconds)
+        return claimed
+
+    async def _claim_limited(
+        self, runs: Sequence[Run], worker_id: str, lease_seconds: float
+    ) -> list[tuple[Run, Lease]]:
+        now = self.clock.now()
+        rated = [r for r in runs if r.rate is not None]
+        later = await self.queue.rate_take([_window(r) for r in rated], now) if rated else []
+        back = {r.id: at for r, at in zip(rated, later, strict=True) if at is not None}
+        going = [r for r in runs if r.id not in back]
+        claimed, held = await self.store.transitions.claim_limited(
+            going, worker_id, lease_seconds, now
+        )
+        won = {run.id for run, _ in claimed}
+        # From here on the claims stand: nothing that fails below may keep their runs from
+        # starting (their leases would run out unused).
+        try:
+            unused = [(r.id, r.rate.key) for r in going if r.rate and r.id not in won]
+            if unused:
+                await self.queue.rate_return(unused)
+            if back:
+                later_runs = [r for r in rated if r.id in back]
+                delayed = [replace(QueueEntry.of(r), not_before=back[r.id]) for r in later_runs]
+                await self.queue.push(delayed, now)
+                for run in later_runs:
+                    metrics.rate_delayed(run, (back[run.id] - now).total_seconds())
+            if held:
+                await self._hold(held)
+        except Exception:
+            # Runs popped and neither claimed nor put back: the reconciler pushes them again.
+            log.exception("runs past their limits not put back in Redis")
+        return claimed
+
+    async def _hold(self, runs: Sequence[Run]) -> None:
+        """Hold runs over `maxRunning` back, then let go as many as there is room for now: a
+        run of the template that ended while they were on their way found none held."""
+        await self.queue.hold([QueueEntry.of(r) for r in runs])
+        for run in runs:
+            metrics.RUNS_HELD.labels(run.template_type).inc()
+        for template_type in {r.template_type for r in runs}:
+            cap = min(r.max_running or 0 for r in runs if r.template_type == template_type)
+            await self.release_room(template_type, cap)
+
+    async def release_room(self, template_type: str, cap: int | None) -> int:
+        """Let as many held runs of `template_type` go back to their lanes as `cap` leaves
+        room for (all of them without a cap); how many went."""
+        room = 1 << 30
+        if cap is not None:
+            room = cap - await self.store.overview.started_capped(template_type)
+        return await self.queue.release_held(template_type, room, self.clock.now())
+
+    async def freed(self, run: Run) -> None:
+        """A started run left its template's started runs (it ended or went back to its
+        queue): under `maxRunning`, one held run may take its place."""
+        if run.max_running is not None:
+            await self.queue.release_held(run.template_type, 1, self.clock.now())
+
+    async def release_all_room(self) -> int:
+        """The scheduler's backstop: for every template with runs held back, let go as many as
+        its latest `maxRunning` leaves room for. Returns how many went."""
+        released = 0
+        for template_type, held in (await self.queue.held_counts()).items():
+            if held:
+                template = await self.store.templates.get(template_type)
+                cap = template.max_running if template else None
+                released += await self.release_room(template_type, cap)
+        return released
+
+
+def _window(run: Run) -> tuple[str, str, int, float]:
+    assert run.rate is not None
+    return run.id, run.rate.key, run.rate.limit, run.rate.period_seconds
+
+
+def held_back(run: Run, holding: set[str]) -> WaitingFor | None:
+    """A run held back by its template's `maxRunning` says so."""
+    if run.id not in holding:
+        return None
+    return WaitingFor(reason="max_running", detail=f"{run.max_running} runs of it have started")
+
+
+def rate_delayed(run: Run, due: datetime | None) -> WaitingFor | None:
+    """A run its rate window sent back to wait (later than its own `notBefore`) says until
+    when."""
+    if run.rate is None or due is None or (run.not_before is not None and due <= run.not_before):
+        return None
+    per = f"{run.rate.limit} starts per {run.rate.period_seconds:g} s"
+    return WaitingFor(reason="rate_limit", detail=f"{per}; tries again at {due.isoformat()}")

@@ -1,0 +1,141 @@
+"""Limits a run passes as it starts: its template's `maxRunning` (MongoDB decides, whatever
+Redis loses) and its `rateLimit` window."""
+
+import asyncio
+from datetime import datetime, timedelta
+from pathlib import Path
+
+from jobplane.backends import Backends
+from jobplane.model import RunStatus
+from jobplane.runs import RunRequest, RunService
+from jobplane.runs.waiting import Waiting
+from jobplane.settings import Settings
+from tests.conftest import sync_redis
+from tests.integration.conftest import Register
+from tests.integration.flow import peak, sampled, started, started_spans, until, workers
+from tests.integration.workers import running, settled
+
+SLEEP = [{"id": "work", "handler": "builtin.sleep"}]
+
+
+async def create(service: RunService, template: str, n: int, **payload: object) -> list[str]:
+    ids = []
+    for i in range(n):
+        request = RunRequest(template, "account", f"a{i % 3}", dict(payload))
+        ids.append((await service.create(request, "user:t"))[0].id)
+    return ids
+
+
+async def test_no_more_than_max_running_runs_start_across_worker_processes_and_a_redis_wipe(
+    backends: Backends, settings: Settings, register: Register, tmp_path: Path
+) -> None:
+    """32 worker slots, a template capped at 4 whose 30 runs come from three scopes, and
+    Redis wiped in the middle: at no sampled moment, nor in the trails, are more than 4
+    started; every run succeeds on its first attempt, claimed once."""
+    await register("capped", maxRunning=4, steps=SLEEP)
+    service = RunService(backends.store, backends.queue)
+    ids = await create(service, "capped", 30, sleepSeconds=0.25)
+    held = backends.queue.keys.held("capped")
+    held_peak = 0
+
+    async def held_now() -> bool:
+        nonlocal held_peak
+        held_peak = max(held_peak, await backends.queue.redis.zcard(held))
+        return held_peak > 0
+
+    filters = {"started": started({"templateType": "capped"})}
+    async with sampled(backends.store, filters) as peaks, workers(settings, tmp_path):
+        await until(held_now, 60)
+        await asyncio.sleep(0.5)
+        with sync_redis(settings.redis_url or "") as redis:
+            redis.flushall()
+        runs = await settled(backends.store, ids, within=120)
+    assert {r.status for r in runs} == {RunStatus.SUCCEEDED}
+    assert {r.attempt for r in runs} == {1}
+    assert peaks["started"] == 4
+    assert peak(await started_spans(backends.store, ids)) == 4
+    for run in runs:
+        transitions = [
+            e.metadata.get("transition")
+            for e in await backends.store.trail.events_of(run.id)
+            if e.type == "status_changed"
+        ]
+        assert transitions == ["claim_limited", "complete"], (run.id, transitions)
+
+
+async def test_a_held_run_says_why_and_goes_as_soon_as_a_place_frees(
+    backends: Backends, settings: Settings, register: Register
+) -> None:
+    await register("capped", maxRunning=1, steps=SLEEP)
+    service = RunService(backends.store, backends.queue)
+    first, second = await create(service, "capped", 2, sleepSeconds=1)
+    waiting = Waiting(backends.store, backends.queue, max_age=0)
+    async with running(backends, settings):
+
+        async def held() -> bool:
+            [run] = await waiting.explain([await service.get(second)])
+            return run.waiting_for is not None and run.waiting_for.reason != "handler"
+
+        await until(held)
+        [run] = await waiting.explain([await service.get(second)])
+        assert run.waiting_for is not None
+        assert (run.waiting_for.reason, run.waiting_for.detail) == (
+            "max_running",
+            "1 runs of it have started",
+        )
+        done = await settled(backends.store, [first, second], within=30)
+    assert {r.status for r in done} == {RunStatus.SUCCEEDED}
+    assert done[0].completed_at and done[1].started_at
+    gap = (done[1].started_at - done[0].completed_at).total_seconds()
+    assert 0 <= gap < 1, "the end of the first let the second go at once, not at a tick"
+
+
+def most_in_a_window(starts: list[datetime], period: float) -> int:
+    """The most starts in any `period` seconds (a window [t, t + period))."""
+    ordered = sorted(starts)
+    return max(sum(1 for s in ordered if t <= s < t + timedelta(seconds=period)) for t in ordered)
+
+
+async def test_no_rate_window_holds_more_than_its_limit_of_starts(
+    backends: Backends, settings: Settings, register: Register, tmp_path: Path
+) -> None:
+    """A rate limit of 5 a second per partner, 20 runs for each of two partners, two worker
+    processes: no second of either partner's starts holds more than 5, the partners go side
+    by side, and every run succeeds on its first attempt."""
+    limit = {"limit": 5, "periodSeconds": 1, "key": ["payload.partner"]}
+    await register("rated", rateLimit=limit)
+    service = RunService(backends.store, backends.queue)
+    ids = {p: await create(service, "rated", 20, partner=p) for p in ("acme", "globex")}
+    async with workers(settings, tmp_path):
+        runs = {p: await settled(backends.store, i, within=120) for p, i in ids.items()}
+    for partner, done in runs.items():
+        assert {r.status for r in done} == {RunStatus.SUCCEEDED}
+        assert {r.attempt for r in done} == {1}
+        starts = [r.started_at for r in done if r.started_at]
+        assert len(starts) == 20
+        assert most_in_a_window(starts, 1.0) == 5, partner
+        span = (max(starts) - min(starts)).total_seconds()
+        assert span >= 3 - 0.01, "20 starts at 5 a second take at least 3 seconds"
+    together = [r.started_at for done in runs.values() for r in done if r.started_at]
+    assert most_in_a_window(together, 1.0) > 5, "each partner has its own window"
+
+
+async def test_a_run_sent_back_by_its_rate_window_says_until_when(
+    backends: Backends, settings: Settings, register: Register
+) -> None:
+    await register("rated", rateLimit={"limit": 1, "periodSeconds": 30})
+    service = RunService(backends.store, backends.queue)
+    first, second = await create(service, "rated", 2)
+    waiting = Waiting(backends.store, backends.queue, max_age=0)
+    async with running(backends, settings):
+        await settled(backends.store, [first], within=30)
+
+        async def sent_back() -> bool:
+            [run] = await waiting.explain([await service.get(second)])
+            return run.waiting_for is not None and run.waiting_for.reason != "handler"
+
+        await until(sent_back)
+        [run] = await waiting.explain([await service.get(second)])
+    assert run.status == RunStatus.QUEUED and run.attempt == 0
+    assert run.waiting_for is not None and run.waiting_for.reason == "rate_limit"
+    assert run.waiting_for.detail.startswith("1 starts per 30 s; tries again at ")
