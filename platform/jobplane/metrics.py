@@ -96,6 +96,11 @@ RATE_LIMIT_DELAY = Histogram(
     ["template"],
     buckets=(0.1, 0.5, 1, 5, 15, 60, 300, 900, 3600, 4 * 3600, 24 * 3600),
 )
+LOCK_WAITS = Counter(
+    "jobplane_lock_waits",
+    "Runs handed back because a lock their step needs was held by another run, by lock name",
+    ["lock"],
+)
 START_DELAY = Histogram(
     "jobplane_run_start_delay_seconds",
     "Claim-to-start latency: from when a new run could start (created, or its notBefore) "

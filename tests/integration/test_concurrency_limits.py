@@ -142,8 +142,10 @@ async def test_cancel_previous_leaves_only_the_newest_running(
         "(concurrencyPolicy cancel_previous)"
     )
     for run_id in burst[:-1]:
-        displaced = [e for e in await backends.store.trail.events_of(run_id) if e.to == "cancelled"]
-        assert displaced[0].metadata["displacedBy"] in burst, run_id
+        # Cancelled while waiting, or asked to stop if it had taken the key meanwhile.
+        events = await backends.store.trail.events_of(run_id)
+        named = {e.metadata.get("displacedBy") for e in events} - {None}
+        assert named and named <= set(burst), run_id
 
 
 async def _until(backends: Backends, run_id: str, status: RunStatus) -> None:

@@ -266,9 +266,14 @@ async def test_key_events_name_their_shard_key(
 OLD_UNIQUE = {
     "dedupeKey_1": ("dedupeKey", [("dedupeKey", 1)]),
     "scheduleId_1_scheduledFor_1": ("scheduleId", [("scheduleId", 1), ("scheduledFor", 1)]),
+    # One place per key, before `concurrencyLimit`.
+    "scope_1_scopeId_1_dedupeKey_1": (
+        "dedupeKey",
+        [("scope", 1), ("scopeId", 1), ("dedupeKey", 1)],
+    ),
 }
 NEW_UNIQUE = {
-    "scope_1_scopeId_1_dedupeKey_1": "dedupeKey",
+    "scope_1_scopeId_1_dedupeKey_1_dedupeSlot_1": "dedupeKey",
     "scope_1_scopeId_1_scheduleId_1_scheduledFor_1": "scheduleId",
 }
 

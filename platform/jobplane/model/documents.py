@@ -270,6 +270,8 @@ class LockWait(Document):
     """The lock a run was handed back for, while it waits to take it again."""
 
     lock: str
+    # The run that held it then.
+    holder: str | None = None
     # How many times in a row the run found it held: its wait backs off with each.
     count: int = 1
 

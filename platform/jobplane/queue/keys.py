@@ -98,6 +98,26 @@ class Keys:
         """The handlers a queue's runs were ever pushed for: a set, read by the metrics."""
         return f"{self.prefix}jobs:lanes:{{{self.prefix}queues}}:{queue}"
 
+    def lock(self, lock_id: str) -> str:
+        """A resource lock (`<name>:<key values>`, a step's or a handler's): a string, its
+        owner and its fencing token. Every lock shares the tag `{<prefix>locks}` with the
+        token counter, so that one script takes a step's locks together and gives each its
+        token."""
+        return f"{self.prefix}jobs:lock:{{{self.prefix}locks}}:{lock_id}"
+
+    @property
+    def lock_tokens(self) -> str:
+        """The locks' fencing token counter: a hash of the Redis's incarnation, the last token
+        handed out, and the end of the block of tokens MongoDB allotted it."""
+        return f"{self.prefix}jobs:locks:{{{self.prefix}locks}}"
+
+    def lock_waiters(self, lock_id: str) -> str:
+        """Runs handed back because another run held the lock: a sorted set, member the run's
+        queue entry, score when it was handed back. When the lock is let go, the oldest goes
+        back to its lane at once, rather than at the end of its back-off."""
+        digest = hashlib.sha1(lock_id.encode(), usedforsecurity=False).hexdigest()[:24]
+        return f"{self.prefix}jobs:lockwait:{{{self.prefix}queues}}:{digest}"
+
     @property
     def scheduler_lock(self) -> str:
         return f"{self.prefix}jobs:scheduler:lock"

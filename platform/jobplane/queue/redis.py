@@ -141,6 +141,29 @@ class Popped:
 
 
 @dataclass(frozen=True)
+class Taken:
+    """Locks taken (or held already): each lock's fencing token."""
+
+    tokens: dict[str, int]
+
+
+@dataclass(frozen=True)
+class Blocked:
+    """A lock another owner holds."""
+
+    lock_id: str
+    holder: str
+
+
+@dataclass(frozen=True)
+class TokensNeeded:
+    """The token counter needs a block of tokens from MongoDB first; `fresh`: it has none at
+    all (a new or wiped Redis)."""
+
+    fresh: bool
+
+
+@dataclass(frozen=True)
 class LaneDepth:
     ready: int
     # Delayed runs now due (a pop promotes them), and all delayed runs.
@@ -170,8 +193,10 @@ class RedisQueue:
         self._enter = _script(redis, "enter", "fair")
         self._pauses = _script(redis, "pauses")
         self._rate = _script(redis, "rate")
-        self._acquire = _script(redis, "acquire")
-        self._release = _script(redis, "release")
+        self._lock = _script(redis, "lock")
+        self._unlock = _script(redis, "unlock")
+        self._renew = _script(redis, "renew")
+        self._tokens = _script(redis, "tokens")
         self._alive = _script(redis, "alive")
         self._workers = _script(redis, "workers")
         self._pushes = GroupCommit(self._push_many)
@@ -501,12 +526,81 @@ class RedisQueue:
     async def acquire_scheduler_lock(self, owner: str, ttl_seconds: float) -> bool:
         """Take the lock if free, or extend it if `owner` already holds it."""
         keys, ttl = [self.keys.scheduler_lock], int(ttl_seconds * 1000)
-        return bool(await self._acquire(keys=keys, args=[owner, ttl]))
+        taken = await self._lock(keys=keys, args=[owner, ttl, 0])
+        return int(taken[0]) == 1
 
     @_bounded
     async def release_scheduler_lock(self, owner: str) -> bool:
         """Let go of the lock if `owner` holds it."""
-        return bool(await self._release(keys=[self.keys.scheduler_lock], args=[owner]))
+        return bool(await self._unlock(keys=[self.keys.scheduler_lock], args=[owner]))
+
+    # -- resource locks --------------------------------------------------------------------------
+
+    @_bounded
+    async def take_locks(
+        self, lock_ids: Sequence[str], owner: str, ttl_seconds: float
+    ) -> "Taken | Blocked | TokensNeeded":
+        """Take every lock of `lock_ids` for `owner`, or none: the locks it holds already are
+        extended and keep their tokens; each lock taken gets the next fencing token."""
+        keys = [*(self.keys.lock(i) for i in lock_ids), self.keys.lock_tokens]
+        reply = await self._lock(keys=keys, args=[owner, int(ttl_seconds * 1000), 1])
+        outcome = int(reply[0])
+        if outcome == 1:
+            return Taken(dict(zip(lock_ids, (int(_text(t)) for t in reply[1:]), strict=True)))
+        if outcome == 0:
+            holder = _text(reply[2]).split("\n", 1)[0]
+            return Blocked(lock_ids[int(reply[1]) - 1], holder)
+        return TokensNeeded(fresh=outcome == -1)
+
+    @_bounded
+    async def renew_locks(
+        self, lock_ids: Sequence[str], owner: str, ttl_seconds: float
+    ) -> set[str]:
+        """Extend the locks `owner` still holds; returns those it lost."""
+        if not lock_ids:
+            return set()
+        keys = [self.keys.lock(i) for i in lock_ids]
+        kept = await self._renew(keys=keys, args=[owner, int(ttl_seconds * 1000)])
+        return {i for i, k in zip(lock_ids, kept, strict=True) if not int(k)}
+
+    @_bounded
+    async def release_locks(self, lock_ids: Sequence[str], owner: str) -> int:
+        """Let go of the locks `owner` holds; returns how many it held."""
+        if not lock_ids:
+            return 0
+        return int(await self._unlock(keys=[self.keys.lock(i) for i in lock_ids], args=[owner]))
+
+    @_bounded
+    async def lock_incarnation(self, candidate: str) -> str:
+        """The name of this Redis's token counter, `candidate` if it had none (it is new or
+        was wiped)."""
+        name = await self._tokens(keys=[self.keys.lock_tokens], args=["incarnation", candidate])
+        return _text(name)
+
+    @_bounded
+    async def add_lock_tokens(self, incarnation: str, first: int, end: int) -> bool:
+        """Give the token counter of `incarnation` the block of tokens after `first` up to
+        `end`; False when Redis's counter is another incarnation's."""
+        args: list[str | int] = ["block", incarnation, first, end]
+        return bool(await self._tokens(keys=[self.keys.lock_tokens], args=args))
+
+    @_bounded
+    async def wait_for_lock(self, lock_id: str, entry: QueueEntry, since: datetime) -> None:
+        """Note that `entry` waits for `lock_id`, to be woken when it is let go."""
+        await self.redis.zadd(self.keys.lock_waiters(lock_id), {entry.held(): epoch_ms(since)})
+
+    async def wake_lock_waiter(self, lock_id: str, now: datetime) -> str | None:
+        """Put the run that has waited longest for `lock_id` back in its lane, ready now;
+        its id, or None when none waits."""
+        async with _answered_within(self.timeout_seconds, "wake_lock_waiter"):
+            taken = await self.redis.zpopmin(self.keys.lock_waiters(lock_id), 1)
+        members = cast(list[tuple[bytes, float]], taken)
+        if not members:
+            return None
+        entry = QueueEntry.unheld(_text(members[0][0]))
+        await self.remove(entry)  # out of the delayed set it waits in
+        await self.push([entry], now)
+        return entry.run_id
 
     @_bounded
     async def scheduler_lock(self) -> tuple[str | None, float]:

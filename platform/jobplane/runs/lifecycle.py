@@ -17,7 +17,7 @@ from typing import Any
 
 from jobplane import metrics
 from jobplane.clock import Clock
-from jobplane.model import Run, RunError, RunStatus, Template
+from jobplane.model import LockWait, Run, RunError, RunStatus, Template
 from jobplane.queue.connect import REDIS_DOWN
 from jobplane.queue.redis import QueueEntry, RedisQueue
 from jobplane.runs.admission.starts import Starts
@@ -73,6 +73,12 @@ class Lifecycle:
         )
         self.observe(step.run, written)
         return written
+
+    async def locks_taken(self, step: HeldStep) -> Lost | None:
+        """The run took the locks of the step it waited for: it waits for none now."""
+        taken = await self.store.leases.locks_taken(step.lease)
+        self.observe(step.run, taken)
+        return taken
 
     async def finish_step(
         self, step: HeldStep, output: Any, began: datetime | None = None
@@ -136,6 +142,24 @@ class Lifecycle:
         if isinstance(released, Moved):
             ready = {"handler": handler or run.handler, "not_before": None}
             await self.push([run.model_copy(update=ready)])
+            await self._freed(run)
+        self.observe(run, released)
+        return released
+
+    async def wait_for_lock(
+        self, run: Run, lease: Lease, wait: LockWait, until: datetime
+    ) -> Moved | Lost:
+        """Hand the run back to wait for the lock its step found held: in its lane's delayed
+        set until `until` (MongoDB's `notBefore` stays, so an early wake-up may claim it), and
+        among the lock's waiters, the first of whom goes back at once when it is let go."""
+        released = await self.store.transitions.release(lease, lock_wait=wait)
+        if isinstance(released, Moved):
+            metrics.LOCK_WAITS.labels(wait.lock.split(":", 1)[0]).inc()
+            await self.push([run.model_copy(update={"not_before": until})])
+            try:
+                await self.queue.wait_for_lock(wait.lock, QueueEntry.of(run), self.clock.now())
+            except REDIS_DOWN as exc:
+                log.warning("run %s waits for lock %s until its back-off: %s", run.id, wait, exc)
             await self._freed(run)
         self.observe(run, released)
         return released

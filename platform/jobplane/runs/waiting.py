@@ -4,11 +4,12 @@ hold it back (`runs/admission/`), in the order a run meets them.
 A paused queue starts nothing (`queue_paused`); a run may wait for a place of its dedupe key
 (`concurrency`), for a worker that offers its current step's handler (`handler`: workers
 claim only the lanes of the handlers they offer, `queue/keys.py`, so nothing fails or spins
-meanwhile), for a started run of its template to end (`max_running`), or for its rate window
-(`rate_limit`). The pauses (MongoDB) and the worker registry (Redis) are read at most once per
-`max_age` per process, so answering runs adds no round trip for them; whether a run is held
-back or sent back by its limits is one pipelined Redis read per answer that holds such runs.
-A fact that cannot be read leaves its reason out, never failing the answer.
+meanwhile), for a lock its step needs (`lock`), for a started run of its template to end
+(`max_running`), or for its rate window (`rate_limit`). The pauses (MongoDB) and the worker
+registry (Redis) are read at most once per `max_age` per process, so answering runs adds no
+round trip for them; whether a run is held back or sent back by its limits is one pipelined
+Redis read per answer that holds such runs. A fact that cannot be read leaves its reason out,
+never failing the answer.
 """
 
 import logging
@@ -21,7 +22,7 @@ from datetime import datetime
 from jobplane.errors import JobplaneError
 from jobplane.model import CLAIMABLE, Run, WaitingFor
 from jobplane.queue.redis import QueueEntry, RedisQueue
-from jobplane.runs.admission import concurrency, pause, starts
+from jobplane.runs.admission import concurrency, locks, pause, starts
 from jobplane.runs.admission.pause import Pauses
 from jobplane.store import Store
 
@@ -107,6 +108,7 @@ def _reason(run: Run, facts: _Facts) -> WaitingFor | None:
         pause.waiting_for(run, facts.paused)
         or concurrency.waiting_for(run)
         or _handler(run, facts.offered)
+        or locks.waiting_for(run)
         or starts.held_back(run, facts.holding)
         or starts.rate_delayed(run, facts.due.get(run.id))
     )

@@ -4,6 +4,7 @@ the event trail, each behind an interface of `abc.py`."""
 from jobplane.store.abc import (
     KeyStore,
     LeaseStore,
+    LockStore,
     MaintenanceStore,
     OverviewStore,
     QueueStore,
@@ -37,6 +38,7 @@ __all__ = [
     "Known",
     "Lease",
     "LeaseStore",
+    "LockStore",
     "Lost",
     "MaintenanceStore",
     "MongoStore",

@@ -14,6 +14,7 @@ from jobplane.model import (
     ApiKey,
     ApiKeyPublic,
     Event,
+    LockWait,
     QueueState,
     Run,
     RunError,
@@ -55,6 +56,12 @@ class KeyStore(Protocol):
     async def get(self, key_id: str) -> ApiKey | None: ...
     async def page(self, before: str | None, limit: int) -> list[ApiKeyPublic]: ...
     async def revoke(self, key_id: str, actor: str) -> ApiKeyPublic | None: ...
+
+
+class LockStore(Protocol):
+    """The blocks of fencing tokens Redis hands out for locks."""
+
+    async def token_block(self) -> tuple[int, int]: ...
 
 
 class QueueStore(Protocol):
@@ -122,7 +129,9 @@ class TransitionStore(Protocol):
         not_before: datetime,
         started_at: datetime | None = None,
     ) -> Moved | Lost: ...
-    async def release(self, lease: Lease, handler: str | None = None) -> Moved | Lost: ...
+    async def release(
+        self, lease: Lease, handler: str | None = None, lock_wait: LockWait | None = None
+    ) -> Moved | Lost: ...
     async def cancel(
         self,
         run_id: str,
@@ -177,6 +186,7 @@ class LeaseStore(Protocol):
         message: str | None,
     ) -> Lost | None: ...
     async def lease_lost(self, lease: Lease, what: str) -> Lost: ...
+    async def locks_taken(self, lease: Lease) -> Lost | None: ...
 
 
 class TrailStore(Protocol):
@@ -221,6 +231,7 @@ class Store(Protocol):
     templates: TemplateStore
     schedules: ScheduleStore
     keys: KeyStore
+    locks: LockStore
     queues: QueueStore
     runs: RunStore
     transitions: TransitionStore

@@ -121,6 +121,11 @@ class MongoLeaseStore:
         write = {"$set": update, "$max": {"progress.percentage": percentage}}
         return await self._fenced(lease, "progress", write, [], self._clock.now())
 
+    async def locks_taken(self, lease: Lease) -> Lost | None:
+        """The run took the locks it was handed back for: it waits for none now."""
+        write = {"$set": {}, "$unset": {"lockWait": ""}}
+        return await self._fenced(lease, "locks_taken", write, [], self._clock.now())
+
     async def lease_lost(self, lease: Lease, what: str) -> Lost:
         """Record why `lease` no longer holds its run (for a loss the worker found itself)."""
         return await self._writes.lost(lease.run_id, lease, what, known_owner(lease.known))

@@ -18,6 +18,7 @@ from jobplane.store.convert import Doc
 from jobplane.store.database import Collections
 from jobplane.store.keys import MongoKeyStore
 from jobplane.store.leases import MongoLeaseStore
+from jobplane.store.locks import MongoLockStore
 from jobplane.store.maintenance import MongoMaintenanceStore
 from jobplane.store.overview import MongoOverviewStore
 from jobplane.store.queues import MongoQueueStore
@@ -52,6 +53,7 @@ class MongoStore:
         self.schedules: abc.ScheduleStore = MongoScheduleStore(db, self.clock)
         self.keys: abc.KeyStore = MongoKeyStore(client, db, self.clock, trail)
         self.queues: abc.QueueStore = MongoQueueStore(client, db, self.clock, trail)
+        self.locks: abc.LockStore = MongoLockStore(db)
         self.runs: abc.RunStore = MongoRunStore(writes)
         self.transitions: abc.TransitionStore = MongoTransitionStore(client, writes)
         self.leases: abc.LeaseStore = MongoLeaseStore(writes)

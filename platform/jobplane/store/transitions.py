@@ -16,7 +16,7 @@ from bson import ObjectId
 from pymongo import AsyncMongoClient
 from pymongo.asynchronous.client_session import AsyncClientSession
 
-from jobplane.model import TRANSITIONS, AttemptChange, Run, RunError, StepStatus
+from jobplane.model import TRANSITIONS, AttemptChange, LockWait, Run, RunError, StepStatus
 from jobplane.store import convert, rows, steps
 from jobplane.store.convert import NO_TRAIL, OWNER_FIELDS, Doc, known_owner, merged, object_id
 from jobplane.store.database import transaction
@@ -258,12 +258,22 @@ class MongoTransitionStore:
         later = {"notBefore": not_before}
         return await self._step_failed("retry", lease, index, error, started_at, later, scheduled)
 
-    async def release(self, lease: Lease, handler: str | None = None) -> Moved | Lost:
-        """Hand a run back without spending the attempt it was on: on shutdown, or (with
-        `handler`, its current step's) to a worker that offers the handler this one lacks."""
+    async def release(
+        self, lease: Lease, handler: str | None = None, lock_wait: LockWait | None = None
+    ) -> Moved | Lost:
+        """Hand a run back without spending the attempt it was on: on shutdown, (with
+        `handler`, its current step's) to a worker that offers the handler this one lacks, or
+        (with `lock_wait`) to wait for a lock its step needs."""
         set_: Doc = {"progress.steps.$[r].status": StepStatus.PENDING}
+        message = None
         if handler is not None:
             set_["handler"] = handler
+            message = f"handed on for handler {handler!r}"
+        if lock_wait is not None:
+            set_["lockWait"] = lock_wait.model_dump(by_alias=True)
+            message = f"waits for lock {lock_wait.lock}" + (
+                f" held by run {lock_wait.holder}" if lock_wait.holder else ""
+            )
         return await self._apply(
             "release",
             lease.run_id,
@@ -271,7 +281,7 @@ class MongoTransitionStore:
             lease=lease,
             set_=set_,
             array_filters=[RUNNING_STEP],
-            message=None if handler is None else f"handed on for handler {handler!r}",
+            message=message,
         )
 
     async def cancel(

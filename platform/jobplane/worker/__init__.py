@@ -9,6 +9,7 @@ from jobplane.settings import Settings
 from jobplane.worker.context import (
     CancelRequested,
     FatalError,
+    LockTimeout,
     RetryableError,
     StepContext,
     StepInterrupted,
@@ -20,6 +21,7 @@ from jobplane.worker.worker import Worker
 __all__ = [
     "CancelRequested",
     "FatalError",
+    "LockTimeout",
     "RetryableError",
     "StepContext",
     "StepInterrupted",

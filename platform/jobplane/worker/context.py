@@ -2,10 +2,11 @@
 the errors it raises."""
 
 import asyncio
+import contextlib
 import logging
 import time
 import traceback
-from collections.abc import Awaitable, Callable, Coroutine
+from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
 from typing import Any
 
 from jobplane.model import Run, RunError, StepSpec, Template
@@ -43,6 +44,12 @@ class StepTimeout(StepError):
     code = "step_timeout"
 
 
+class LockTimeout(RetryableError):
+    """`ctx.lock` did not get its lock within its `wait_seconds`: another run held it."""
+
+    code = "lock_timeout"
+
+
 class CancelRequested(Exception):
     """Raised by `StepContext.checkpoint()` once a cancel was requested.
 
@@ -67,8 +74,16 @@ def step_failure(exc: Exception, step_id: str) -> RunError:
     )
 
 
+# Takes a lock (`<name>` and its key's values) for the step, waiting up to some seconds:
+# the lock's id, its fencing token, and whether it was taken now (False: the step held it).
+TakeLock = Callable[[str, list[Any], float], Awaitable[tuple[str, int, bool]]]
+# Lets go of a lock the step took.
+ReleaseLock = Callable[[str], Awaitable[None]]
+
+
 class StepContext:
-    """Passed to every handler. Its methods are plain calls, safe from async and sync handlers.
+    """Passed to every handler. Its methods are plain calls, safe from async and sync handlers,
+    but `lock`, which async handlers use as `async with ctx.lock(...)`.
 
     `progress()` is throttled to a few writes a second per run; the latest value is always
     written in the end. `checkpoint()` raises `CancelRequested` when the run's cancel was
@@ -86,6 +101,9 @@ class StepContext:
         cancel: asyncio.Event,
         write_progress: Callable[[float, str | None], Awaitable[None]],
         renew: Callable[[], Coroutine[Any, Any, None]],
+        step_locks: dict[str, int] | None = None,
+        take_lock: TakeLock | None = None,
+        release_lock: ReleaseLock | None = None,
     ) -> None:
         self.run = run
         self.template = template
@@ -108,6 +126,44 @@ class StepContext:
         self._closed = False
         self._interrupted = False
         self._background: set[asyncio.Task[None]] = set()
+        # The locks the step holds, in the order taken: its `locks`, then the handler's.
+        self._locks: list[tuple[str, int]] = list((step_locks or {}).items())
+        self._take_lock = take_lock
+        self._release_lock = release_lock
+
+    @property
+    def lock_token(self) -> int | None:
+        """The fencing token of the lock the step took last and still holds (a handler's
+        `ctx.lock`, else its own `locks`): greater than the token of every earlier grant of
+        any lock, so a downstream system that keeps the largest it has seen can refuse a
+        stale holder's writes. None while the step holds no lock."""
+        return self._locks[-1][1] if self._locks else None
+
+    @property
+    def lock_tokens(self) -> dict[str, int]:
+        """Every lock the step holds (`<name>:<key values>`) and its fencing token."""
+        return dict(self._locks)
+
+    @contextlib.asynccontextmanager
+    async def lock(
+        self, name: str, key: Any = None, wait_seconds: float = 0.0
+    ) -> AsyncIterator[int]:
+        """Hold the lock `name` (with `key`'s values: one value, or a list) for the block,
+        as a step's `locks` would: owner-checked, renewed with the heartbeat, let go when the
+        block ends. Yields its fencing token (`lock_token` says it too). Another run holding
+        it is waited for up to `wait_seconds`, then `LockTimeout` (retryable) is raised. A
+        lock the step holds already is held on, not taken twice."""
+        if self._take_lock is None or self._release_lock is None:
+            raise RuntimeError("this step context takes no locks")
+        values = [] if key is None else list(key) if isinstance(key, list | tuple) else [key]
+        lock_id, token, fresh = await self._take_lock(name, values, wait_seconds)
+        self._locks.append((lock_id, token))
+        try:
+            yield token
+        finally:
+            self._locks.remove((lock_id, token))
+            if fresh:
+                await self._release_lock(lock_id)
 
     @property
     def cancelled(self) -> bool:

@@ -20,12 +20,16 @@ from typing import Any, Literal
 from jobplane.clock import Clock
 from jobplane.model import TERMINAL, Run, RunError, StepStatus, Template
 from jobplane.process import log_context
+from jobplane.queue.redis import Blocked
+from jobplane.runs.admission.keys import lock_id, lock_named
+from jobplane.runs.admission.locks import Locks, holder
 from jobplane.runs.lifecycle import HeldStep, Lifecycle
 from jobplane.runs.policy import cancel_asked
 from jobplane.store import Lease, Lost, Moved, Store
 from jobplane.worker.context import (
     CancelRequested,
     FatalError,
+    LockTimeout,
     StepContext,
     StepTimeout,
     step_failure,
@@ -39,6 +43,11 @@ log = logging.getLogger("jobplane.worker")
 START_WRITE_AFTER = 0.05
 
 
+# Why a run's handler was interrupted: its lease was lost, the worker shuts down, or a lock
+# its step held was lost.
+Stop = Literal["lost", "shutdown", "lock"]
+
+
 @dataclass
 class Held:
     """A run this worker holds, with what it needs to stop it."""
@@ -50,7 +59,10 @@ class Held:
     # The running handler. Stopping a run interrupts only this, never the worker's own writes,
     # so a transition and its events are never cut in half.
     handler: asyncio.Future[Any] | None = None
-    stop: Literal["lost", "shutdown"] | None = None
+    stop: Stop | None = None
+    # The locks its step holds (the step's and its handler's), each with its fencing token:
+    # the heartbeat renews them.
+    locks: dict[str, int] = field(default_factory=dict)
     # When the current step began, while its start is not yet written (see START_WRITE_AFTER).
     unwritten_start: datetime | None = None
     # When MongoDB last confirmed the lease (monotonic seconds); past the lease length the
@@ -62,7 +74,7 @@ class Held:
         """For lines about the run logged outside its own task (whose context has them)."""
         return {"run_id": self.run.id, "lease_token": self.lease.token}
 
-    def interrupt(self, reason: Literal["lost", "shutdown"]) -> None:
+    def interrupt(self, reason: Stop) -> None:
         self.stop = reason
         if self.handler is not None:
             self.handler.cancel()
@@ -80,10 +92,19 @@ class _HandOff(Exception):
         self.handler = handler
 
 
-class _Stopped(Exception):
-    """The run must stop: its lease was lost (write nothing) or the worker shuts down."""
+class _LockHeld(Exception):
+    """A lock the next step needs is held by another run."""
 
-    def __init__(self, reason: Literal["lost", "shutdown"]) -> None:
+    def __init__(self, blocked: Blocked) -> None:
+        super().__init__(blocked.lock_id)
+        self.blocked = blocked
+
+
+class _Stopped(Exception):
+    """The run must stop: its lease was lost (write nothing), the worker shuts down, or a lock
+    its step held was lost (both hand the run back)."""
+
+    def __init__(self, reason: Stop) -> None:
         super().__init__(reason)
         self.reason = reason
 
@@ -102,6 +123,8 @@ class Runner:
     threads: ThreadPoolExecutor
     # What a handler's `ctx.heartbeat()` calls: the worker renews the lease at once.
     renew: Callable[[list[Held]], Awaitable[None]]
+    # The locks steps hold and handlers take.
+    locks: Locks
     # Versions are immutable, so a template cached never goes stale.
     _templates: dict[tuple[str, int], Template] = field(default_factory=dict, init=False)
 
@@ -123,16 +146,29 @@ class Runner:
             except _HandOff as handoff:
                 log.info("run %s: handed on for handler %r", held.run.id, handoff.handler)
                 await self._release(held, handoff.handler)
+            except _LockHeld as wait:
+                await self._wait_for_lock(held, wait.blocked)
         except _Stopped as stopped:
-            if stopped.reason == "shutdown":
+            if stopped.reason == "lost":
+                log.warning("run %s: lease lost, stopped without writing", held.run.id)
+            else:
+                if stopped.reason == "lock":
+                    log.warning("run %s: a lock its step held was lost; handed back", held.run.id)
                 try:
                     await self._release(held)
                 except Exception:
                     log.exception("run %s: release failed; its lease will expire", held.run.id)
-            else:
-                log.warning("run %s: lease lost, stopped without writing", held.run.id)
         except Exception:
             log.exception("run %s: worker error", held.run.id)
+
+    async def _wait_for_lock(self, held: Held, blocked: Blocked) -> None:
+        """Hand the run back to wait for a lock its step found held, or finish a cancel."""
+        wait, until = self.locks.wait(held.run, blocked, self.clock.now())
+        log.info("run %s: waits for lock %s until %s at the latest", held.run.id, wait.lock, until)
+        released = await self.lifecycle.wait_for_lock(held.run, held.lease, wait, until)
+        if cancel_asked(released):
+            acked = await self.lifecycle.acknowledge_cancel(held.run, held.lease, interrupted=False)
+            self._finished(held.run, acked)
 
     async def _release(self, held: Held, handler: str | None = None) -> None:
         """Hand the run back to the queue (on shutdown, or to the lane of `handler`, which
@@ -175,27 +211,67 @@ class Runner:
                 return
             if step.handler not in self.offered:
                 raise _HandOff(step.handler)
+            taken = await self._take_locks(held, at)
             try:
-                with log_context(step=step.id):
-                    output = await self._call(held, at, outputs)
-            except (CancelRequested, _Stopped, _Overdue):
-                raise
-            except Exception as exc:
-                await self._failed(held, at, exc)
-                return
-            outputs[step.id] = output
-            began = held.unwritten_start
-            if index + 1 < len(steps):
-                self._check(run, await self.lifecycle.finish_step(at, output, began))
-                held.run = held.run.model_copy(update={"handler": at.following})
-                continue
-            moved = await self.lifecycle.complete(at, output, began)
-            if cancel_asked(moved):
-                # The step ran to its end (it may be non-cancelable): keep its output, then
-                # acknowledge the cancel, which the table requires over success.
-                self._check(run, await self.lifecycle.finish_step(at, output, began))
-                raise CancelRequested(run.id, interrupted=False)
-            self._check(run, moved)
+                if not await self._step(held, at, outputs):
+                    return
+            finally:
+                # After the step's end is written: its recorded span ends inside the lock's.
+                await self._let_go(held, taken)
+
+    async def _step(self, held: Held, at: HeldStep, outputs: dict[str, Any]) -> bool:
+        """Run one step and write how it ended; False when that ended the run's attempt."""
+        run = held.run
+        try:
+            with log_context(step=at.id):
+                output = await self._call(held, at, outputs)
+        except (CancelRequested, _Stopped, _Overdue):
+            raise
+        except Exception as exc:
+            await self._failed(held, at, exc)
+            return False
+        outputs[at.id] = output
+        began = held.unwritten_start
+        if at.index + 1 < len(at.template.steps):
+            self._check(run, await self.lifecycle.finish_step(at, output, began))
+            held.run = held.run.model_copy(update={"handler": at.following})
+            return True
+        moved = await self.lifecycle.complete(at, output, began)
+        if cancel_asked(moved):
+            # The step ran to its end (it may be non-cancelable): keep its output, then
+            # acknowledge the cancel, which the table requires over success.
+            self._check(run, await self.lifecycle.finish_step(at, output, began))
+            raise CancelRequested(run.id, interrupted=False)
+        self._check(run, moved)
+        return True
+
+    async def _take_locks(self, held: Held, at: HeldStep) -> list[str]:
+        """Take the step's locks, all or none; `_LockHeld` when another run holds one. A run
+        that waited for one says so no more."""
+        wanted = [lock_id(lock, held.run) for lock in at.template.steps[at.index].locks]
+        if not wanted:
+            return []
+        taken = await self.locks.take(wanted, holder(held.run.id, held.lease.token))
+        if isinstance(taken, Blocked):
+            raise _LockHeld(taken)
+        held.locks.update(taken.tokens)
+        if held.run.lock_wait is not None:
+            self._stop_if_lost(await self.lifecycle.locks_taken(at))
+            held.run = held.run.model_copy(update={"lock_wait": None})
+        return wanted
+
+    async def _let_go(self, held: Held, lock_ids: list[str]) -> None:
+        """Let go of the step's locks (and wake a run waiting for each); a Redis that does not
+        answer lets them expire with the lease length instead."""
+        if not lock_ids:
+            return
+        for lock in lock_ids:
+            held.locks.pop(lock, None)
+        try:
+            owner = holder(held.run.id, held.lease.token)
+            await self.locks.release(lock_ids, owner, self.clock.now())
+        except Exception as exc:
+            log.warning("run %s: locks %s not let go, they expire: %s", held.run.id, lock_ids, exc)
 
     async def _call(self, held: Held, at: HeldStep, outputs: dict[str, Any]) -> Any:
         template, index = at.template, at.index
@@ -226,7 +302,41 @@ class Runner:
         async def renew() -> None:
             await self.renew([held])
 
-        ctx = StepContext(held.run, template, index, outputs, held.cancel, write_progress, renew)
+        owner = holder(held.run.id, held.lease.token)
+
+        async def take_lock(name: str, values: list[Any], wait: float) -> tuple[str, int, bool]:
+            lock = lock_named(name, values)
+            if lock in held.locks:
+                return lock, held.locks[lock], False
+            loop, pause = asyncio.get_running_loop(), 0.05
+            until = loop.time() + wait
+            while isinstance(taken := await self.locks.take([lock], owner), Blocked):
+                if loop.time() >= until:
+                    by = taken.holder.split(":", 1)[0]
+                    raise LockTimeout(f"lock {lock} is held by run {by}")
+                await asyncio.sleep(min(pause, max(0.0, until - loop.time())))
+                pause = min(2 * pause, 1.0)
+            held.locks.update(taken.tokens)
+            return lock, taken.tokens[lock], True
+
+        async def release_lock(lock: str) -> None:
+            held.locks.pop(lock, None)
+            await self.locks.release([lock], owner, self.clock.now())
+
+        mine = [lock_id(lock, held.run) for lock in step.locks]
+        step_locks = {lock: held.locks[lock] for lock in mine if lock in held.locks}
+        ctx = StepContext(
+            held.run,
+            template,
+            index,
+            outputs,
+            held.cancel,
+            write_progress,
+            renew,
+            step_locks,
+            take_lock,
+            release_lock,
+        )
         succeeded = False
         if inspect.iscoroutinefunction(handler):
             work: asyncio.Future[Any] = asyncio.ensure_future(handler(ctx))

@@ -20,6 +20,7 @@ from jobplane.clock import Clock, SystemClock
 from jobplane.model import RunStatus
 from jobplane.process import CANCEL_SECONDS, finish_within, log_context
 from jobplane.queue.redis import RedisQueue
+from jobplane.runs.admission.locks import Locks, holder
 from jobplane.runs.admission.pause import Pauses
 from jobplane.runs.lifecycle import Lifecycle
 from jobplane.settings import Settings
@@ -65,8 +66,16 @@ class Worker:
         self._closing = asyncio.Event()
         # Sync handlers get a thread each, up to the concurrency: none waits for a free thread.
         self._threads = ThreadPoolExecutor(settings.worker_concurrency, "jobplane-step")
+        self.locks = Locks(store, queue, settings.lease_seconds)
         self.runner = Runner(
-            store, self.lifecycle, handlers, self.offered, self.clock, self._threads, self._renew
+            store,
+            self.lifecycle,
+            handlers,
+            self.offered,
+            self.clock,
+            self._threads,
+            self._renew,
+            self.locks,
         )
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -243,12 +252,14 @@ class Worker:
                 return
 
     async def _renew(self, helds: list[Held]) -> None:
-        """Renew leases in MongoDB, which alone says who holds a run."""
+        """Renew leases in MongoDB, which alone says who holds a run, and the locks their
+        steps hold in Redis."""
         if not helds:
             return
         ttl = self.settings.lease_seconds
         asked = time.monotonic()
         kept, cancel = await self.store.leases.heartbeat(self.id, [h.lease for h in helds], ttl)
+        await self._renew_locks([h for h in helds if h.run.id in kept and h.locks])
         for held in helds:
             if held.run.id in kept:
                 held.renewed = asked
@@ -268,6 +279,22 @@ class Worker:
                     held.interrupt("lost")
                     lost = await self.store.leases.lease_lost(held.lease, "heartbeat")
                     self.lifecycle.observe(held.run, lost)
+
+    async def _renew_locks(self, helds: list[Held]) -> None:
+        """Extend the locks the runs' steps hold. A step whose lock was lost (it expired, or
+        Redis was wiped) no longer excludes anyone: its handler is stopped and the run handed
+        back, to take the lock again."""
+        for held in helds:
+            owner = holder(held.run.id, held.lease.token)
+            lost = await self.locks.renew(list(held.locks), owner)
+            if lost and held.handler is not None and held.stop is None:
+                log.warning(
+                    "run %s: locks %s lost; stopping its step",
+                    held.run.id,
+                    sorted(lost),
+                    extra=held.log_fields,
+                )
+                held.interrupt("lock")
 
     async def _cancel_listener(self) -> None:
         while not self._closing.is_set():

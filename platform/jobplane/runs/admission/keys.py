@@ -40,11 +40,14 @@ def rate_key(template: Template, scope: str, scope_id: str, payload: dict[str, A
 
 
 def lock_id(lock: LockSpec, run: Run) -> str:
-    """`<name>:<values of its key>`: the lock's name alone without a key. The name is the
-    template author's, so two templates naming one lock share it."""
-    if not lock.key:
-        return lock.name
-    return f"{lock.name}:{_canonical(_values(lock.key, run.scope, run.scope_id, run.payload))}"
+    """The lock a step's `locks` entry names for `run`: see `lock_named`."""
+    return lock_named(lock.name, _values(lock.key, run.scope, run.scope_id, run.payload))
+
+
+def lock_named(name: str, values: Sequence[Any]) -> str:
+    """`<name>:<values of its key>`, or the name alone without a key. The name is the author's,
+    so two templates (or a step and a handler's `ctx.lock`) naming one lock share it."""
+    return f"{name}:{_canonical(list(values))}" if values else name
 
 
 def _values(parts: Sequence[str], scope: str, scope_id: str, payload: dict[str, Any]) -> list[Any]:

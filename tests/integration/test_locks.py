@@ -1,0 +1,172 @@
+"""Locks steps hold and handlers take: owner-checked in Redis, renewed with the heartbeat,
+let go at the step's end, freed within a lease length of a holder's death, and fenced by
+tokens that keep growing across a Redis wipe."""
+
+import asyncio
+import itertools
+import signal
+from pathlib import Path
+from typing import Any
+
+from jobplane.backends import Backends
+from jobplane.model import RunStatus
+from jobplane.queue.redis import Blocked, Taken
+from jobplane.runs import RunRequest, RunService
+from jobplane.runs.admission.locks import Locks
+from jobplane.runs.waiting import Waiting
+from jobplane.settings import Settings
+from tests.conftest import sync_redis
+from tests.integration.conftest import Register
+from tests.integration.flow import until, workers
+from tests.integration.processes import spawn, terminate
+from tests.integration.workers import running, settled
+
+HANDLERS = "tests.integration.lock_handlers"
+SHARED = [{"name": "partner-api", "key": ["payload.partner"]}]
+
+
+def holding(handler: str = "locks.hold", locks: list[Any] = SHARED) -> list[dict[str, Any]]:
+    return [{"id": "call", "handler": handler, "locks": locks}]
+
+
+async def test_locks_are_owner_checked_all_or_none_and_fenced(
+    backends: Backends, settings: Settings
+) -> None:
+    locks = Locks(backends.store, backends.queue, ttl_seconds=5)
+    a = await locks.take(["l1", "l2"], "run-a:lease")
+    assert isinstance(a, Taken) and a.tokens["l1"] < a.tokens["l2"]
+    # Another owner gets none of them, not even the free one: all or none.
+    b = await locks.take(["l3", "l2"], "run-b:lease")
+    assert b == Blocked("l2", "run-a:lease")
+    assert isinstance(await locks.take(["l3"], "run-c:lease"), Taken), "l3 stayed free"
+    # The owner takes them again at no cost, under the same tokens.
+    assert await locks.take(["l2", "l1"], "run-a:lease") == a
+    # Only the owner renews or lets go.
+    assert await locks.renew(["l1"], "run-b:lease") == {"l1"}
+    assert await locks.renew(["l1", "l2"], "run-a:lease") == set()
+    await locks.release(["l1", "l2"], "run-b:lease", backends.store.clock.now())
+    assert isinstance(await locks.take(["l1"], "run-b:lease"), Blocked)
+    await locks.release(["l1", "l2"], "run-a:lease", backends.store.clock.now())
+    again = await locks.take(["l1"], "run-b:lease")
+    assert isinstance(again, Taken) and again.tokens["l1"] > a.tokens["l2"]
+
+
+async def test_tokens_keep_growing_across_a_redis_wipe(
+    backends: Backends, settings: Settings
+) -> None:
+    locks = Locks(backends.store, backends.queue, ttl_seconds=5)
+    before = await locks.take(["partner"], "run-a:lease")
+    assert isinstance(before, Taken)
+    with sync_redis(settings.redis_url or "") as redis:
+        redis.flushall()
+    after = await locks.take(["partner"], "run-b:lease")
+    assert isinstance(after, Taken), "the wipe lost the lock"
+    assert after.tokens["partner"] > before.tokens["partner"]
+
+
+async def test_two_templates_sharing_a_lock_never_hold_it_at_once(
+    backends: Backends, settings: Settings, register: Register, tmp_path: Path
+) -> None:
+    """Runs of two templates naming one lock, on two worker processes: no two of their
+    steps' spans overlap, each grant's token is greater than the one before, a run that
+    found the lock held says so, and every run succeeds without spending an attempt."""
+    await register("sync_in", steps=holding())
+    await register("sync_out", steps=holding("locks.take", []))
+    service = RunService(backends.store, backends.queue)
+    ids = []
+    for i in range(8):
+        for kind in ("sync_in", "sync_out"):
+            payload = {"partner": "acme", "seconds": 0.15, "n": i}
+            ids.append((await service.create(RunRequest(kind, "user", "u", payload), "t"))[0].id)
+    other = RunRequest("sync_in", "user", "u", {"partner": "globex", "seconds": 0.15})
+    free = (await service.create(other, "t"))[0].id
+    async with workers(settings, tmp_path, JOBPLANE_HANDLERS=HANDLERS):
+        runs = await settled(backends.store, [*ids, free], within=120)
+    assert {r.status for r in runs} == {RunStatus.SUCCEEDED}
+    assert {r.attempt for r in runs} == {1}
+    # When each run held the lock: its step's span (a step's lock), or the span its handler
+    # held it for (`ctx.lock`, taken inside the step).
+    held = sorted(
+        (
+            r.outputs["call"].get("began") or r.progress.steps[0].started_at.timestamp(),  # type: ignore[union-attr]
+            r.outputs["call"].get("ended") or r.progress.steps[0].completed_at.timestamp(),  # type: ignore[union-attr]
+            r.outputs["call"]["token"],
+        )
+        for r in runs[:-1]
+    )
+    for (_, ended, _), (began, _, _) in itertools.pairwise(held):
+        assert ended <= began, "spans overlap"
+    tokens = [token for _, _, token in held]
+    assert tokens == sorted(tokens) and len(set(tokens)) == len(tokens), tokens
+    handed_back = [
+        e.message
+        for run_id in ids
+        for e in await backends.store.trail.events_of(run_id)
+        if e.metadata.get("transition") == "release"
+    ]
+    assert handed_back, "some run found the lock held"
+    assert all(
+        m and m.startswith('waits for lock partner-api:["acme"] held by run') for m in handed_back
+    )
+
+
+async def test_a_run_whose_lock_is_held_goes_back_to_wait_and_says_so(
+    backends: Backends, settings: Settings, register: Register
+) -> None:
+    await register("sync_in", steps=holding("builtin.noop"))
+    service = RunService(backends.store, backends.queue)
+    locks = Locks(backends.store, backends.queue, ttl_seconds=30)
+    await locks.take(['partner-api:["acme"]'], "somebody:lease")
+    run = (await service.create(RunRequest("sync_in", "user", "u", {"partner": "acme"}), "t"))[0]
+    waiting = Waiting(backends.store, backends.queue, max_age=0)
+
+    async def handed_back() -> bool:
+        found = await service.get(run.id)
+        return found.status == RunStatus.QUEUED and found.lock_wait is not None
+
+    async with running(backends, settings):
+        await until(handed_back)
+        [seen] = await waiting.explain([await service.get(run.id)])
+        assert seen.waiting_for is not None
+        assert (seen.waiting_for.reason, seen.waiting_for.detail) == (
+            "lock",
+            'lock partner-api:["acme"] is held by run somebody',
+        )
+        assert seen.attempt == 0, "no attempt spent"
+        # Let go, it is woken at once rather than at the end of its back-off.
+        await locks.release(['partner-api:["acme"]'], "somebody:lease", backends.store.clock.now())
+        [done] = await settled(backends.store, [run.id], within=30)
+    assert done.status == RunStatus.SUCCEEDED and done.lock_wait is None
+
+
+async def test_a_lock_whose_holder_was_killed_is_free_within_a_lease_length(
+    backends: Backends, settings: Settings, register: Register, tmp_path: Path
+) -> None:
+    await register("sync_in", steps=holding())
+    service = RunService(backends.store, backends.queue)
+    payload = {"partner": "acme", "seconds": 60}
+    doomed = (await service.create(RunRequest("sync_in", "user", "u", payload), "t"))[0]
+    log = tmp_path / "doomed.log"
+    proc = spawn(settings, "worker", log, JOBPLANE_HANDLERS=HANDLERS)
+    lock = backends.queue.keys.lock('partner-api:["acme"]')
+    try:
+        await until(lambda: backends.queue.redis.exists(lock), 60)
+        proc.send_signal(signal.SIGKILL)
+        proc.wait(10)
+        killed = asyncio.get_running_loop().time()
+        await until(lambda: _gone(backends, lock), settings.lease_seconds + 1)
+        freed = asyncio.get_running_loop().time() - killed
+    finally:
+        terminate(proc)
+    assert freed <= settings.lease_seconds
+    # The reaper gives the run to another worker, which takes the lock again.
+    quick = {**payload, "seconds": 0.1}
+    await backends.store.runs.get(doomed.id)
+    next_run = (await service.create(RunRequest("sync_in", "user", "u", quick), "t"))[0]
+    async with workers(settings, tmp_path, 1, JOBPLANE_HANDLERS=HANDLERS):
+        [done] = await settled(backends.store, [next_run.id], within=60)
+    assert done.status == RunStatus.SUCCEEDED
+
+
+async def _gone(backends: Backends, key: str) -> bool:
+    return not await backends.queue.redis.exists(key)
