@@ -190,12 +190,21 @@ async def read_state(store: Store, queue: RedisQueue, queues: Sequence[str]) -> 
     up = GaugeMetricFamily(
         "jobplane_backend_up", "1 if this scrape could read MongoDB / Redis", labels=["backend"]
     )
-    families: list[Metric] = [up]
+    held = GaugeMetricFamily(
+        "jobplane_runs_held_back",
+        "Runs that could start but for a limit: concurrency (waiting for a place of their "
+        "dedupe key), lock (handed back for a lock their step needs), max_running (held back "
+        "until a started run of their template ends)",
+        labels=["template", "reason"],
+    )
+    families: list[Metric] = [up, held]
     try:
         # Every queue a template names, an operator paused, or this process was told of.
         states = await store.queues.states()
         queues = sorted({*queues, *await store.templates.queues(), *(s.queue for s in states)})
         families += _started_state(queues, await store.overview.started_by_queue(), states)
+        for (template, reason), count in sorted((await store.overview.held_back()).items()):
+            held.add_metric([template, reason], count)
         up.add_metric(["mongodb"], 1)
     except PyMongoError:
         up.add_metric(["mongodb"], 0)
@@ -206,6 +215,8 @@ async def read_state(store: Store, queue: RedisQueue, queues: Sequence[str]) -> 
             *_workers_state(live),
             *await _scheduler_state(queue),
         ]
+        for template, count in (await queue.held_counts()).items():
+            held.add_metric([template, "max_running"], count)
         up.add_metric(["redis"], 1)
     except REDIS_DOWN:
         up.add_metric(["redis"], 0)

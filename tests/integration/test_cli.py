@@ -598,3 +598,25 @@ async def test_events_name_the_step_a_step_event_is_about(
         ["step_finished", "step", "load"],
     ], trail
     assert steps[-1][3] == "failed" and steps[1][3].startswith("worker:")
+
+
+async def test_queues_list_pause_and_resume(cli: CLI, register: Register) -> None:
+    await register("t_report", queue="reports")
+    listed = ok(await cli("queues", "list"))
+    assert listed.lines[0].split() == ["QUEUE", "READY", "DELAYED", "RUNNING", "OLDEST", "STATE"]
+    assert [line.split()[0] for line in listed.lines[1:]] == ["default", "reports"]
+    assert listed.lines[2].split()[1:] == ["0", "0", "0", "0s", "active"]
+
+    paused = ok(await cli("queues", "pause", "reports", "--reason", "partner outage"))
+    state = paused.lines[1].split(None, 5)[5]
+    assert state.startswith("paused by user:admin since 20") and state.endswith(": partner outage")
+    assert "paused by user:admin" in ok(await cli("queues", "list")).lines[2]
+    resumed = ok(await cli("queues", "resume", "reports"))
+    assert resumed.lines[1].split()[-1] == "active"
+    events = ok(await cli("events", "--job-id", "reports"))
+    assert ["queue_paused", "queue_resumed"] == [line.split()[2] for line in events.lines]
+
+    failed(await cli("queues", "pause", "nowhere"), "NotFound")
+    failed(await cli("queues", "pause", "reports", "--reason", "x" * 501), "ValidationFailed")
+    ci = fields(ok(await cli("keys", "create", "ci", "--role", "author")))
+    failed(await cli("queues", "list", key=ci["secret"]), "Forbidden")

@@ -17,10 +17,12 @@ from pydantic import BaseModel, ValidationError
 from jobplane.cli.client import APIClient, CLIError
 from jobplane.cli.render import (
     KEY_HEADER,
+    QUEUE_HEADER,
     RUN_HEADER,
     LiveView,
     event_line,
     key_row,
+    queue_row,
     run_row,
     schedule_line,
     template_line,
@@ -351,6 +353,21 @@ def _keys_revoke(args: argparse.Namespace, client: APIClient) -> None:
     print(f"revoked {key['id']} ({key['name']}) at {key['revokedAt']} by {key['revokedBy']}")
 
 
+def _queues_list(args: argparse.Namespace, client: APIClient) -> None:
+    queues = client.call("GET", "/v1/queues")["items"]
+    print(QUEUE_HEADER)
+    for queue in queues:
+        print(queue_row(queue))
+
+
+def _queues_act(args: argparse.Namespace, client: APIClient) -> None:
+    """pause, resume: a POST to the queue's action, with the reason when given."""
+    body = _present(reason=args.reason)
+    queue = client.call("POST", f"/v1/queues/{_segment(args.queue)}/{args.action}", json=body)
+    print(QUEUE_HEADER)
+    print(queue_row(queue))
+
+
 def _schedules_create(args: argparse.Namespace, client: APIClient) -> None:
     body = _present(
         templateType=args.template,
@@ -569,6 +586,18 @@ def _parser() -> argparse.ArgumentParser:
     spreview = client_command(ssub, "preview", _schedules_preview, "the next fire times")
     spreview.add_argument("schedule_id", metavar="ID")
     spreview.add_argument("--count", type=int, default=10)
+
+    queues = sub.add_parser("queues", help="queues: what they hold; pause and resume (admin)")
+    qsub = queues.add_subparsers(required=True, metavar="ACTION")
+    client_command(qsub, "list", _queues_list, "each queue's runs, and whether it is paused")
+    for action, what in (
+        ("pause", "start none of the queue's runs; it still accepts them"),
+        ("resume", "start the queue's runs again"),
+    ):
+        act = client_command(qsub, action, _queues_act, what)
+        act.add_argument("queue", metavar="QUEUE")
+        act.add_argument("--reason", help="why, for the audit trail (at most 500 characters)")
+        act.set_defaults(action=action)
 
     keys = sub.add_parser("keys", help="API keys")
     ksub = keys.add_subparsers(required=True, metavar="ACTION")

@@ -2,6 +2,7 @@
 
 import logging
 from datetime import datetime
+from typing import Any
 from zoneinfo import ZoneInfo
 
 from jobplane.model import ApiKeyPublic, Event, Run, Schedule, StepStatus, Template
@@ -78,6 +79,27 @@ def key_row(key: ApiKeyPublic) -> str:
     revoked = _time(key.revoked_at) if key.revoked_at else "-"
     scopes = " ".join(key.scopes) or "(all)"
     return f"{key.id:<24}  {key.name:<24}  {key.role:<7}  {created}  {revoked:<29}  {scopes}"
+
+
+QUEUE_HEADER = f"{'QUEUE':<24}  {'READY':>7}  {'DELAYED':>7}  {'RUNNING':>7}  {'OLDEST':>8}  STATE"
+
+
+def queue_row(queue: dict[str, Any]) -> str:
+    """A row of `GET /v1/queues`: counts Redis could not give show as `?`."""
+
+    def count(field: str) -> str:
+        value = queue.get(field)
+        return "?" if value is None else str(value)
+
+    age = queue.get("oldestReadyAgeSeconds")
+    oldest = "?" if age is None else f"{age:.0f}s"
+    state = "active"
+    if queue["paused"]:
+        state = f"paused by {queue['pausedBy']} since {queue['pausedAt']}"
+        if queue.get("pauseReason"):
+            state += f": {queue['pauseReason']}"
+    counts = f"{count('ready'):>7}  {count('delayed'):>7}  {count('running'):>7}"
+    return f"{queue['queue']:<24}  {counts}  {oldest:>8}  {state}"
 
 
 def event_line(event: Event) -> str:

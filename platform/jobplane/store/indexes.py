@@ -124,6 +124,8 @@ def index_models() -> dict[str, list[IndexModel]]:
             [("templateType", ASCENDING), ("status", ASCENDING)],
             name="capped_by_template",
         ),
+        # Runs handed back for a lock their step needs, for `/metrics`.
+        _only_with("lockWait", [("lockWait", ASCENDING)], name="lock_waits"),
         # Runs waiting for a dedupe key, oldest first.
         _only_with("dedupeWait", [("dedupeWait", ASCENDING), ("_id", ASCENDING)]),
         # The sweep: runs written since its last pass.

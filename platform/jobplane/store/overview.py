@@ -98,6 +98,21 @@ class MongoOverviewStore:
         query = {"templateType": template_type, **STARTED_CAPPED}
         return await self._runs.count_documents(query)
 
+    async def held_back(self) -> dict[tuple[str, str], int]:
+        """Runs held back by a limit MongoDB records, by template and reason: `concurrency`
+        (pending for a place of their dedupe key, by `(dedupeWait, _id)`) and `lock` (queued
+        after a lock was found held, by the partial index of runs with `lockWait`)."""
+        held: dict[tuple[str, str], int] = {}
+        for reason, match in (
+            ("concurrency", {"dedupeWait": {"$exists": True}, "status": RunStatus.PENDING}),
+            ("lock", {"lockWait": {"$exists": True}, "status": RunStatus.QUEUED}),
+        ):
+            cursor = await self._runs.aggregate(
+                [{"$match": match}, {"$group": {"_id": "$templateType", "n": {"$sum": 1}}}]
+            )
+            held |= {(d["_id"], reason): d["n"] async for d in cursor}
+        return held
+
     async def started_by_queue(self) -> dict[str, int]:
         """Runs started and not yet ended (`running`, `waiting_worker`, `cancel_requested`),
         by queue: as many as workers hold, read by `(status, _id)`."""
