@@ -10,6 +10,7 @@ from jobplane.model import RunStatus
 from jobplane.runs import RunRequest, RunService
 from jobplane.runs.waiting import Waiting
 from jobplane.settings import Settings
+from jobplane.templates import load_file
 from tests.conftest import sync_redis
 from tests.integration.conftest import Register
 from tests.integration.flow import peak, sampled, started, started_spans, until, workers
@@ -139,3 +140,29 @@ async def test_a_run_sent_back_by_its_rate_window_says_until_when(
     assert run.status == RunStatus.QUEUED and run.attempt == 0
     assert run.waiting_for is not None and run.waiting_for.reason == "rate_limit"
     assert run.waiting_for.detail.startswith("1 starts per 30 s; tries again at ")
+
+
+async def test_the_shipped_flow_control_template_runs(
+    backends: Backends, settings: Settings
+) -> None:
+    """`templates/partner_sync.yaml`: a key limit, maxRunning, a rate limit, round robin and a
+    lock, all at once, with the built-in handlers."""
+    spec = load_file(Path(__file__).parents[2] / "templates" / "partner_sync.yaml")
+    await backends.store.templates.register(spec)
+    service = RunService(backends.store, backends.queue)
+    ids = [
+        (
+            await service.create(
+                RunRequest(
+                    "partner_sync", "account", f"a{i % 2}", {"partner": p, "sleepSeconds": 0.1}
+                ),
+                "user:t",
+            )
+        )[0].id
+        for i in range(6)
+        for p in ("acme", "globex")
+    ]
+    async with running(backends, settings, scheduler=True):
+        runs = await settled(backends.store, ids, within=60)
+    assert {r.status for r in runs} == {RunStatus.SUCCEEDED}
+    assert {r.attempt for r in runs} == {1}

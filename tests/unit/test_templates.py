@@ -17,7 +17,11 @@ def test_shipped_templates_load() -> None:
         "multi_step_pipeline",
         "scheduled_report",
         "external_worker_task",
+        "partner_sync",
     }
+    sync = specs["partner_sync"]
+    assert (sync.concurrency_limit, sync.max_running, sync.fairness) == (2, 20, "round_robin")
+    assert sync.rate_limit is not None and sync.steps[0].locks[0].name == "partner-api"
     demo = specs["demo_long_task"]
     assert [s.id for s in demo.steps] == ["prepare", "execute", "finalize"]
     assert [s.cancelable for s in demo.steps] == [True, True, False]
