@@ -114,10 +114,16 @@ async def test_no_more_than_concurrency_limit_runs_of_a_key_are_active_across_wo
 
 
 async def test_cancel_previous_leaves_only_the_newest_running(
-    api: httpx.AsyncClient, backends: Backends, settings: Settings, register: Register
+    api: httpx.AsyncClient,
+    backends: Backends,
+    settings: Settings,
+    register: Register,
+    tmp_path: Path,
 ) -> None:
+    """Two worker processes and a scheduler: each newer run displaces the one before, and of
+    ten created at once only the newest goes on."""
     await register("sync", concurrencyPolicy="cancel_previous", steps=SLEEP, **KEYED)
-    async with running(backends, settings, scheduler=True):
+    async with workers(settings, tmp_path):
         first = (await api.post("/v1/runs", json=body(sleepSeconds=30))).json()
         await _until(backends, first["id"], RunStatus.RUNNING)
         second = (await api.post("/v1/runs", json=body(sleepSeconds=30))).json()

@@ -19,7 +19,7 @@ from pymongo.monitoring import CommandSucceededEvent as Succeeded
 
 from jobplane.api.auth import mint_key
 from jobplane.clock import ManualClock
-from jobplane.model import RunError, RunStatus
+from jobplane.model import LockWait, RunError, RunStatus
 from jobplane.queue.redis import RedisQueue
 from jobplane.runs import RunRequest, RunService
 from jobplane.scheduler import Scheduler
@@ -259,6 +259,69 @@ async def test_key_events_name_their_shard_key(
     for doc, autocommit in inserted:
         assert all(isinstance(doc.get(f), str) for f in shard_fields("job_events")), doc
         assert autocommit is False  # in a transaction
+
+
+async def test_flow_control_writes_name_their_shard_key_or_are_claims(
+    watched: tuple[MongoStore, Commands], queue: RedisQueue, clock: ManualClock
+) -> None:
+    """Flow control's writes to runs: a key's places taken and admitted, a claim under
+    `maxRunning` (its transaction's gate is an unsharded collection; its claim is the claim's
+    multi-document update by `_id`), a lock waited for and taken, and a queue's pause, whose
+    event names the shard key like any other."""
+    store, commands = watched
+    steps = [{"id": "call", "handler": "builtin.noop", "locks": [{"name": "api"}]}]
+    limited, _ = await store.templates.register(
+        template_spec(
+            "t_limited",
+            steps=steps,
+            concurrencyPolicy="queue_same_scope",
+            concurrencyLimit=2,
+            maxRunning=1,
+            rateLimit={"limit": 10, "periodSeconds": 1},
+        )
+    )
+    service = RunService(store, queue)
+    commands.sent.clear()
+    ids = [
+        (await service.create(RunRequest(limited.type, "user", "u1"), "user:a"))[0].id
+        for _ in range(3)
+    ]
+    runs = [await service.get(i) for i in ids]
+    assert [r.status for r in runs] == [RunStatus.QUEUED, RunStatus.QUEUED, RunStatus.PENDING]
+    [(first, lease)], held = await store.transitions.claim_limited(
+        runs[:2], "w1", LEASE, clock.now()
+    )
+    assert held == [runs[1]]
+    wait = LockWait(lock="api", holder="other", count=1)
+    assert not isinstance(await store.transitions.release(lease, lock_wait=wait), Lost)
+    [(_, lease)], _ = await store.transitions.claim_limited([first], "w1", LEASE, clock.now())
+    assert await store.leases.locks_taken(lease) is None
+    await store.transitions.complete(lease, 0, "call", None, None)
+    await service.lifecycle.admit_next(runs[2].dedupe_wait or "", "worker:w1")
+    assert (await service.get(ids[2])).status == RunStatus.QUEUED
+    await store.queues.set_paused("default", True, "user:a", "why")
+    await store.trail.flush()
+
+    kinds = set()
+    for event in commands.sent:
+        name, command = event.command_name, event.command
+        collection = command.get(name)
+        if collection not in SHARD_KEYS:
+            continue
+        fields = shard_fields(collection)
+        if name == "insert":
+            for doc in command["documents"]:
+                assert all(isinstance(doc.get(f), str) for f in fields), doc
+        elif name == "update":
+            for statement in command["updates"]:
+                if targeted(statement["q"], fields):
+                    kinds.add("targeted")
+                else:
+                    assert not statement.get("upsert") and is_claim(statement["u"]), statement
+                    kinds.add("claim")
+        elif name == "findAndModify":
+            assert targeted(command["query"], fields), command["query"]
+    assert kinds == {"targeted", "claim"}
 
 
 # -- indexes of earlier versions -----------------------------------------------------------------
