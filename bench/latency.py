@@ -31,7 +31,7 @@ import json
 import math
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import ClassVar
@@ -69,8 +69,19 @@ def line(values: Sequence[float]) -> str:
     return ", ".join(f"{label} {nearest_rank(values, q):.2f}" for label, q in quantiles) + " ms"
 
 
-async def open_loop(create: Create, rate: float, count: int) -> tuple[list[float], float]:
-    """Create runs 0..count-1 at `rate` a second on a fixed clock, none waiting for another.
+def request(i: int, sent: float) -> RunRequest:
+    """The i-th run, created at `sent` (epoch seconds)."""
+    return RunRequest("bench_latency", "system", "bench", {"i": i, "t": sent})
+
+
+async def open_loop(
+    create: Create,
+    rate: float,
+    count: int,
+    make: Callable[[int, float], RunRequest] = request,
+) -> tuple[list[float], float]:
+    """Create runs 0..count-1 (`make(i, sent)`) at `rate` a second on a fixed clock, none
+    waiting for another.
 
     Returns how long each create call took (seconds) and how late the latest call began
     after its arrival time (the producer's own lag; the figures do not include it)."""
@@ -80,7 +91,7 @@ async def open_loop(create: Create, rate: float, count: int) -> tuple[list[float
     async def one(i: int) -> None:
         sent = time.time()
         began = time.perf_counter()
-        await create(RunRequest("bench_latency", "system", "bench", {"i": i, "t": sent}))
+        await create(make(i, sent))
         calls[i] = time.perf_counter() - began
 
     start = time.perf_counter()
@@ -101,6 +112,10 @@ class Bench(throughput.Bench):
     def settings(self) -> Settings:
         return super().settings().model_copy(update={"handlers": [HANDLER_MODULE]})
 
+    def timed_request(self, i: int, sent: float) -> RunRequest:
+        """The i-th run of the open loop (bench/flow_control.py varies it)."""
+        return request(i, sent)
+
     async def measure(self) -> dict[str, float]:
         a = self.args
         warm, measured = round(a.rate * a.warmup), round(a.rate * a.seconds)
@@ -115,7 +130,7 @@ class Bench(throughput.Bench):
             await asyncio.sleep(0.5)  # let start-up settle so the workers are really idle
             before = await Counters.read(backends, settings, self.procs)
             began = time.perf_counter()
-            calls, lag = await open_loop(create, a.rate, count)
+            calls, lag = await open_loop(create, a.rate, count, self.timed_request)
             await self.wait_succeeded(backends, settings, count)
             seconds = time.perf_counter() - began
             after = await Counters.read(backends, settings, self.procs)

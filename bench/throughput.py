@@ -394,6 +394,10 @@ class Bench:
                     await backends.store.client.drop_database(settings.db)
                 await forget_redis(backends, settings)
 
+    def request(self) -> RunRequest:
+        """The next run the workloads create: `REQUEST` (bench/flow_control.py varies it)."""
+        return REQUEST
+
     def own_runs(self) -> dict[str, Any]:
         """The `job_runs` filter to the workload's runs (all of them unless `db` is kept)."""
         return {} if self.since is None else {"_id": {"$gte": self.since}}
@@ -416,7 +420,7 @@ class Bench:
         n, seq = self.args.runs, self.args.sequential_runs
         async with self.fresh() as (settings, backends, service):
             before = await Counters.read(backends, settings, self.procs)
-            seconds = await create_many(service, n, CALLERS)
+            seconds = await create_many(service, n, CALLERS, self.request)
             after = await Counters.read(backends, settings, self.procs)
             self.record(
                 f"create, {CALLERS} callers",
@@ -424,20 +428,21 @@ class Bench:
                 f"{n} runs in {seconds:.2f} s",
                 before.per_run(after, n, seconds),
             )
-            seconds = await create_many(service, seq, 1)
+            seconds = await create_many(service, seq, 1, self.request)
             self.record("create, sequential", seq / seconds, f"{seq} runs in {seconds:.2f} s")
 
     async def drain(self) -> None:
         n = self.args.runs
         async with self.fresh() as (settings, backends, service):
-            await create_many(service, n, CALLERS)
+            await create_many(service, n, CALLERS, self.request)
             spawned = datetime.now(UTC)
             self.procs.start(settings, "worker", self.args.workers)
             await self.procs.workers_ready()
             before = await Counters.read(backends, settings, self.procs)
             await self.wait_succeeded(backends, settings, n)
             after = await Counters.read(backends, settings, self.procs)
-            claim = {"type": "status_changed", "metadata.transition": "claim"}
+            claims = ["claim", "claim_limited"]  # runs without and with limits to pass
+            claim = {"type": "status_changed", "metadata.transition": {"$in": claims}}
             first = await Collections.of(backends.store.db).events.find_one(
                 claim | self.own_events(), sort=[("createAt", 1)]
             )
@@ -478,7 +483,7 @@ class Bench:
             await asyncio.sleep(0.5)  # let start-up settle so the workers are really idle
             before = await Counters.read(backends, settings, self.procs)
             started = datetime.now(UTC)
-            created = await closed_loop(lambda: create(REQUEST), n, CALLERS)
+            created = await closed_loop(lambda: create(self.request()), n, CALLERS)
             quiet = await self.wait_succeeded(backends, settings, n)
             after = await Counters.read(backends, settings, self.procs)
             last = await self.last_completed(backends)
@@ -548,11 +553,16 @@ class Quiet:
     counters: Counters
 
 
-async def create_many(service: RunService, n: int, callers: int) -> float:
-    """Create `n` runs from `callers` concurrent callers; returns the seconds it took, up to
-    the end of the work the creates left behind (event copies)."""
+async def create_many(
+    service: RunService,
+    n: int,
+    callers: int,
+    request: Callable[[], RunRequest] = lambda: REQUEST,
+) -> float:
+    """Create `n` runs (each `request()`) from `callers` concurrent callers; returns the
+    seconds it took, up to the end of the work the creates left behind (event copies)."""
     started = time.perf_counter()
-    await closed_loop(lambda: service.create(REQUEST, ACTOR), n, callers)
+    await closed_loop(lambda: service.create(request(), ACTOR), n, callers)
     await service.store.trail.flush()
     return time.perf_counter() - started
 

@@ -256,7 +256,11 @@ class Runner:
             raise _LockHeld(taken)
         held.locks.update(taken.tokens)
         if held.run.lock_wait is not None:
-            self._stop_if_lost(await self.lifecycle.locks_taken(at))
+            try:
+                self._stop_if_lost(await self.lifecycle.locks_taken(at))
+            except BaseException:
+                await self._let_go(held, wanted)  # the step will not run: nobody else waits
+                raise
             held.run = held.run.model_copy(update={"lock_wait": None})
         return wanted
 
@@ -320,8 +324,7 @@ class Runner:
             return lock, taken.tokens[lock], True
 
         async def release_lock(lock: str) -> None:
-            held.locks.pop(lock, None)
-            await self.locks.release([lock], owner, self.clock.now())
+            await self._let_go(held, [lock])
 
         mine = [lock_id(lock, held.run) for lock in step.locks]
         step_locks = {lock: held.locks[lock] for lock in mine if lock in held.locks}
