@@ -23,6 +23,10 @@ from tests.integration.conftest import (  # noqa: F401
 )
 from tests.ui.stack import CHROMIUM, CHROMIUM_MISSING, Stack, launch_chromium, running_stack
 
+# The worker serves a second queue, which the tests pause without holding back the runs of
+# the other tests (on `default`), even when a test fails before it resumes the queue.
+PAUSABLE_QUEUE = "ui_pausable"
+
 TEMPLATES = [
     {
         "type": "ui_steps",
@@ -74,6 +78,19 @@ TEMPLATES = [
         "steps": [{"id": "render", "handler": "ui.nobody"}],
     },
     {
+        # The templates on the queue the tests pause; no worker offers the second one's handler.
+        "type": "ui_pausable",
+        "name": "On a queue of its own",
+        "queue": PAUSABLE_QUEUE,
+        "steps": [{"id": "echo", "handler": "builtin.echo"}],
+    },
+    {
+        "type": "ui_pausable_unserved",
+        "name": "On a queue of its own, needs a handler no worker offers",
+        "queue": PAUSABLE_QUEUE,
+        "steps": [{"id": "render", "handler": "ui.nobody"}],
+    },
+    {
         "type": "ui_report",
         "name": "Report",
         "schedulable": True,
@@ -102,7 +119,8 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 def stack(
     mongo_url: str, redis_url: str, tmp_path_factory: pytest.TempPathFactory
 ) -> Iterator[Stack]:
-    with running_stack(mongo_url, redis_url, tmp_path_factory.mktemp("ui_logs")) as running:
+    logs = tmp_path_factory.mktemp("ui_logs")
+    with running_stack(mongo_url, redis_url, logs, ["default", PAUSABLE_QUEUE]) as running:
         with running.admin() as admin:
             for template in TEMPLATES:
                 response = admin.post("/v1/templates", json=template)

@@ -26,11 +26,14 @@ from tests.ui.stack import Stack, launch_chromium, running_stack
 ROOT = Path(__file__).resolve().parents[2]
 VIEWPORT = {"width": 1440, "height": 900}
 
-# Expires: its deadline (2 s) passes while its step still sleeps.
+# Expires: its deadline (2 s) passes while its step still sleeps. On a queue of its own, which
+# the Queues page's picture shows paused.
+EXPORTS_QUEUE = "exports"
 NIGHTLY_EXPORT = {
     "type": "nightly_export",
     "name": "Nightly export",
     "description": "Exports the day's orders to the warehouse.",
+    "queue": EXPORTS_QUEUE,
     "timeoutSeconds": 2,
     "payloadSchema": {"type": "object", "properties": {"sleepSeconds": {"type": "number"}}},
     "steps": [{"id": "export", "name": "Export orders", "handler": "builtin.sleep"}],
@@ -185,6 +188,17 @@ def screenshots(stack: Stack, out: Path, minutes: int) -> None:
         shoot(page, "schedules", out)
         page.goto(stack.dashboard + f"#/schedules/{schedule}")
         shoot(page, "schedule", out)
+        with stack.admin() as admin:
+            reason = {"reason": "warehouse maintenance until 18:00"}
+            admin.post(f"/v1/queues/{EXPORTS_QUEUE}/pause", json=reason).raise_for_status()
+            for scope in ("account:globex", "account:acme"):
+                run(admin, "nightly_export", scope, {"sleepSeconds": 1})
+        page.goto(stack.dashboard + "#/queues")
+        exports = page.get_by_role("row").filter(
+            has=page.get_by_role("cell", name=EXPORTS_QUEUE, exact=True)
+        )
+        exports.get_by_role("cell", name="2", exact=True).wait_for()  # both runs held
+        shoot(page, "queues", out, full=False)
         page.goto(stack.dashboard + "#/audit")
         page.get_by_role("button", name="Load more").wait_for(state="attached")
         shoot(page, "audit", out, full=False)
@@ -201,7 +215,9 @@ def main() -> None:
     with (
         tempfile.TemporaryDirectory(prefix="jobplane-shots-") as work,
         servers(Path(work)) as (mongo_url, redis_url),
-        running_stack(mongo_url, redis_url, Path(work) / "logs") as stack,
+        running_stack(
+            mongo_url, redis_url, Path(work) / "logs", ["default", EXPORTS_QUEUE]
+        ) as stack,
     ):
         screenshots(stack, args.out.resolve(), args.minutes)
 

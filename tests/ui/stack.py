@@ -6,7 +6,7 @@ Chromium driven by Playwright.
 import secrets
 import shutil
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
@@ -55,8 +55,11 @@ class Stack:
 
 
 @contextmanager
-def running_stack(mongo_url: str, redis_url: str, logs: Path) -> Iterator[Stack]:
-    """API, worker and scheduler processes until the block ends; their data is removed after."""
+def running_stack(
+    mongo_url: str, redis_url: str, logs: Path, queues: Sequence[str] = ("default",)
+) -> Iterator[Stack]:
+    """API, worker and scheduler processes until the block ends; their data is removed after.
+    The worker serves `queues`."""
     tag = secrets.token_hex(4)
     settings = Settings(
         mongodb_url=mongo_url,
@@ -66,6 +69,7 @@ def running_stack(mongo_url: str, redis_url: str, logs: Path) -> Iterator[Stack]
         admin_key=secrets.token_urlsafe(24),
         host="127.0.0.1",
         port=free_port(),
+        queues=list(queues),
         log_format="text",
         lease_seconds=5,
         heartbeat_seconds=1,

@@ -12,7 +12,7 @@ import httpx
 import pytest
 from playwright.sync_api import Locator, Page, expect
 
-from tests.ui.conftest import sign_in
+from tests.ui.conftest import PAUSABLE_QUEUE, sign_in
 from tests.ui.stack import Stack
 
 pytestmark = pytest.mark.timeout(120)
@@ -281,6 +281,153 @@ def test_bulk_rerun_of_dead_letters(page: Page, stack: Stack, scope_id: str) -> 
     with stack.admin() as admin:
         runs = admin.get("/v1/runs", params={"scopeId": scope_id, "limit": 10}).json()["items"]
     assert sorted(r["rerunOf"] for r in runs if r["rerunOf"]) == sorted(dead)
+
+
+def queue_row(page: Page, queue: str) -> Locator:
+    """The Queues page's row of `queue`, found anew at each look (the page redraws it)."""
+    rows = page.get_by_role("region", name="Queues").get_by_role("row")
+    return rows.filter(has=page.get_by_role("cell", name=queue, exact=True))
+
+
+def queue_cell(page: Page, queue: str, column: str) -> Locator:
+    columns = ["Queue", "Ready", "Delayed", "Running", "Oldest ready", "State"]
+    return queue_row(page, queue).get_by_role("cell").nth(columns.index(column))
+
+
+def queues_by_name(admin: httpx.Client) -> dict[str, dict[str, Any]]:
+    response = admin.get("/v1/queues")
+    assert response.status_code == 200, response.text
+    return {q["queue"]: q for q in response.json()["items"]}
+
+
+def test_pausing_a_queue_holds_its_runs_until_it_is_resumed(
+    page: Page, stack: Stack, scope_id: str
+) -> None:
+    sign_in(page, stack)
+    page.get_by_role("link", name="Queues", exact=True).click()
+    expect(page.get_by_role("heading", name="Queues", level=1)).to_be_visible()
+    # Every queue the stack's templates name; the pausable one holds nothing yet.
+    for name in ("default", PAUSABLE_QUEUE):
+        expect(queue_cell(page, name, "State")).to_have_text("active")
+    for column in ("Ready", "Delayed", "Running"):
+        expect(queue_cell(page, PAUSABLE_QUEUE, column)).to_have_text("0")
+    expect(queue_cell(page, PAUSABLE_QUEUE, "Oldest ready")).to_have_text("—")
+
+    queue_row(page, PAUSABLE_QUEUE).get_by_role(
+        "button", name=f"Pause queue {PAUSABLE_QUEUE}"
+    ).click()
+    dialog = page.get_by_role("dialog", name=f"Pause queue {PAUSABLE_QUEUE}?")
+    reason = dialog.get_by_label("Reason (optional)")
+    expect(reason).to_be_focused()
+    expect(reason).to_have_attribute("maxlength", "500")
+    reason.fill("incident 42: the warehouse is down")
+    dialog.get_by_role("button", name="Pause queue").click()
+    state = queue_cell(page, PAUSABLE_QUEUE, "State")
+    expect(state.locator("[data-status]")).to_have_text("paused")
+    expect(state).to_contain_text("by user:admin")
+    expect(state).to_contain_text("Reason: incident 42: the warehouse is down")
+    expect(page.locator("#queues-status")).to_have_text(
+        f"Queue {PAUSABLE_QUEUE} paused (incident 42: the warehouse is down): "
+        "none of its runs starts until it is resumed."
+    )
+    resume = queue_row(page, PAUSABLE_QUEUE).get_by_role(
+        "button", name=f"Resume queue {PAUSABLE_QUEUE}"
+    )
+    expect(resume).to_be_focused()
+    with stack.admin() as admin:
+        listed = queues_by_name(admin)
+        paused = listed[PAUSABLE_QUEUE]
+        assert (paused["paused"], paused["pausedBy"]) == (True, "user:admin")
+        assert paused["pauseReason"] == "incident 42: the warehouse is down"
+        assert paused["pausedAt"] is not None
+        assert listed["default"]["paused"] is False
+        run_id = create_run(admin, "ui_pausable", scope_id, note="held")
+    # The page refreshes itself: the new run shows as ready, and how long it has waited.
+    expect(queue_cell(page, PAUSABLE_QUEUE, "Ready")).to_have_text("1", timeout=15_000)
+    expect(queue_cell(page, PAUSABLE_QUEUE, "Oldest ready")).to_have_text(
+        re.compile(r"^\d+(\.\d)? (ms|s)$")
+    )
+
+    page.goto(f"{stack.dashboard}#/runs/{run_id}")
+    expect(run_status(page)).to_have_text("queued")
+    note = page.get_by_role("region", name="Progress").get_by_role("status")
+    expect(note).to_have_attribute("data-reason", "queue_paused")
+    expect(note).to_have_text(
+        f"Its queue {PAUSABLE_QUEUE} is paused: the run starts once the queue is resumed. "
+        "See the queues."
+    )
+    note.get_by_role("link", name="See the queues.").click()
+    queue_row(page, PAUSABLE_QUEUE).get_by_role(
+        "button", name=f"Resume queue {PAUSABLE_QUEUE}"
+    ).click()
+    expect(queue_cell(page, PAUSABLE_QUEUE, "State")).to_have_text("active")
+    expect(page.locator("#queues-status")).to_have_text(
+        f"Queue {PAUSABLE_QUEUE} resumed: its runs start again."
+    )
+    with stack.admin() as admin:
+        resumed = queues_by_name(admin)[PAUSABLE_QUEUE]
+    assert (resumed["paused"], resumed["pausedBy"], resumed["pauseReason"]) == (False, None, None)
+
+    page.goto(f"{stack.dashboard}#/runs/{run_id}")
+    expect(run_status(page)).to_have_text("succeeded", timeout=15_000)
+    expect(page.get_by_role("region", name="Progress").get_by_role("status")).to_have_count(0)
+
+    # The audit trail has both, by queue name, each linking to the Queues page.
+    page.goto(f"{stack.dashboard}#/audit?jobId={PAUSABLE_QUEUE}")
+    events = page.get_by_role("region", name="Events")
+    rows = events.get_by_role("row")
+    paused_row = rows.filter(has_text="queue_paused").filter(has_text="incident 42")
+    expect(paused_row).to_contain_text("user:admin")
+    expect(paused_row.get_by_role("link", name=PAUSABLE_QUEUE)).to_have_attribute(
+        "href", "#/queues"
+    )
+    expect(rows.filter(has_text="queue_resumed").first).to_be_visible()
+
+
+def test_an_open_run_page_says_when_its_queue_is_paused_and_resumed(
+    page: Page, stack: Stack, scope_id: str
+) -> None:
+    # Why a run waits is not stored, so the run's version does not move when its queue is
+    # paused: the open page must notice all the same.
+    with stack.admin() as admin:
+        run_id = create_run(admin, "ui_pausable_unserved", scope_id)
+    sign_in(page, stack)
+    page.goto(f"{stack.dashboard}#/runs/{run_id}")
+    note = page.get_by_role("region", name="Progress").get_by_role("status")
+    expect(note).to_have_attribute("data-reason", "handler")
+    try:
+        with stack.admin() as admin:
+            paused = admin.post(f"/v1/queues/{PAUSABLE_QUEUE}/pause", json={"reason": "test"})
+            assert paused.status_code == 200, paused.text
+        expect(note).to_have_attribute("data-reason", "queue_paused", timeout=10_000)
+        expect(note).to_contain_text(f"Its queue {PAUSABLE_QUEUE} is paused")
+        with stack.admin() as admin:
+            assert admin.post(f"/v1/queues/{PAUSABLE_QUEUE}/resume").status_code == 200
+        expect(note).to_have_attribute("data-reason", "handler", timeout=10_000)
+        expect(run_status(page)).to_have_text("queued")
+    finally:
+        # The queue as the other tests expect it: active and empty.
+        with stack.admin() as admin:
+            admin.post(f"/v1/queues/{PAUSABLE_QUEUE}/resume")
+            admin.post(f"/v1/runs/{run_id}/cancel", json={})
+
+
+def test_a_key_that_may_not_read_queues_has_no_queues_page(
+    page: Page, stack: Stack, scope_id: str
+) -> None:
+    with stack.admin() as admin:
+        body = {"name": f"auditor-{scope_id}", "role": "auditor"}
+        key = admin.post("/v1/api-keys", json=body).json()["key"]
+    sign_in(page, stack, key)
+    nav = page.get_by_role("navigation", name="Main")
+    expect(nav.get_by_role("link", name="Audit", exact=True)).to_be_visible()
+    expect(nav.get_by_role("link", name="Queues", exact=True)).to_have_count(0)
+    # By its address, the page says what the API answered.
+    page.goto(f"{stack.dashboard}#/queues")
+    refusal = page.get_by_role("alert")
+    expect(refusal).to_contain_text("Forbidden")
+    expect(refusal).to_contain_text("may not use queues:read")
+    expect(page.get_by_role("button", name=re.compile("^(Pause|Resume) queue"))).to_have_count(0)
 
 
 def test_every_page_renders_and_the_audit_exports_csv(

@@ -213,11 +213,12 @@ export function toast(message, kind = "info") {
   setTimeout(() => note.remove(), kind === "error" ? 8000 : 4000);
 }
 
-// A modal confirmation; resolves to {ok, reason}. `reason` asks for an optional text.
+// A modal confirmation; resolves to {ok, reason}. `reason` asks for an optional text, at most
+// `reason.maxLength` characters (the API's limit for it).
 export function confirmDialog({ title, message, confirmLabel = "Confirm", danger = false, reason = null }) {
   return new Promise((resolve) => {
     const reasonInput = reason
-      ? h("input", { type: "text", id: "confirm-reason", maxlength: 1000, placeholder: reason.placeholder || "" })
+      ? h("input", { type: "text", id: "confirm-reason", maxlength: reason.maxLength || 1000, placeholder: reason.placeholder || "" })
       : null;
     const confirm = h("button", { type: "submit", class: ["btn", danger ? "danger solid" : "primary"], value: "ok" }, confirmLabel);
     // Not a submit button, so Enter in the reason field confirms rather than cancels.

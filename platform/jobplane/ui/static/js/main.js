@@ -7,6 +7,7 @@ import { clear, errorBox, fill, h, loading } from "./dom.js";
 import * as audit from "./pages/audit.js";
 import * as failed from "./pages/failed.js";
 import * as overview from "./pages/overview.js";
+import * as queues from "./pages/queues.js";
 import * as run from "./pages/run.js";
 import * as runs from "./pages/runs.js";
 import * as schedules from "./pages/schedules.js";
@@ -23,6 +24,9 @@ const ROUTES = [
   { path: /^\/schedules$/, render: schedules.renderList, nav: "schedules", needs: "schedules:read" },
   { path: /^\/schedules\/new$/, render: schedules.renderCreate, nav: "schedules", needs: "schedules:write" },
   { path: /^\/schedules\/([^/]+)$/, render: schedules.renderDetail, nav: "schedules", needs: "schedules:read" },
+  // Not gated here: a key that may not read queues gets the API's own refusal, which names
+  // the permission it lacks.
+  { path: /^\/queues$/, render: queues.render, nav: "queues" },
   { path: /^\/audit$/, render: audit.render, nav: "audit", needs: "events:read" },
 ];
 
@@ -32,6 +36,7 @@ const NAV = [
   ["failed", "Failed", "#/failed", "runs:read"],
   ["templates", "Templates", "#/templates", "templates:read"],
   ["schedules", "Schedules", "#/schedules", "schedules:read"],
+  ["queues", "Queues", "#/queues", "queues:read"],
   ["audit", "Audit", "#/audit", "events:read"],
 ];
 

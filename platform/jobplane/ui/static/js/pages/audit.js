@@ -10,7 +10,7 @@ const TEXT_FILTERS = ["jobId", "type", "scopeId", "actor"];
 const PLACEHOLDERS = { jobId: "an id", type: "e.g. status_changed", scopeId: "e.g. user_123", actor: "e.g. user:alice, scheduler" };
 const EVENT_TYPES = [
   "created", "status_changed", "step_started", "step_finished", "progress", "cancel_requested",
-  "lease_expired", "stale_write_rejected", "fire_skipped",
+  "lease_expired", "stale_write_rejected", "fire_skipped", "queue_paused", "queue_resumed",
 ];
 
 // datetime-local text is the browser's wall clock; the API wants an instant with an offset.
@@ -108,7 +108,7 @@ export async function render(ctx) {
   const results = h("section", { class: "card", "aria-label": "Events" },
     h("div", { class: "form-actions" }, count, h("span", { class: "spacer" }), exportButton),
     h("div", { class: "table-wrap" }, h("table", { class: "dense" },
-      h("thead", {}, h("tr", {}, ["Time", "Type", "Run / schedule / key", "Move", "Actor", "Scope", "Message and details"].map((c) => h("th", { scope: "col" }, c)))),
+      h("thead", {}, h("tr", {}, ["Time", "Type", "Run / schedule / queue / key", "Move", "Actor", "Scope", "Message and details"].map((c) => h("th", { scope: "col" }, c)))),
       body)),
     h("div", { class: "pager" }, more));
   fill(ctx.main,
@@ -119,9 +119,11 @@ export async function render(ctx) {
   await load();
 }
 
-// What an event is about: a run, a schedule (fire_*), or an API key (api_key_*, no page of its own).
+// What an event is about: a run, a schedule (fire_*), a queue (queue_*, by its name) or an API
+// key (api_key_*, no page of its own).
 function subject(e) {
   if (e.type.startsWith("fire_")) return h("a", { href: `#/schedules/${encodeURIComponent(e.jobId)}`, class: "mono" }, e.jobId);
+  if (e.type.startsWith("queue_")) return h("a", { href: "#/queues", class: "mono" }, e.jobId);
   if (e.type.startsWith("api_key_")) return h("span", { class: "mono" }, e.jobId);
   return runLink(e.jobId);
 }

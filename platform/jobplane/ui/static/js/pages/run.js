@@ -22,6 +22,10 @@ export async function render(ctx) {
     if (fresh.version !== run.version) {
       const trail = await get(`/v1/runs/${encodeURIComponent(id)}/events`, {}, { signal: ctx.signal });
       view.update(fresh, trail);
+    } else if (JSON.stringify(fresh.waitingFor) !== JSON.stringify(run.waitingFor)) {
+      // Why a run waits is not stored, so it changes without the run's version: a queue
+      // paused or resumed, a worker that came or went.
+      view.update(fresh);
     }
     run = fresh;
     // A finished run does not change again; its page stops asking.
@@ -235,11 +239,19 @@ class RunView {
 // Why a run that could start does not (`waitingFor`), said where the progress would be.
 function waitingNote(run) {
   const { reason, detail } = run.waitingFor;
-  const said = reason === "handler"
-    ? ["No live worker on queue ", h("code", {}, run.queue), " offers handler ", h("code", {}, detail),
-      ": the run starts once one does."]
-    : ["Waits for the run holding its dedupe key ", h("code", {}, detail), " to end."];
-  return h("p", { class: "waiting", role: "status", "data-reason": reason }, ...said);
+  const queue = h("code", {}, run.queue);
+  const said = {
+    queue_paused: () => ["Its queue ", queue, " is paused: the run starts once the queue is resumed.",
+      session.can("queues:read") ? [" ", h("a", { href: "#/queues" }, "See the queues.")] : null],
+    handler: () => ["No live worker on queue ", queue, " offers handler ", h("code", {}, detail),
+      ": the run starts once one does."],
+    concurrency: () => ["Waits for the run holding its dedupe key ", h("code", {}, detail), " to end."],
+    max_running: () => [`Held back by its template's maxRunning (${detail}): the run starts when one of them ends.`],
+    lock: () => [`Waits for a lock its step needs (${detail}): the run starts once it is let go.`],
+    rate_limit: () => [`Held back by its template's rate limit (${detail}).`],
+  }[reason];
+  // A reason newer than this page is still said, in the API's words.
+  return h("p", { class: "waiting", role: "status", "data-reason": reason }, ...(said ? said() : [`Waiting (${reason}): ${detail}.`]));
 }
 
 function errorCard(error) {
