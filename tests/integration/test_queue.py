@@ -12,8 +12,9 @@ from jobplane.backends import Backends
 from jobplane.clock import ManualClock
 from jobplane.model import RunStatus
 from jobplane.queue.connect import RedisClient
-from jobplane.queue.redis import QueueEntry, RedisQueue
+from jobplane.queue.redis import Blocked, QueueEntry, RedisQueue, Taken
 from jobplane.runs import RunRequest, RunService
+from jobplane.runs.admission.locks import Locks
 from jobplane.scheduler import Scheduler
 from jobplane.settings import Settings
 from jobplane.store import MongoStore
@@ -319,3 +320,58 @@ async def test_a_redis_without_the_pauses_pops_nothing_until_they_are_loaded(
     assert await queue.redis.zcard(queue.keys.queue("q")) == 3, "the wait put its run back"
     await queue.mirror_pauses([], complete=True)
     assert (await queue.pop(["q"], 10, now)).run_ids == _ids(3)
+
+
+async def test_locks_are_taken_together_renewed_and_let_go_to_their_oldest_waiter(
+    queue: RedisQueue, store: MongoStore
+) -> None:
+    """The locks' keys, token counter and waiters share a slot: one script takes several
+    locks, gives tokens, and wakes a waiter, on a cluster as on one server."""
+    locks = Locks(store, queue, ttl_seconds=5)
+    now = store.clock.now()
+    first = await locks.take(["a", "b:[1]"], "run-1:lease")
+    assert isinstance(first, Taken) and first.tokens["a"] < first.tokens["b:[1]"]
+    assert await locks.take(["c", "a"], "run-2:lease") == Blocked("a", "run-1:lease")
+    waiter = QueueEntry(_ids(1)[0], "q", 0, now + timedelta(seconds=30), "h")
+    await queue.push([waiter], now)
+    await queue.wait_for_lock("a", waiter, now)
+    assert await locks.renew(["a", "b:[1]"], "run-1:lease") == set()
+    await locks.release(["a", "b:[1]"], "run-1:lease", now)
+    popped = await queue.pop(["q"], 5, now, handlers=["h"])
+    assert popped.run_ids == [waiter.run_id], "woken at once, out of its delayed set"
+    second = await locks.take(["c", "a"], "run-2:lease")
+    assert isinstance(second, Taken) and min(second.tokens.values()) > first.tokens["b:[1]"]
+
+
+async def test_rate_windows_and_held_runs(queue: RedisQueue, store: MongoStore) -> None:
+    now = store.clock.now()
+    window = ("run", '["t"]', 2, 1.0)
+    taken = await queue.rate_take([(f"r{i}", *window[1:]) for i in range(4)], now)
+    assert taken[:2] == [None, None] and all(t is not None and t > now for t in taken[2:])
+    assert taken[2] is not None and taken[3] is not None and taken[3] > taken[2], "spread"
+    await queue.rate_return([("r0", '["t"]')])
+    assert await queue.rate_take([("r9", '["t"]', 2, 1.0)], now) == [None]
+    held = [QueueEntry(i, "q", p, capped="capped") for i, p in zip(_ids(3), (0, 5, 0), strict=True)]
+    await queue.hold(held)
+    assert await queue.missing(held) == []
+    assert await queue.holding(held) == {e.run_id for e in held}
+    assert await queue.held_counts() == {"capped": 3}
+    assert await queue.release_held("capped", 2, now) == 2
+    popped = await queue.pop(["q"], 5, now)
+    assert popped.run_ids == [held[1].run_id, held[0].run_id], "priority, then age"
+    assert await queue.holding(held) == {held[2].run_id}
+
+
+async def test_a_pop_says_which_runs_have_limits(queue: RedisQueue, store: MongoStore) -> None:
+    now = store.clock.now()
+    plain, limited = (QueueEntry(i, "q", 0) for i in _ids(2))
+    limited = QueueEntry(limited.run_id, "q", 0, limited=True)
+    later = QueueEntry(_ids(1, 9)[0], "q", 0, now + timedelta(seconds=5), limited=True)
+    await queue.push([plain, limited, later], now)
+    assert await queue.missing([plain, limited, later]) == []
+    popped = await queue.pop(["q"], 5, now + timedelta(seconds=6))
+    assert popped.run_ids == [plain.run_id, limited.run_id, later.run_id]
+    assert popped.limited == {limited.run_id, later.run_id}
+    await queue.push([limited], now)
+    await queue.remove(limited)
+    assert await queue.missing([limited]) == [limited]

@@ -113,10 +113,10 @@ class Keys:
 
     def lock_waiters(self, lock_id: str) -> str:
         """Runs handed back because another run held the lock: a sorted set, member the run's
-        queue entry, score when it was handed back. When the lock is let go, the oldest goes
-        back to its lane at once, rather than at the end of its back-off."""
-        digest = hashlib.sha1(lock_id.encode(), usedforsecurity=False).hexdigest()[:24]
-        return f"{self.prefix}jobs:lockwait:{{{self.prefix}queues}}:{digest}"
+        queue entry, score when it was handed back. Letting go of the lock takes the oldest
+        (in the same script, so it shares the locks' tag), which goes back to its lane at once,
+        rather than at the end of its back-off."""
+        return f"{self.prefix}jobs:lockwait:{{{self.prefix}locks}}:{lock_id}"
 
     @property
     def scheduler_lock(self) -> str:

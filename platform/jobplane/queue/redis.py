@@ -97,23 +97,51 @@ class QueueEntry:
     # The template whose `maxRunning` the run counts against, if it has one: a claim over it
     # holds the run back, and it goes back to its lane as the template's runs end.
     capped: str | None = None
+    # The run has limits to pass as it starts (`maxRunning`, `rateLimit`): its member says so,
+    # so that the worker that pops it claims it under them without trying the plain claim.
+    limited: bool = False
 
     @classmethod
     def of(cls, run: Run) -> "QueueEntry":
         group = f"{run.scope}:{run.scope_id}" if run.fairness == "round_robin" else None
         capped = run.template_type if run.max_running is not None else None
-        return cls(run.id, run.queue, run.priority, run.not_before, run.handler, group, capped)
+        limited = capped is not None or run.rate is not None
+        return cls(
+            run.id, run.queue, run.priority, run.not_before, run.handler, group, capped, limited
+        )
+
+    @property
+    def member(self) -> str:
+        """The run in a ready, delayed or bell set: its id, marked when it has limits."""
+        return f"{self.run_id}{LIMITED}" if self.limited else self.run_id
 
     def held(self) -> str:
-        """The entry as a member of its template's held runs: ready (no `notBefore`), its id
-        first, so that members of one priority sort by age."""
-        parts = [self.run_id, self.priority, self.queue, self.handler, self.group, self.capped]
+        """The entry as a member of its template's held runs or of a lock's waiters: ready (no
+        `notBefore`), its id first, so that members of one priority sort by age."""
+        parts = [
+            self.run_id,
+            self.priority,
+            self.queue,
+            self.handler,
+            self.group,
+            self.capped,
+            self.limited,
+        ]
         return json.dumps(parts, separators=(",", ":"))
 
     @classmethod
     def unheld(cls, member: str) -> "QueueEntry":
-        run_id, priority, queue, handler, group, capped = json.loads(member)
-        return cls(run_id, queue, priority, None, handler, group, capped)
+        run_id, priority, queue, handler, group, capped, limited = json.loads(member)
+        return cls(run_id, queue, priority, None, handler, group, capped, limited)
+
+
+# What marks a member of a run with limits to pass as it starts (no run id holds it).
+LIMITED = "+"
+
+
+def run_of(member: str) -> tuple[str, bool]:
+    """A ready set's member as the run id and whether the run has limits."""
+    return (member[:-1], True) if member.endswith(LIMITED) else (member, False)
 
 
 @dataclass(frozen=True)
@@ -138,6 +166,8 @@ class Popped:
     # False while Redis holds no copy of the queues' pauses (new, or wiped): nothing was popped,
     # and the caller loads the copy from MongoDB (`mirror_pauses`) before it pops again.
     mirrored: bool = True
+    # Those of `run_ids` whose runs have limits to pass as they start.
+    limited: frozenset[str] = frozenset()
 
 
 @dataclass(frozen=True)
@@ -211,16 +241,16 @@ class RedisQueue:
         placed: list[_Placed | _Entered] = []
         for e in entries:
             if e.not_before is not None and e.not_before > now:
-                member = delayed_member(e.run_id, e.priority, self._group(e))
+                member = delayed_member(e.member, e.priority, self._group(e))
                 key = self.keys.delayed(e.queue, e.handler)
                 placed.append((e.queue, e.handler, key, member, epoch_ms(e.not_before)))
             elif e.group is not None:
                 ring, bell = self.keys.ring(e.queue, e.handler), self.keys.bell(e.queue, e.handler)
                 group = self.keys.group(e.queue, e.handler, e.group)
-                placed.append((e.queue, e.handler, ring, group, bell, e.run_id, e.priority))
+                placed.append((e.queue, e.handler, ring, group, bell, e.member, e.priority))
             else:
                 key = self.keys.queue(e.queue, e.handler)
-                placed.append((e.queue, e.handler, key, e.run_id, -e.priority))
+                placed.append((e.queue, e.handler, key, e.member, -e.priority))
         if placed:
             await self._pushes.submit(placed)
 
@@ -330,7 +360,7 @@ class RedisQueue:
             replies[0] if blocking else None,
             replies[-1],
         )
-        ids = [_text(v) for v in popped]
+        members = [_text(v) for v in popped]
         paused_now = frozenset(_text(q) for q in paused_now)
         if waited:
             key, member, score = _text(waited[0]), _text(waited[1]), waited[2]
@@ -339,15 +369,17 @@ class RedisQueue:
                 # A fair run's bell only woke this worker (the run is still in its group,
                 # unless the pop took it), or the queue may not be popped (paused since the
                 # last answer, or Redis has no copy of the pauses): the member goes back.
-                if member not in ids:
+                if member not in members:
                     await self.redis.zadd(key, {member: score})
             else:
-                ids.insert(0, member)
-        elif block_seconds > 0 and n > 0 and not waiting and not ids:
+                members.insert(0, member)
+        elif block_seconds > 0 and n > 0 and not waiting and not members:
             await asyncio.sleep(block_seconds)  # every queue paused: wait as a pop would
         due = int(float(_text(due_text))) if due_text else None
         next_due = datetime.fromtimestamp(due / 1000, now.tzinfo) if due is not None else None
-        return Popped(ids, next_due, paused_now, bool(mirrored))
+        runs = [run_of(m) for m in members]
+        limited = frozenset(run_id for run_id, has in runs if has)
+        return Popped([run_id for run_id, _ in runs], next_due, paused_now, bool(mirrored), limited)
 
     def _bells(self, lanes: Sequence[tuple[str, str | None]]) -> set[str]:
         return {self.keys.bell(q, h) for q, h in lanes}
@@ -373,10 +405,10 @@ class RedisQueue:
     async def remove(self, entry: QueueEntry) -> None:
         """Take a run out of its lane, ready or delayed, or out of its template's held runs."""
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.zrem(self._ready(entry), entry.run_id)
+            pipe.zrem(self._ready(entry), entry.member)
             pipe.zrem(self.keys.delayed(entry.queue, entry.handler), self._delayed(entry))
             if entry.group is not None:
-                pipe.zrem(self.keys.bell(entry.queue, entry.handler), entry.run_id)
+                pipe.zrem(self.keys.bell(entry.queue, entry.handler), entry.member)
             if entry.capped is not None:
                 pipe.zrem(self.keys.held(entry.capped), entry.held())
             await pipe.execute()
@@ -387,7 +419,7 @@ class RedisQueue:
         template's held runs."""
         async with self.redis.pipeline(transaction=False) as pipe:
             for e in entries:
-                pipe.zscore(self._ready(e), e.run_id)
+                pipe.zscore(self._ready(e), e.member)
                 pipe.zscore(self.keys.delayed(e.queue, e.handler), self._delayed(e))
                 if e.capped is not None:
                     pipe.zscore(self.keys.held(e.capped), e.held())
@@ -486,7 +518,7 @@ class RedisQueue:
         return self.keys.queue(entry.queue, entry.handler)
 
     def _delayed(self, entry: QueueEntry) -> str:
-        return delayed_member(entry.run_id, entry.priority, self._group(entry))
+        return delayed_member(entry.member, entry.priority, self._group(entry))
 
     # -- what the lanes hold ---------------------------------------------------------------------
 
@@ -515,7 +547,7 @@ class RedisQueue:
                 key, after, "+inf", start=0, num=1, withscores=True
             ):
                 member, score = cast(tuple[bytes, float], head[0])
-                if ObjectId.is_valid(run_id := _text(member)):
+                if ObjectId.is_valid(run_id := run_of(_text(member))[0]):
                     times.append(ObjectId(run_id).generation_time)
                 after = f"({score}"
         return LaneDepth(plain + fair, due, delayed, min(times, default=None))
@@ -532,7 +564,8 @@ class RedisQueue:
     @_bounded
     async def release_scheduler_lock(self, owner: str) -> bool:
         """Let go of the lock if `owner` holds it."""
-        return bool(await self._unlock(keys=[self.keys.scheduler_lock], args=[owner]))
+        released = await self._unlock(keys=[self.keys.scheduler_lock], args=[owner, 0])
+        return bool(int(released[0]))
 
     # -- resource locks --------------------------------------------------------------------------
 
@@ -563,12 +596,19 @@ class RedisQueue:
         kept = await self._renew(keys=keys, args=[owner, int(ttl_seconds * 1000)])
         return {i for i, k in zip(lock_ids, kept, strict=True) if not int(k)}
 
-    @_bounded
-    async def release_locks(self, lock_ids: Sequence[str], owner: str) -> int:
-        """Let go of the locks `owner` holds; returns how many it held."""
-        if not lock_ids:
-            return 0
-        return int(await self._unlock(keys=[self.keys.lock(i) for i in lock_ids], args=[owner]))
+    async def release_locks(self, lock_ids: Sequence[str], owner: str, now: datetime) -> int:
+        """Let go of the locks `owner` holds, and put the run that waited longest for each back
+        in its lane, ready now; returns how many locks it held."""
+        keys = [*(self.keys.lock(i) for i in lock_ids), *map(self.keys.lock_waiters, lock_ids)]
+        async with _answered_within(self.timeout_seconds, "release_locks"):
+            reply = await self._unlock(keys=keys, args=[owner, 1])
+        woken = [QueueEntry.unheld(_text(member)) for member in reply[1:]]
+        if woken:
+            async with _answered_within(self.timeout_seconds, "wake lock waiters"):
+                for entry in woken:
+                    await self.remove(entry)  # out of the delayed set it waits in
+                await self.push(woken, now)
+        return int(reply[0])
 
     @_bounded
     async def lock_incarnation(self, candidate: str) -> str:
@@ -588,19 +628,6 @@ class RedisQueue:
     async def wait_for_lock(self, lock_id: str, entry: QueueEntry, since: datetime) -> None:
         """Note that `entry` waits for `lock_id`, to be woken when it is let go."""
         await self.redis.zadd(self.keys.lock_waiters(lock_id), {entry.held(): epoch_ms(since)})
-
-    async def wake_lock_waiter(self, lock_id: str, now: datetime) -> str | None:
-        """Put the run that has waited longest for `lock_id` back in its lane, ready now;
-        its id, or None when none waits."""
-        async with _answered_within(self.timeout_seconds, "wake_lock_waiter"):
-            taken = await self.redis.zpopmin(self.keys.lock_waiters(lock_id), 1)
-        members = cast(list[tuple[bytes, float]], taken)
-        if not members:
-            return None
-        entry = QueueEntry.unheld(_text(members[0][0]))
-        await self.remove(entry)  # out of the delayed set it waits in
-        await self.push([entry], now)
-        return entry.run_id
 
     @_bounded
     async def scheduler_lock(self) -> tuple[str | None, float]:

@@ -12,6 +12,7 @@ import logging
 import os
 import socket
 import time
+from collections.abc import Collection
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
@@ -182,15 +183,17 @@ class Worker:
                 due = popped.next_due or now + timedelta(seconds=self.settings.poll_seconds)
                 backlog = len(popped.run_ids) == free
                 if popped.run_ids:
-                    await self.claim(popped.run_ids)
+                    await self.claim(popped.run_ids, popped.limited)
             except Exception:
                 # MongoDB or Redis unreachable: back off, the runs wait safely where they are.
                 log.exception("claim failed; retrying")
                 await asyncio.sleep(self.settings.poll_seconds)
 
-    async def claim(self, run_ids: list[str]) -> None:
-        """Take the leases MongoDB grants among `run_ids` and start their runs."""
-        claimed = await self.lifecycle.starts.claim(run_ids, self.id, self.settings.lease_seconds)
+    async def claim(self, run_ids: list[str], limited: Collection[str] = ()) -> None:
+        """Take the leases MongoDB grants among `run_ids` (`limited`: those with limits to
+        pass as they start) and start their runs."""
+        seconds = self.settings.lease_seconds
+        claimed = await self.lifecycle.starts.claim(run_ids, self.id, seconds, limited)
         for run, lease in claimed:
             metrics.run_claimed(run)
             held = Held(run, lease)

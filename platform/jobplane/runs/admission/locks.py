@@ -65,9 +65,7 @@ class Locks:
 
     async def release(self, lock_ids: Sequence[str], owner: str, now: datetime) -> None:
         """Let go of the locks, and wake the run that waited longest for each."""
-        if await self.queue.release_locks(lock_ids, owner):
-            for lock_id in lock_ids:
-                await self.queue.wake_lock_waiter(lock_id, now)
+        await self.queue.release_locks(lock_ids, owner, now)
 
     def wait(self, run: Run, blocked: Blocked, now: datetime) -> tuple[LockWait, datetime]:
         """What the run, handed back for a lock held, waits with: the lock, and until when at

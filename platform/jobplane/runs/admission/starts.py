@@ -21,7 +21,7 @@ than the limit allows (at most one window's over-admission).
 """
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import replace
 from datetime import datetime
 
@@ -41,19 +41,27 @@ class Starts:
         self.clock = clock or store.clock
 
     async def claim(
-        self, run_ids: Sequence[str], worker_id: str, lease_seconds: float
+        self,
+        run_ids: Sequence[str],
+        worker_id: str,
+        lease_seconds: float,
+        limited: Collection[str] = (),
     ) -> list[tuple[Run, Lease]]:
         """Lease the runs among `run_ids` that may start, to `worker_id`: those without limits
         at once, those with limits once they pass them. The others are where they belong
         again (delayed by their rate window, or held back by `maxRunning`), or were not
-        claimable (cancelled, claimed by another worker)."""
-        claimed = await self.store.transitions.claim(run_ids, worker_id, lease_seconds)
-        if len(claimed) == len(run_ids):
-            return claimed
+        claimable (cancelled, claimed by another worker).
+
+        `limited` are the ids the pop said have limits; they skip the plain claim. A run whose
+        limits the pop did not know of (pushed before it had them) is found among the ids the
+        plain claim left, which are read only then."""
+        plain = [i for i in run_ids if i not in limited]
+        claimed = await self.store.transitions.claim(plain, worker_id, lease_seconds)
         won = {run.id for run, _ in claimed}
-        limited = await self.store.runs.limited([i for i in run_ids if i not in won])
-        if limited:
-            claimed += await self._claim_limited(limited, worker_id, lease_seconds)
+        rest = [i for i in run_ids if i not in won]
+        runs = await self.store.runs.limited(rest) if rest else []
+        if runs:
+            claimed += await self._claim_limited(runs, worker_id, lease_seconds)
         return claimed
 
     async def _claim_limited(
