@@ -370,7 +370,16 @@ class RedisQueue:
                 # unless the pop took it), or the queue may not be popped (paused since the
                 # last answer, or Redis has no copy of the pauses): the member goes back.
                 if member not in members:
-                    await self.redis.zadd(key, {member: score})
+                    async with self.redis.pipeline(transaction=False) as pipe:
+                        pipe.zadd(key, {member: score})
+                        if not stays and not members:
+                            # Woken for a fair run, and the pop after the wait took none (it
+                            # was asked for one less): pop now, rather than at the next call.
+                            args[1] = n
+                            _eval(pipe, self._pop_script, keys, args)
+                        again = await pipe.execute()
+                    if len(again) > 1:
+                        members = [_text(v) for v in again[1][0]]
             else:
                 members.insert(0, member)
         elif block_seconds > 0 and n > 0 and not waiting and not members:
