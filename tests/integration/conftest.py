@@ -100,6 +100,13 @@ async def client_for(backends: Backends, settings: Settings) -> AsyncIterator[Cl
 
 
 @pytest.fixture
+def api(client_for: Client, settings: Settings) -> httpx.AsyncClient:
+    """A client of the app that sends the admin key."""
+    assert settings.admin_key is not None
+    return client_for(settings.admin_key)
+
+
+@pytest.fixture
 async def url(settings: Settings, backends: Backends) -> AsyncIterator[str]:
     """The API served by uvicorn on a free port of 127.0.0.1."""
     port = free_port()

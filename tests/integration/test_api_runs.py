@@ -31,12 +31,6 @@ def run_body(type_: str = "t_noop", scope_id: str = "u1", **fields: Any) -> dict
     return {"templateType": type_, "scope": "user", "scopeId": scope_id, **fields}
 
 
-@pytest.fixture
-def api(client_for: Client, settings: Settings) -> httpx.AsyncClient:
-    assert settings.admin_key is not None
-    return client_for(settings.admin_key)
-
-
 async def register(api: httpx.AsyncClient, template: dict[str, Any]) -> None:
     response = await api.post("/v1/templates", json=template)
     assert response.status_code in (200, 201), response.text

@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
 from jobplane.backends import Backends
 from jobplane.model import TERMINAL, RunStatus
@@ -14,19 +13,13 @@ from jobplane.runs import RunRequest, RunService
 from jobplane.settings import Settings
 from tests.conftest import sync_redis
 from tests.integration.api_client import error_of
-from tests.integration.conftest import Client, Register
+from tests.integration.conftest import Register
 from tests.integration.db import raw
 from tests.integration.flow import peak, sampled, started, started_spans, until, workers
 from tests.integration.workers import running, settled
 
 KEYED = {"dedupeKeys": ["payload.partner"]}
 SLEEP = [{"id": "work", "handler": "builtin.sleep"}]
-
-
-@pytest.fixture
-def api(client_for: Client, settings: Settings) -> httpx.AsyncClient:
-    assert settings.admin_key is not None
-    return client_for(settings.admin_key)
 
 
 def body(partner: str = "acme", **payload: Any) -> dict[str, Any]:

@@ -38,12 +38,6 @@ async def ext_double(ctx: StepContext) -> dict[str, Any]:
     return {"doubled": 2 * ctx.outputs["fetch"]["n"]}
 
 
-@pytest.fixture
-def api(client_for: Client, settings: Settings) -> httpx.AsyncClient:
-    assert settings.admin_key is not None
-    return client_for(settings.admin_key)
-
-
 async def create(backends: Backends, payload: dict[str, Any]) -> str:
     service = RunService(backends.store, backends.queue)
     run, _ = await service.create(RunRequest("t_noop", "user", "u", payload), "user:a")

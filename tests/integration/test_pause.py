@@ -6,7 +6,6 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import pytest
 
 from jobplane.backends import Backends
 from jobplane.model import RunStatus
@@ -16,12 +15,6 @@ from tests.integration.api_client import error_of
 from tests.integration.conftest import Client, Register
 from tests.integration.flow import until, workers
 from tests.integration.workers import running, settled
-
-
-@pytest.fixture
-def api(client_for: Client, settings: Settings) -> httpx.AsyncClient:
-    assert settings.admin_key is not None
-    return client_for(settings.admin_key)
 
 
 def body(queue_template: str = "t_noop", **fields: Any) -> dict[str, Any]:
