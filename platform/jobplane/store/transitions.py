@@ -10,6 +10,7 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import replace
 from datetime import datetime, timedelta
+from functools import partial
 from typing import Any
 
 from bson import ObjectId
@@ -58,7 +59,7 @@ class MongoTransitionStore:
         oids = [oid for oid in map(object_id, run_ids) if oid]
         if not oids:
             return []
-        docs = await self._claimed("claim", oids, worker_id, lease_seconds, self._clock.now())
+        docs, _ = await self._claimed("claim", oids, worker_id, lease_seconds, self._clock.now())
         return await self._leased(docs, worker_id)
 
     async def claim_limited(
@@ -79,7 +80,7 @@ class MongoTransitionStore:
         held: list[Run] = []
         free = [oid for r in runs if r.max_running is None if (oid := object_id(r.id))]
         if free:
-            docs = await self._claimed("claim_limited", free, worker_id, lease_seconds, at)
+            docs, _ = await self._claimed("claim_limited", free, worker_id, lease_seconds, at)
             claimed += await self._leased(docs, worker_id)
         capped: dict[str, list[Run]] = {}
         for run in runs:
@@ -94,31 +95,61 @@ class MongoTransitionStore:
     async def _claim_capped(
         self, template_type: str, runs: Sequence[Run], worker_id: str, lease_seconds: float
     ) -> tuple[list[Doc], list[Run]]:
-        async def claim(session: AsyncClientSession) -> tuple[list[Doc], list[Run]]:
-            await self._db.gates.update_one(
-                {"_id": template_type}, {"$inc": {"claims": 1}}, upsert=True, session=session
-            )
-            # Read after the gate is ours: every claim that started runs before this one has
-            # committed, and their times come before this one's.
-            now = self._clock.now()
-            started = await self._db.runs.count_documents(
-                {"templateType": template_type, **rows.STARTED_CAPPED}, session=session
-            )
-            admitted: list[Run] = []
-            for run in runs:
-                assert run.max_running is not None
-                if started + len(admitted) < run.max_running:
-                    admitted.append(run)
-            over = [r for r in runs if r not in admitted]
-            oids = [oid for r in admitted if (oid := object_id(r.id))]
-            if not oids:
-                return [], over
-            claimed = await self._claimed(
-                "claim_limited", oids, worker_id, lease_seconds, now, session
-            )
-            return claimed, over
+        """Claim runs of one capped template in transactions (`_claim_fitting`): the claimed
+        runs' documents, and the runs the cap held back."""
+        fitting, held = list(runs), []
+        while fitting:
+            try:
+                docs = await transaction(
+                    self._client,
+                    self._db.runs.write_concern,
+                    partial(self._claim_fitting, template_type, fitting, worker_id, lease_seconds),
+                )
+            except _OverCap as over:
+                held += [r for r in fitting if r.id in over.held]
+                fitting = [r for r in fitting if r.id in over.fitting]
+                continue
+            return docs, held
+        return [], held
 
-        return await transaction(self._client, self._db.runs.write_concern, claim)
+    async def _claim_fitting(
+        self,
+        template_type: str,
+        runs: Sequence[Run],
+        worker_id: str,
+        lease_seconds: float,
+        session: AsyncClientSession,
+    ) -> list[Doc]:
+        """One transaction: write the template's gate, claim the runs, and count the template's
+        started runs in the read that brings the claimed ones back. All fit (as they do while
+        the cap is far): it commits. Some do not: `_OverCap` abandons it, writing nothing, and
+        says which fit, in the caller's order (priority, then age), for the next one.
+
+        Writing the gate first makes MongoDB serialize every claim of the template: of two at
+        once, one aborts on the write conflict and runs again, and then counts the other's."""
+        await self._db.gates.update_one(
+            {"_id": template_type}, {"$inc": {"claims": 1}}, upsert=True, session=session
+        )
+        # Read after the gate is ours: every claim that started runs before this one has
+        # committed, and their times come before this one's.
+        now = self._clock.now()
+        oids = [oid for r in runs if (oid := object_id(r.id))]
+        docs, started = await self._claimed(
+            "claim_limited", oids, worker_id, lease_seconds, now, session, template_type
+        )
+        # The count holds the runs just claimed: the others were started before them.
+        before = started - len(docs)
+        claimed = {str(d["_id"]) for d in docs}
+        fitting: list[str] = []
+        held: list[str] = []
+        for run in runs:
+            if run.id in claimed:
+                assert run.max_running is not None
+                fits = before + len(fitting) < run.max_running
+                (fitting if fits else held).append(run.id)
+        if held:
+            raise _OverCap(fitting, held)
+        return docs
 
     async def _claimed(
         self,
@@ -128,25 +159,40 @@ class MongoTransitionStore:
         lease_seconds: float,
         now: datetime,
         session: AsyncClientSession | None = None,
-    ) -> list[Doc]:
+        counting: str | None = None,
+    ) -> tuple[list[Doc], int]:
         """The claim row `name` over `oids`: the documents of the runs it leased, each with
-        only this claim's event in its trail (the rest is not the worker's to copy)."""
+        only this claim's event in its trail (the rest is not the worker's to copy), and, with
+        `counting`, that template's started capped runs, the leased ones included, counted in
+        the same read."""
         t = TRANSITIONS[name]
         token = secrets.token_hex(12)
         event_ids = [ObjectId() for _ in oids]
         until = now + timedelta(seconds=lease_seconds)
         claimable, take = rows.claiming(t, oids, event_ids, worker_id, token, until, now)
         await self._db.runs.update_many(claimable, take, session=session)
-        mine = {"$in": ["$$this._id", {"$literal": event_ids}]}
+        theirs = {"$in": ["$$this._id", {"$literal": event_ids}]}
+        leased = {"_id": {"$in": oids}, **held_by(worker_id, token)}
+        mine = [{"$set": {"trail": {"$filter": {"input": "$trail", "cond": theirs}}}}]
+        if counting is None:
+            cursor = await self._db.runs.aggregate([{"$match": leased}, *mine], session=session)
+            return await cursor.to_list(), 0
+        started = {"templateType": counting, **rows.STARTED_CAPPED}
         cursor = await self._db.runs.aggregate(
             [
-                {"$match": {"_id": {"$in": oids}, **held_by(worker_id, token)}},
-                {"$set": {"trail": {"$filter": {"input": "$trail", "cond": mine}}}},
+                {"$match": {"$or": [leased, started]}},
+                {
+                    "$facet": {
+                        "mine": [{"$match": leased}, *mine],
+                        "started": [{"$match": started}, {"$count": "n"}],
+                    }
+                },
             ],
             session=session,
         )
-        docs: list[Doc] = await cursor.to_list()
-        return docs
+        [facets] = await cursor.to_list()
+        count = facets["started"][0]["n"] if facets["started"] else 0
+        return facets["mine"], count
 
     async def _leased(self, docs: list[Doc], worker_id: str) -> list[tuple[Run, Lease]]:
         """The runs a claim leased, once it is durable; their claim events go to be copied."""
@@ -517,6 +563,16 @@ class MongoTransitionStore:
             lease.known = replace(state, status=t.target, version=state.version + 1)
         await self._trail.hand(trail)
         return Moved(run_id, state.status, t.target)
+
+
+class _OverCap(Exception):
+    """A claim under `maxRunning` claimed runs its cap has no room for: abandon it, and claim
+    the `fitting` ones (ids) again; the `held` ones wait."""
+
+    def __init__(self, fitting: list[str], held: list[str]) -> None:
+        super().__init__(f"{len(held)} runs over the cap")
+        self.fitting = fitting
+        self.held = held
 
 
 def _cancel_asked(now: datetime, actor: str, reason: str | None) -> Doc:
