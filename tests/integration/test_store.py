@@ -88,3 +88,11 @@ async def test_an_earlier_versions_indexes_are_replaced_without_a_gap(
     assert runs["ended"]["partialFilterExpression"] == {"completedAt": {"$exists": True}}
     assert "jobId_1_runVersion_1__id_1" not in await raw(store).events.index_information()
     assert await store.runs.get(run.id) is not None
+
+
+async def test_processes_starting_together_all_ensure_the_indexes(store: MongoStore) -> None:
+    """Workers, schedulers and API processes start at once on a new database: each makes the
+    collections and indexes, none fails because another made them first."""
+    await raw(store).gates.drop()
+    await asyncio.gather(*(store.ensure_indexes() for _ in range(4)))
+    assert "job_gates" in await store.db.list_collection_names()

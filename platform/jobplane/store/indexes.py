@@ -10,7 +10,7 @@ from typing import Any
 
 from pymongo import ASCENDING, DESCENDING, HASHED, AsyncMongoClient, IndexModel
 from pymongo.asynchronous.database import AsyncDatabase
-from pymongo.errors import OperationFailure
+from pymongo.errors import CollectionInvalid, OperationFailure
 
 from jobplane.store.types import NotSharded
 
@@ -180,7 +180,9 @@ async def ensure_indexes(db: AsyncDatabase[Doc]) -> None:
     # A claim under `maxRunning` writes its template's gate in a transaction, which on a
     # sharded cluster may not create the collection: it exists from the start.
     if "job_gates" not in await db.list_collection_names(filter={"name": "job_gates"}):
-        with contextlib.suppress(OperationFailure):  # another process created it first
+        # Another process created it first: pymongo's own look finds it (CollectionInvalid),
+        # or the server does (OperationFailure).
+        with contextlib.suppress(CollectionInvalid, OperationFailure):
             await db.create_collection("job_gates")
     for collection, names in _REPLACED_INDEXES.items():
         existing = await db[collection].index_information()
