@@ -11,8 +11,8 @@ import random
 import signal
 import subprocess
 from collections import Counter
-from collections.abc import AsyncIterator
-from contextlib import AsyncExitStack, asynccontextmanager
+from collections.abc import AsyncIterator, Iterator
+from contextlib import AsyncExitStack, asynccontextmanager, contextmanager
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
 from itertools import pairwise
@@ -66,15 +66,45 @@ TEMPLATES: list[Doc] = [
         "schedulable": True,
         "steps": [{"id": "only", "handler": "builtin.noop"}],
     },
+    # Flow control: two places per key (few keys: its runs are all in one account) and at most
+    # three runs started, so that runs wait for a place (`pending`, in MongoDB) and for a start
+    # (held back in Redis, which some faults wipe).
+    {
+        "type": "chaos_limited",
+        "concurrencyPolicy": "queue_same_scope",
+        "concurrencyLimit": 2,
+        "dedupeKeys": ["payload.group"],
+        "maxRunning": 3,
+        "steps": [{"id": "nap", "handler": "chaos.nap"}],
+    },
+    # Its second step holds a lock per partner (three of them), whatever the run's account.
+    {
+        "type": "chaos_locked",
+        "steps": [
+            {"id": "first", "handler": "builtin.echo"},
+            {
+                "id": "call",
+                "handler": "chaos.nap",
+                "locks": [{"name": "chaos-partner", "key": ["payload.partner"]}],
+            },
+        ],
+    },
 ]
 # The share of each template in a load, out of 100.
 MIX = [
-    ("chaos_quick", 40),
-    ("chaos_steps", 30),
-    ("chaos_flaky", 15),
+    ("chaos_quick", 30),
+    ("chaos_steps", 25),
+    ("chaos_flaky", 10),
     ("chaos_fatal", 5),
     ("chaos_once", 10),
+    ("chaos_limited", 10),
+    ("chaos_locked", 10),
 ]
+# How long the limited and the locked runs nap, whatever the load's `nap`: long enough that,
+# at the shortened load's pace, runs wait for a place, a start or a lock at times, and short
+# enough that the full load's backlog of them drains within its time.
+LIMITED_NAP = (0.3, 1.0)
+LOCKED_NAP = (0.1, 0.4)
 # A call the cluster could not take (503, or no answer) is retried with its idempotency key.
 RETRY_PAUSE = 0.2
 POLL = 0.1
@@ -201,10 +231,19 @@ class Load:
             payload["fatal"] = True
         if kind == "chaos_once":
             payload["key"] = f"k{self.rng.randrange(50)}"
+        scope_id = f"acct{i % 7}"
+        if kind == "chaos_limited":
+            # One account: its keys are few enough to be contended.
+            scope_id = "acct0"
+            payload["group"] = f"g{self.rng.randrange(2)}"
+            payload["napSeconds"] = round(self.rng.uniform(*LIMITED_NAP), 3)
+        if kind == "chaos_locked":
+            payload["partner"] = f"p{self.rng.randrange(3)}"
+            payload["napSeconds"] = round(self.rng.uniform(*LOCKED_NAP), 3)
         return {
             "templateType": kind,
             "scope": "account",
-            "scopeId": f"acct{i % 7}",
+            "scopeId": scope_id,
             "payload": payload,
             "idempotencyKey": f"chaos-{i}",
         }
@@ -258,6 +297,11 @@ def _error_shape(response: httpx.Response) -> bool:
     return isinstance(body, dict) and set(body.get("error", {})) == {"code", "message", "details"}
 
 
+def as_read() -> datetime:
+    """Now, as MongoDB's times are read: UTC without a zone."""
+    return datetime.now(UTC).replace(tzinfo=None)
+
+
 @dataclass
 class Stage:
     """A started cluster with its load and its database."""
@@ -267,6 +311,18 @@ class Stage:
     db: AsyncDatabase[Doc]
     redis: Redis
     began: datetime = field(default_factory=lambda: datetime.now(UTC))
+    # The windows of the faults that took locks from their holders, for the audit.
+    locks_lost: list[tuple[datetime, datetime]] = field(default_factory=list)
+
+    @contextmanager
+    def losing_locks(self) -> Iterator[None]:
+        """Mark what the block does as a fault that takes the steps' locks from their holders:
+        it wipes Redis, or keeps holders from renewing them for a lease length."""
+        began = as_read()
+        try:
+            yield
+        finally:
+            self.locks_lost.append((began, as_read()))
 
     async def unfinished(self) -> int:
         statuses = [s.value for s in ACTIVE]

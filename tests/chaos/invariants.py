@@ -3,22 +3,39 @@
 It reads every run with its trail (a run's events live in its `trail` as durably as the run;
 `job_events` holds copies, plus the `stale_write_rejected` events that change no run) and
 returns one line per violation. An empty list means the promise held: no run lost, none
-finished twice, none stuck.
+finished twice, none stuck, and no flow-control limit ever exceeded.
+
+The limits are checked over time, on the times the events record (`createAt`, each from its
+writer's clock: one machine's in these tests, kept to the millisecond by MongoDB). A span
+recorded from one event to another is open from its start up to, not including, its end: a
+holder's end and the start it made room for may fall in one millisecond, and no tolerance
+beyond that is needed, because each start below is stamped after the ends it relied on (each
+check says why).
 """
 
+import json
 from collections import Counter, defaultdict
-from collections.abc import Iterable
-from dataclasses import dataclass, field
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime
 from typing import Any
 
 from pymongo.asynchronous.database import AsyncDatabase
 
-from jobplane.model import ALLOWED, TERMINAL, RunStatus
+from jobplane.model import ALLOWED, LEASED, TERMINAL, RunStatus
+from jobplane.runs.admission.keys import lock_named
 
 Doc = dict[str, Any]
+# A run and its trail, in the order MongoDB wrote it.
+Trailed = tuple[Doc, list[Doc]]
+Templates = dict[tuple[str, int], Doc]
+# From when to when a fault was taking locks away from their holders (naive UTC, as MongoDB's
+# times are read).
+Window = tuple[datetime, datetime]
 # A step event must be written under the lease of the run's holder at that point.
 STEP_EVENTS = frozenset({"step_started", "step_finished"})
+ENDED = frozenset(s.value for s in TERMINAL)
+STARTED = frozenset(s.value for s in LEASED)
 
 
 @dataclass
@@ -29,6 +46,8 @@ class Audit:
     events: int = 0
     stale_writes: int = 0
     by_status: Counter[str] = field(default_factory=Counter)
+    # The most runs of each template with `maxRunning` started at once.
+    started_peak: dict[str, int] = field(default_factory=dict)
     violations: list[str] = field(default_factory=list)
 
 
@@ -36,14 +55,14 @@ async def audit(
     db: AsyncDatabase[Doc],
     accepted: Iterable[str] = (),
     now: datetime | None = None,
+    locks_lost: Sequence[Window] = (),
 ) -> Audit:
-    """Check every run in `db`; `accepted` are run ids the API acknowledged to a caller."""
+    """Check every run in `db`; `accepted` are run ids the API acknowledged to a caller,
+    `locks_lost` the windows of the faults that took locks from their holders (see
+    `lock_overlaps`)."""
     now = now or datetime.now(UTC)
     found = Audit()
-    steps_of = {
-        (t["type"], t["version"]): [s["id"] for s in t["steps"]]
-        async for t in db.job_templates.find({}, {"type": 1, "version": 1, "steps.id": 1})
-    }
+    templates = {(t["type"], t["version"]): t async for t in db.job_templates.find({})}
     copies: defaultdict[str, list[Doc]] = defaultdict(list)
     async for event in db.job_events.find({}):
         copies[event["jobId"]].append(event)
@@ -52,6 +71,7 @@ async def audit(
         async for run in collection.find({}):
             runs[str(run["_id"])] = run
 
+    trailed: list[Trailed] = []
     for run_id in accepted:
         if run_id not in runs:
             found.violations.append(f"run {run_id} was accepted by the API and is not stored")
@@ -69,10 +89,16 @@ async def audit(
             if e["type"] != "stale_write_rejected"
         ]
         events = sorted(trail.values(), key=lambda e: (e["runVersion"], e["_id"]))
-        steps = steps_of.get((run["templateType"], run["templateVersion"]))
+        trailed.append((run, events))
+        template = templates.get((run["templateType"], run["templateVersion"]))
+        steps = [s["id"] for s in template["steps"]] if template else None
         found.violations += [f"run {run_id}: {v}" for v in check_run(run, events, steps, now)]
     found.violations += [f"events of a run that does not exist: {run_id}" for run_id in copies]
     found.violations += _shared_keys(runs.values())
+    found.violations += over_concurrency_limit(trailed, templates)
+    found.violations += over_max_running(trailed)
+    found.started_peak = {t: peak(spans) for t, spans in started_spans(trailed).items()}
+    found.violations += lock_overlaps(trailed, templates, locks_lost)
     return found
 
 
@@ -163,8 +189,8 @@ def _scheduled_later(run: Doc, now: datetime) -> bool:
 
 
 def _shared_keys(runs: Iterable[Doc]) -> list[str]:
-    """No dedupe key with two active runs, no schedule fire time with two runs, and no
-    idempotency key with two runs."""
+    """No place of a dedupe key with two active runs, no schedule fire time with two runs, and
+    no idempotency key with two runs."""
     groups: dict[str, defaultdict[Any, list[str]]] = {
         "active dedupe key": defaultdict(list),
         "schedule fire": defaultdict(list),
@@ -172,7 +198,8 @@ def _shared_keys(runs: Iterable[Doc]) -> list[str]:
     }
     for run in runs:
         if (key := run.get("dedupeKey")) and run["status"] not in TERMINAL:
-            groups["active dedupe key"][key].append(str(run["_id"]))
+            place = (key, run.get("dedupeSlot") or 0)
+            groups["active dedupe key"][place].append(str(run["_id"]))
         if run.get("scheduleId") and run.get("scheduledFor"):
             fire = (run["scheduleId"], run["scheduledFor"])
             groups["schedule fire"][fire].append(str(run["_id"]))
@@ -185,3 +212,246 @@ def _shared_keys(runs: Iterable[Doc]) -> list[str]:
         for key, ids in group.items()
         if len(ids) > 1
     ]
+
+
+@dataclass(frozen=True)
+class Span:
+    """A stretch of a run's trail during which it held something: a place of a dedupe key, a
+    start under `maxRunning`, a lock. `end` None: it still holds it."""
+
+    run: str
+    start: datetime
+    end: datetime | None
+    # How many spans, this one included, may be open as it starts.
+    limit: int
+
+
+def crowded(spans: Iterable[Span]) -> Iterator[tuple[Span, list[Span]]]:
+    """Each span that started with more spans open than its limit, with the open spans.
+
+    Open means from the start up to, not including, the end; at one instant, ends come before
+    starts. A span that ends where it starts (a step whose start was written with its end)
+    is a point: it counts against the spans open around it, not against one that ends or
+    starts at that instant. Checking at starts is enough: only a start adds an open span.
+    """
+    edges: list[tuple[datetime, int, Span]] = []
+    for span in spans:
+        point = span.end is not None and span.end <= span.start
+        edges.append((span.start, 1 if point else 2, span))
+        if span.end is not None and not point:
+            edges.append((span.end, 0, span))
+    open_: list[Span] = []
+    for _, kind, span in sorted(edges, key=lambda edge: edge[:2]):
+        if kind == 0:
+            open_.remove(span)
+            continue
+        open_.append(span)
+        if len(open_) > span.limit:
+            yield span, list(open_)
+        if kind == 1:
+            open_.remove(span)
+
+
+def over_concurrency_limit(trailed: Iterable[Trailed], templates: Templates) -> list[str]:
+    """No dedupe key ever had more runs holding a place of it than its `concurrencyLimit`.
+
+    A run holds a place from its `created` event (created `queued`, with a key) or its
+    `dedupe_key_taken` event until the status change that ends it; the succeeded run of a
+    template that is not `repeatable` keeps it for good.
+
+    A key's place is taken by an insert or an update whose `now` was read before MongoDB's
+    unique index decided. For a key of several places the taker first reads which are free
+    (`store/runs.py`, `_free_place`), then its clock: its stamp follows the end of the holder
+    it replaced. A key of one place is taken by the write alone, which may have been in flight
+    while that holder ended, so its stamp may come first by as long as the write took; for
+    such a key the place counts from the run's next event, written by a process that read the
+    run, so after the place was taken.
+    """
+    keys: defaultdict[str, list[tuple[str, datetime, datetime | None]]] = defaultdict(list)
+    limits: defaultdict[str, int] = defaultdict(lambda: 1)
+    for run, events in trailed:
+        template = templates.get((run["templateType"], run["templateVersion"]))
+        if template is None or (key := _dedupe_key(run, template)) is None:
+            continue
+        limit = template.get("concurrencyLimit", 1)
+        held = _place_held(events, not template.get("repeatable", True), limit == 1)
+        if held is not None:
+            keys[key].append((str(run["_id"]), *held))
+            # A key's runs share its places whatever their version: each create looks among
+            # its own version's, so the largest limit bounds them all.
+            limits[key] = max(limits[key], limit)
+    bad = []
+    for key, held in keys.items():
+        if found := next(crowded(Span(*h, limit=limits[key]) for h in held), None):
+            span, open_ = found
+            holders = sorted(s.run for s in open_)
+            bad.append(
+                f"dedupe key {key}: {len(open_)} runs held a place at {span.start} "
+                f"(concurrencyLimit {limits[key]}): {holders}"
+            )
+    return bad
+
+
+def _place_held(
+    events: list[Doc], spent_on_success: bool, from_next: bool
+) -> tuple[datetime, datetime | None] | None:
+    """When the run held a place of its key, by its trail: None if it never took one."""
+    taken: int | None = None
+    for at, event in enumerate(events):
+        takes = event["type"] == "dedupe_key_taken"
+        takes |= event["type"] == "created" and event.get("to") == RunStatus.QUEUED
+        if taken is None and takes:
+            taken = at
+        elif taken is not None and event.get("to") in ENDED:
+            if event["to"] == RunStatus.SUCCEEDED and spent_on_success:
+                break
+            start = events[taken + 1] if from_next else events[taken]
+            return start["createAt"], event["createAt"]
+    if taken is None:
+        return None
+    if from_next and taken + 1 < len(events):
+        return events[taken + 1]["createAt"], None
+    return events[taken]["createAt"], None
+
+
+def _dedupe_key(run: Doc, template: Doc) -> str | None:
+    """The run's dedupe key, made as `runs/admission/keys.py` makes it; None if it has none."""
+    if template.get("concurrencyPolicy", "allow") == "allow" and template.get("repeatable", True):
+        return None
+    parts = [_value(run, part) for part in template.get("dedupeKeys", [])]
+    values = [run["templateType"], run["scope"], run["scopeId"], *parts]
+    return json.dumps(values, sort_keys=True, separators=(",", ":"))
+
+
+def over_max_running(trailed: Iterable[Trailed]) -> list[str]:
+    """No run of a template with `maxRunning` started while as many of its runs, or more, were
+    started (`running`, `waiting_worker`, `cancel_requested`).
+
+    Each run is held to its own `maxRunning`, copied from its version, rather than to the
+    smallest of the template's versions: a claim admits a run while the started runs of every
+    capped version, itself included, are within the run's own cap
+    (`transitions.claim_limited`), so a version that raised the cap may start runs past an
+    older version's. A claim reads its clock after taking the template's gate, so after every
+    end it counted out was written (and each end is stamped before it is written).
+    """
+    bad = []
+    for template_type, spans in started_spans(trailed).items():
+        if found := next(crowded(spans), None):
+            span, open_ = found
+            bad.append(
+                f"template {template_type}: {len(open_)} runs started at {span.start} "
+                f"(maxRunning {span.limit}): {sorted(s.run for s in open_)}"
+            )
+    return bad
+
+
+def started_spans(trailed: Iterable[Trailed]) -> dict[str, list[Span]]:
+    """By template, each stretch of its capped runs' trails from a move into the started
+    statuses to the move out of them, each limited by its run's `maxRunning`."""
+    templates: defaultdict[str, list[Span]] = defaultdict(list)
+    for run, events in trailed:
+        if (cap := run.get("maxRunning")) is None:
+            continue
+        spans = templates[run["templateType"]]
+        start: datetime | None = None
+        for event in events:
+            if "to" not in event:
+                continue
+            if event["to"] in STARTED and start is None:
+                start = event["createAt"]
+            elif event["to"] not in STARTED and start is not None:
+                spans.append(Span(str(run["_id"]), start, event["createAt"], cap))
+                start = None
+        if start is not None:
+            spans.append(Span(str(run["_id"]), start, None, cap))
+    return templates
+
+
+def peak(spans: list[Span]) -> int:
+    """The most spans open at one instant."""
+    most = 0
+    while next(crowded(replace(s, limit=most) for s in spans), None):
+        most += 1
+    return most
+
+
+def lock_overlaps(
+    trailed: Iterable[Trailed], templates: Templates, lost: Sequence[Window] = ()
+) -> list[str]:
+    """No two runs' steps ever held one lock at once: while a step whose `locks` name it
+    runs, no other step naming it does.
+
+    A step's run is recorded from when it began (below) to its `step_finished` event, whose
+    `now` is read after the handler returned and which is written before the step's locks
+    are let go; the next holder takes the lock after that and reads its start after it took
+    it. A run of a step cut short (its lease lost, its worker killed, a cancel acknowledged, a
+    lock lost) has no recorded end: it lets its locks go, or they expire, at a time MongoDB
+    does not know, and it is left out.
+
+    A lock lives in Redis under a lease its holder renews (`runs/admission/locks.py`): a fault
+    that wipes Redis, or keeps a holder from renewing for a lease length (a pause, a MongoDB
+    it cannot reach), gives the lock to the next taker while the holder may still run, by
+    design; fencing tokens protect what the lock guards then. `lost` are the windows of such
+    faults: a step that began after a window opened may overlap one that began before it
+    closed.
+    """
+    locks: defaultdict[str, list[Span]] = defaultdict(list)
+    for run, events in trailed:
+        template = templates.get((run["templateType"], run["templateVersion"]))
+        named = {s["id"]: s["locks"] for s in (template or {}).get("steps", []) if s.get("locks")}
+        for step, start, end in _step_spans(run, events):
+            for lock in named.get(step, []):
+                values = [_value(run, part) for part in lock.get("key", [])]
+                locks[lock_named(lock["name"], values)].append(Span(str(run["_id"]), start, end, 1))
+    bad = []
+    for lock, spans in locks.items():
+        for span, open_ in crowded(spans):
+            if all(_taken_away(s, span, lost) for s in open_ if s is not span):
+                continue
+            bad.append(
+                f"lock {lock}: runs {sorted({s.run for s in open_})} held it at once "
+                f"at {span.start}"
+            )
+            break
+    return bad
+
+
+def _taken_away(holder: Span, taker: Span, lost: Sequence[Window]) -> bool:
+    """Whether a fault may have taken the lock from `holder` before `taker` took it."""
+    return any(holder.start < end and taker.start >= begin for begin, end in lost)
+
+
+def _step_spans(run: Doc, events: list[Doc]) -> list[tuple[str, datetime, datetime]]:
+    """Each run of a step that ended on the record: its step id, when it began, and when it
+    ended (its `step_started` and the `step_finished` after it, under one lease).
+
+    The event of a start is written once the step has run 50 ms, or with its end, so it may
+    come late; the run's progress has the start of the step's last run to the millisecond the
+    handler began. That start comes at or before the last run's event and after every earlier
+    run's end, so the earlier of the two is each run's start: exact for the last run, from its
+    event for an earlier one.
+    """
+    began = {s["id"]: s.get("startedAt") for s in run.get("progress", {}).get("steps", [])}
+    opened: dict[str, datetime] = {}
+    spans = []
+    for event in events:
+        step = event.get("metadata", {}).get("step")
+        if "to" in event and event["to"] != RunStatus.CANCEL_REQUESTED:
+            # A new lease, or none: a step started before it has no end to come.
+            opened.clear()
+        elif event["type"] == "step_started":
+            opened[step] = min(filter(None, [event["createAt"], began.get(step)]))
+        elif event["type"] == "step_finished" and step in opened:
+            spans.append((step, opened.pop(step), event["createAt"]))
+    return spans
+
+
+def _value(run: Doc, part: str) -> Any:
+    """A dedupe part's value for `run` (`scope`, `scopeId`, `payload.<path>`), as keys.py reads
+    it."""
+    if not part.startswith("payload."):
+        return run[part]
+    value: Any = run.get("payload", {})
+    for name in part.split(".")[1:]:
+        value = value.get(name) if isinstance(value, dict) else None
+    return value

@@ -18,6 +18,7 @@ from itertools import pairwise
 from pathlib import Path
 
 import redis.asyncio as aioredis
+import redis.cluster
 from bson import ObjectId
 from pymongo import AsyncMongoClient
 from pymongo.errors import ConnectionFailure
@@ -25,7 +26,7 @@ from pymongo.errors import ConnectionFailure
 from jobplane.devstack import RedisServer, ReplicaSet, free_port
 from jobplane.devstack.topologies import RedisClusterNodes, SentinelGroup
 from jobplane.queue.keys import Keys
-from tests.chaos.cluster import Stage, staged
+from tests.chaos.cluster import Stage, as_read, staged
 from tests.chaos.invariants import Audit, audit
 from tests.chaos.steps import traces
 
@@ -94,7 +95,7 @@ async def outcome(
 ) -> Outcome:
     """Wait for the backlog to drain after the last fault, then audit."""
     drained = await stage.settled(scale.drain)
-    found = await audit(stage.db, stage.load.accepted.values())
+    found = await audit(stage.db, stage.load.accepted.values(), locks_lost=stage.locks_lost)
     return Outcome(
         scenario=name,
         runs=found.runs,
@@ -103,7 +104,7 @@ async def outcome(
         stall=await stage.longest_stall(),
         drain=drained,
         seconds=time.monotonic() - began,
-        notes=_notes(stage, found),
+        notes=[*_notes(stage, found), await _waits(stage)],
     )
 
 
@@ -111,11 +112,25 @@ def _notes(stage: Stage, found: Audit) -> list[str]:
     load = stage.load
     statuses = ", ".join(f"{n} {s}" for s, n in sorted(found.by_status.items()))
     notes = [statuses, f"{found.stale_writes} stale writes rejected"]
+    if found.started_peak:
+        notes.append(f"most runs started at once under maxRunning: {found.started_peak}")
+    if stage.locks_lost:
+        notes.append(f"{len(stage.locks_lost)} faults took the steps' locks from their holders")
     if load.unavailable:
         notes.append(f"{load.unavailable} calls answered 503 or not at all (retried)")
     if load.refused:
         notes.append(f"refused by design: {dict(load.refused)}")
     return notes
+
+
+async def _waits(stage: Stage) -> str:
+    """How often flow control held runs back, as their trails say: the contention the limits'
+    invariants were checked under."""
+    runs = stage.db.job_runs
+    place = await runs.count_documents({"trail.type": "dedupe_key_taken"})
+    handed_back = {"trail": {"$elemMatch": {"message": {"$regex": "^waits for lock"}}}}
+    lock = await runs.count_documents(handed_back)
+    return f"{place} runs waited for a place of their key, {lock} for a lock"
 
 
 async def workers_die(where: Where, scale: Scale) -> Outcome:
@@ -140,11 +155,18 @@ async def zombies(where: Where, scale: Scale) -> Outcome:
         frozen_for = stage.cluster.settings.lease_seconds * 2
         loop = asyncio.get_running_loop()
 
+        def wake(worker: subprocess.Popen[bytes], frozen_at: datetime) -> None:
+            worker.send_signal(signal.SIGCONT)
+            # Its steps' locks expired meanwhile: it may wake inside a step whose lock another
+            # run took, and finish it before a renewal finds the lock gone.
+            stage.locks_lost.append((frozen_at, as_read()))
+
         async def freeze() -> None:
             worker = rng.choice(stage.cluster.workers)
+            frozen_at = as_read()
             worker.send_signal(signal.SIGSTOP)
             # Woken later, while the faults go on.
-            loop.call_later(frozen_for, worker.send_signal, signal.SIGCONT)
+            loop.call_later(frozen_for, wake, worker, frozen_at)
 
         faults = await faulting(stage, scale, freeze)
         return await outcome(stage, "zombies", faults, scale, began, [])
@@ -161,13 +183,14 @@ async def redis_dies(where: Where, scale: Scale) -> Outcome:
             nonlocal turn
             turn += 1
             assert isinstance(stage.redis, RedisServer)
-            if turn % 2:
-                stage.redis.kill()
-                await asyncio.sleep(1)
-                stage.redis.start()
-            else:
-                async with aioredis.Redis.from_url(stage.redis.url) as client:
-                    await client.flushall()
+            with stage.losing_locks():
+                if turn % 2:
+                    stage.redis.kill()
+                    await asyncio.sleep(1)
+                    stage.redis.start()
+                else:
+                    async with aioredis.Redis.from_url(stage.redis.url) as client:
+                        await client.flushall()
 
         faults = await faulting(stage, scale, fault)
         return await outcome(stage, "Redis dies", faults, scale, began, [])
@@ -185,12 +208,14 @@ async def sentinel_fails_over(where: Where, scale: Scale) -> Outcome:
 
         async def fault() -> None:
             master, t0 = group.current_master(), time.monotonic()
-            master.kill()
-            while group.current_master() is master:  # noqa: ASYNC110
-                await asyncio.sleep(0.05)
-            failovers.append(time.monotonic() - t0)
-            master.start()  # empty; the Sentinels turn it into the new master's replica
-            await asyncio.to_thread(group.wait_ready)
+            # The replica may not have the last locks taken.
+            with stage.losing_locks():
+                master.kill()
+                while group.current_master() is master:  # noqa: ASYNC110
+                    await asyncio.sleep(0.05)
+                failovers.append(time.monotonic() - t0)
+                master.start()  # empty; the Sentinels turn it into the new master's replica
+                await asyncio.to_thread(group.wait_ready)
 
         # A failover takes seconds (a second to call the master down, then an election).
         spaced = replace(scale, every=scale.every * 2)
@@ -208,14 +233,24 @@ async def cluster_node_restarts(where: Where, scale: Scale) -> Outcome:
     nodes = RedisClusterNodes(where.folder / "redis-cluster")
     async with staged(where.folder, where.mongodb_url, where.db, workers=3, redis=nodes) as stage:
         turn = 0
+        locks = _serving(nodes, Keys(stage.cluster.settings.redis_prefix).lock_tokens)
 
         async def fault() -> None:
             nonlocal turn
-            await asyncio.to_thread(nodes.restart, turn % len(nodes.nodes), 1.0)
+            node = turn % len(nodes.nodes)
+            with stage.losing_locks() if node == locks else contextlib.nullcontext():
+                await asyncio.to_thread(nodes.restart, node, 1.0)
             turn += 1
 
         faults = await faulting(stage, replace(scale, every=scale.every * 2), fault)
         return await outcome(stage, "Redis Cluster node restarts", faults, scale, began, [])
+
+
+def _serving(nodes: RedisClusterNodes, key: str) -> int:
+    """Which of the nodes serves `key`'s slot (slots stay where the cluster put them)."""
+    with redis.cluster.RedisCluster("127.0.0.1", nodes.nodes[0].port) as client:
+        port = client.get_node_from_key(key).port
+    return [node.port for node in nodes.nodes].index(port)
 
 
 async def mongodb_fails_over(where: Where, scale: Scale) -> Outcome:
@@ -237,12 +272,15 @@ async def mongodb_fails_over(where: Where, scale: Scale) -> Outcome:
                 if primary is None:
                     return
                 t0 = time.monotonic()
-                if turn % 2:
-                    primary.kill()
-                else:
-                    await _step_down(primary.port)
-                while members.primary() is None:  # noqa: ASYNC110
-                    await asyncio.sleep(0.05)
+                # Until a primary is elected, workers cannot renew their runs' leases nor, with
+                # them, their steps' locks.
+                with stage.losing_locks():
+                    if turn % 2:
+                        primary.kill()
+                    else:
+                        await _step_down(primary.port)
+                    while members.primary() is None:  # noqa: ASYNC110
+                        await asyncio.sleep(0.05)
                 elections.append(time.monotonic() - t0)
                 if primary.pid is None:
                     primary.launch()  # rejoins as a secondary
@@ -340,7 +378,9 @@ async def cancel_storm(where: Where, scale: Scale) -> Outcome:
     the API accepted ends `cancelled`, and no step was still running when the worker
     acknowledged it (the handler's own trace says when it really stopped)."""
     began, rng = time.monotonic(), random.Random(6)
-    mix = [("chaos_steps", 80), ("chaos_quick", 20)]
+    # Limited runs waiting for a place or a start, and locked ones for their lock, are
+    # cancelled while they wait too.
+    mix = [("chaos_steps", 60), ("chaos_quick", 10), ("chaos_limited", 15), ("chaos_locked", 15)]
     # Long naps and many slots: most cancels should find their run queued or running, even
     # when a busy machine answers API calls late.
     async with staged(

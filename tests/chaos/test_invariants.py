@@ -8,7 +8,18 @@ from typing import Any
 
 import pytest
 
-from tests.chaos.invariants import Doc, _shared_keys, check_run
+from tests.chaos.invariants import (
+    Doc,
+    Templates,
+    Trailed,
+    _shared_keys,
+    check_run,
+    lock_overlaps,
+    over_concurrency_limit,
+    over_max_running,
+    peak,
+    started_spans,
+)
 
 NOW = datetime(2026, 11, 21, tzinfo=UTC)
 STEPS = ["a", "b"]
@@ -137,3 +148,243 @@ def test_shared_keys_are_violations() -> None:
         ["idempotency", "key"],
     ]
     assert "r7" not in " ".join(found)
+
+
+# Flow control: trails of several runs, each event at a time (ms after T0), as the audit reads
+# them from MongoDB (naive UTC).
+T0 = datetime(2026, 11, 21, 12)
+SCOPE = {"scope": "account", "scopeId": "a"}
+
+
+def at(ms: float) -> datetime:
+    return T0 + timedelta(milliseconds=ms)
+
+
+def event(kind: str, ms: float, to: str | None = None, **metadata: Any) -> Doc:
+    doc: Doc = {"type": kind, "createAt": at(ms), "metadata": metadata}
+    return doc if to is None else doc | {"to": to}
+
+
+def of(template: Doc, run_id: str, payload: Doc, trail: list[Doc], **fields: Any) -> Trailed:
+    run = {"_id": run_id, "templateType": template["type"], "templateVersion": 1}
+    return {**run, **SCOPE, "payload": payload, **fields}, trail
+
+
+def holding(run_id: str, group: str, created: float, ended: float) -> Trailed:
+    """A run of LIMITED created holding a place of its group's key, claimed 10 ms later."""
+    trail = [
+        event("created", created, "queued"),
+        event("status_changed", created + 10, "running"),
+        event("status_changed", ended, "succeeded"),
+    ]
+    return of(LIMITED, run_id, {"group": group}, trail)
+
+
+def waited(run_id: str, took: float, ended: float) -> Trailed:
+    """A run of LIMITED created waiting for its key, which it took at `took`."""
+    trail = [
+        event("created", took - 500, "pending"),
+        event("dedupe_key_taken", took),
+        event("status_changed", took + 1, "queued"),
+        event("status_changed", took + 10, "running"),
+        event("status_changed", ended, "succeeded"),
+    ]
+    return of(LIMITED, run_id, {"group": "g"}, trail)
+
+
+LIMITED: Doc = {
+    "type": "limited",
+    "concurrencyPolicy": "queue_same_scope",
+    "concurrencyLimit": 2,
+    "dedupeKeys": ["payload.group"],
+}
+ONCE: Doc = {
+    "type": "once",
+    "repeatable": False,
+    "concurrencyPolicy": "reject_same_scope",
+    "dedupeKeys": ["payload.group"],
+}
+
+
+def templates(*docs: Doc) -> Templates:
+    return {(t["type"], 1): t for t in docs}
+
+
+def test_a_key_held_by_no_more_runs_than_its_limit_passes() -> None:
+    trailed = [
+        holding("r1", "g", 0, 300),
+        holding("r2", "g", 100, 400),
+        # Took r1's place in the millisecond r1 ended.
+        waited("r3", 300, 600),
+        # Another key.
+        holding("r4", "h", 200, 500),
+    ]
+    assert over_concurrency_limit(trailed, templates(LIMITED)) == []
+
+
+def test_a_key_held_by_more_runs_than_its_limit_is_a_violation() -> None:
+    trailed = [holding("r1", "g", 0, 300), holding("r2", "g", 100, 400), waited("r3", 299, 600)]
+    assert over_concurrency_limit(trailed, templates(LIMITED)) == [
+        f'dedupe key ["limited","account","a","g"]: 3 runs held a place at {at(299)} '
+        "(concurrencyLimit 2): ['r1', 'r2', 'r3']"
+    ]
+
+
+def test_a_key_of_one_place_counts_from_the_takers_next_event() -> None:
+    """The insert that took the place read its clock before the holder's end was written
+    (its write was in flight): it counts from its claim, once it is known to hold it."""
+    one = {**LIMITED, "concurrencyLimit": 1}
+    taken_in_flight = [holding("r1", "g", 0, 300), holding("r2", "g", 295, 600)]
+    assert over_concurrency_limit(taken_in_flight, templates(one)) == []
+    claimed_before_the_end = [holding("r1", "g", 0, 300), holding("r2", "g", 280, 600)]
+    [found] = over_concurrency_limit(claimed_before_the_end, templates(one))
+    assert f"2 runs held a place at {at(290)} (concurrencyLimit 1)" in found
+
+
+def test_a_key_spent_by_a_success_is_held_for_good() -> None:
+    spent = [
+        of(ONCE, "r1", {"group": "g"}, holding("r1", "g", 0, 300)[1]),
+        of(ONCE, "r2", {"group": "g"}, holding("r2", "g", 5_000, 6_000)[1]),
+    ]
+    [found] = over_concurrency_limit(spent, templates(ONCE))
+    assert "['r1', 'r2']" in found
+    # A run that ended otherwise let go of it.
+    failed = [
+        of(ONCE, "r1", {"group": "g"}, [*spent[0][1][:2], event("status_changed", 300, "failed")])
+    ]
+    assert over_concurrency_limit([*failed, spent[1]], templates(ONCE)) == []
+
+
+CAPPED: Doc = {"type": "capped"}
+
+
+def started(run_id: str, cap: int, *moves: tuple[float, str]) -> Trailed:
+    trail = [event("created", 0, "queued"), *(event("status_changed", ms, to) for ms, to in moves)]
+    return of(CAPPED, run_id, {}, trail, maxRunning=cap)
+
+
+def test_no_more_runs_started_than_max_running_passes() -> None:
+    trailed = [
+        started("r1", 2, (100, "running"), (300, "queued"), (500, "running"), (900, "succeeded")),
+        started("r2", 2, (200, "running"), (800, "succeeded")),
+        # Claimed in the millisecond r1 was requeued, and again as r2 ended.
+        started("r3", 2, (300, "running"), (400, "failed")),
+        started("r4", 2, (800, "running"), (850, "succeeded")),
+    ]
+    assert over_max_running(trailed) == []
+    assert peak(started_spans(trailed)["capped"]) == 2
+
+
+def test_more_runs_started_than_max_running_is_a_violation() -> None:
+    trailed = [
+        # Asked to cancel, it is still started until the cancel is acknowledged.
+        started("r1", 2, (100, "running"), (200, "cancel_requested"), (700, "cancelled")),
+        started("r2", 2, (150, "running"), (800, "succeeded")),
+        started("r3", 2, (600, "running"), (900, "succeeded")),
+    ]
+    assert over_max_running(trailed) == [
+        f"template capped: 3 runs started at {at(600)} (maxRunning 2): ['r1', 'r2', 'r3']"
+    ]
+
+
+def test_each_run_is_held_to_its_own_versions_max_running() -> None:
+    """A newer version raised the cap to 3: its runs may start beside an older one's, which
+    may not start as the third."""
+    trailed = [
+        started("old", 2, (100, "running"), (900, "succeeded")),
+        started("new1", 3, (200, "running"), (900, "succeeded")),
+        started("new2", 3, (300, "running"), (900, "succeeded")),
+    ]
+    assert over_max_running(trailed) == []
+    late = started("old2", 2, (400, "running"), (500, "succeeded"))
+    [found] = over_max_running([*trailed, late])
+    assert "4 runs started" in found and "(maxRunning 2)" in found
+
+
+LOCKED: Doc = {
+    "type": "locked",
+    "steps": [
+        {"id": "prepare", "handler": "builtin.echo"},
+        {"id": "call", "handler": "chaos.nap", "locks": [{"name": "p", "key": ["payload.p"]}]},
+    ],
+}
+
+
+def stepped(
+    run_id: str, began: float, ended: float, partner: str = "acme", *before: Doc
+) -> Trailed:
+    """A run of LOCKED whose step `call` began at `began` (its progress says so) and ended at
+    `ended`, its start written with its end; `before`: earlier events of the run."""
+    trail = [
+        event("created", 0, "queued"),
+        *before,
+        event("status_changed", began - 10, "running"),
+        event("step_started", ended, step="call"),
+        event("step_finished", ended, step="call"),
+        event("status_changed", ended, "succeeded"),
+    ]
+    progress = {"steps": [{"id": "prepare"}, {"id": "call", "startedAt": at(began)}]}
+    return of(LOCKED, run_id, {"p": partner}, trail, progress=progress)
+
+
+def test_steps_holding_a_lock_one_after_another_pass() -> None:
+    trailed = [
+        stepped("r1", 100, 300),
+        # Began in the millisecond r1's step ended.
+        stepped("r2", 300, 500),
+        stepped("r3", 200, 400, "globex"),
+    ]
+    assert lock_overlaps(trailed, templates(LOCKED)) == []
+
+
+def test_steps_of_two_runs_holding_a_lock_at_once_are_a_violation() -> None:
+    trailed = [stepped("r1", 100, 300), stepped("r2", 299, 500)]
+    assert lock_overlaps(trailed, templates(LOCKED)) == [
+        f"lock p:[\"acme\"]: runs ['r1', 'r2'] held it at once at {at(299)}"
+    ]
+
+
+def test_steps_overlapping_across_a_fault_that_took_the_lock_away_pass() -> None:
+    """Redis was wiped (or r1's worker paused past its lease) between 150 and 160 ms: r2 took
+    the lock while r1's step went on, as the locks' design allows; not so r3, whose lock r2
+    still held."""
+    trailed = [stepped("r1", 100, 300), stepped("r2", 200, 400)]
+    assert lock_overlaps(trailed, templates(LOCKED), [(at(150), at(160))]) == []
+    assert lock_overlaps(trailed, templates(LOCKED), [(at(250), at(260))]) != []
+    assert lock_overlaps(trailed, templates(LOCKED), [(at(50), at(60))]) != []
+    r3 = stepped("r3", 350, 450)
+    [found] = lock_overlaps([*trailed, r3], templates(LOCKED), [(at(150), at(160))])
+    assert f"runs ['r2', 'r3'] held it at once at {at(350)}" in found
+
+
+def test_a_step_cut_short_holds_no_recorded_span() -> None:
+    """r1's first lease ran out in its step (no `step_finished`): when it stopped is not on
+    the record, and r2 took the lock after it expired."""
+    lost = [
+        event("status_changed", 50, "running"),
+        event("step_started", 100, step="call"),
+        event("status_changed", 2_500, "queued"),
+    ]
+    trailed = [stepped("r1", 3_000, 3_100, "acme", *lost), stepped("r2", 2_100, 2_200)]
+    assert lock_overlaps(trailed, templates(LOCKED)) == []
+
+
+def test_an_earlier_run_of_a_step_counts_from_its_own_events() -> None:
+    """r1's step failed at its first attempt (its start written 50 ms in) and ran again later,
+    which the progress dates; r2's step ran inside the first."""
+    failed = [
+        event("status_changed", 50, "running"),
+        event("step_started", 150, step="call"),
+        event("step_finished", 400, step="call", status="failed"),
+        event("status_changed", 400, "queued"),
+    ]
+    trailed = [stepped("r1", 1_000, 1_100, "acme", *failed), stepped("r2", 200, 300)]
+    [found] = lock_overlaps(trailed, templates(LOCKED))
+    assert f"held it at once at {at(200)}" in found
+    # A step whose start was written with its end is a point: it counts inside another's
+    # span, not at its edges.
+    point = [event("status_changed", 50, "running"), *stepped("r3", 0, 250)[1][-3:-1]]
+    inside = of(LOCKED, "r3", {"p": "acme"}, [*point, event("status_changed", 250, "queued")])
+    assert lock_overlaps([inside, stepped("r2", 200, 300)], templates(LOCKED)) != []
+    edge = of(LOCKED, "r3", {"p": "acme"}, [*point[:1], *stepped("r3", 0, 300)[1][-3:-1]])
+    assert lock_overlaps([edge, stepped("r2", 200, 300)], templates(LOCKED)) == []

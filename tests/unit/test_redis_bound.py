@@ -41,3 +41,20 @@ async def test_a_call_to_a_redis_that_never_answers_fails_within_the_bound() -> 
     finally:
         await redis.aclose()
         server.close()
+
+
+async def test_a_driver_writing_to_a_closed_connection_is_a_redis_error() -> None:
+    """redis-py's cluster client, under a node's restart, was seen writing to a connection
+    uvloop had closed: a RuntimeError, which callers must see as Redis not answering."""
+    redis = Redis(host="127.0.0.1", port=1)
+
+    async def closed(*args: object, **kwargs: object) -> None:
+        raise RuntimeError("unable to perform operation on <TCPTransport closed=True>")
+
+    redis.execute_command = closed  # type: ignore[method-assign]
+    queue = RedisQueue(redis, Keys("t:"), timeout_seconds=0.3)
+    try:
+        with pytest.raises(REDIS_DOWN, match="TCPTransport closed"):
+            await queue.signal_cancel("r1")
+    finally:
+        await redis.aclose()

@@ -25,6 +25,7 @@ from typing import Any, Concatenate, ParamSpec, TypeVar, cast
 from bson import ObjectId
 from redis.asyncio import RedisCluster
 from redis.commands.core import AsyncScript
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from jobplane.groupcommit import GroupCommit
@@ -44,12 +45,19 @@ async def _answered_within(seconds: float, what: str) -> AsyncIterator[None]:
     the driver: under a Redis Cluster node's restart, redis-py's cluster client was seen to
     leave a call waiting for good. Every caller already treats a Redis error as "Redis did not
     answer" and carries on (the reconciler and the heartbeat repair what was not written), so
-    the bound turns such a wait into one of those."""
+    the bound turns such a wait into one of those.
+
+    Under the same restarts it was also seen writing to a connection uvloop had closed
+    (`RuntimeError: unable to perform operation on <TCPTransport closed=True ...>`), out of a
+    create's push: the create answered 500 for a run it had stored. That is Redis not
+    answering too."""
     try:
         async with asyncio.timeout(seconds):
             yield
     except TimeoutError:
         raise RedisTimeoutError(f"Redis did not answer {what} within {seconds:g} s") from None
+    except RuntimeError as exc:
+        raise RedisConnectionError(f"Redis client failed {what}: {exc}") from exc
 
 
 def _bounded(
