@@ -170,3 +170,28 @@ async def test_a_lock_whose_holder_was_killed_is_free_within_a_lease_length(
 
 async def _gone(backends: Backends, key: str) -> bool:
     return not await backends.queue.redis.exists(key)
+
+
+async def test_a_run_that_takes_its_lock_after_its_back_off_waits_no_more(
+    backends: Backends, settings: Settings, register: Register
+) -> None:
+    """A holder that died lets its lock expire, which wakes nobody: the waiting run takes it
+    at the end of its back-off, and leaves the lock's waiters, so that the next wake-up goes
+    to a run still waiting."""
+    await register("sync_in", steps=holding("builtin.noop"))
+    service = RunService(backends.store, backends.queue)
+    locks = Locks(backends.store, backends.queue, ttl_seconds=30)
+    lock = 'partner-api:["acme"]'
+    await locks.take([lock], "dead:lease")
+    run = (await service.create(RunRequest("sync_in", "user", "u", {"partner": "acme"}), "t"))[0]
+    waiters = backends.queue.keys.lock_waiters(lock)
+
+    async def handed_back() -> bool:
+        return bool(await backends.queue.redis.zcard(waiters))
+
+    async with running(backends, settings):
+        await until(handed_back)
+        await backends.queue.redis.delete(backends.queue.keys.lock(lock))  # as if it expired
+        [done] = await settled(backends.store, [run.id], within=30)
+    assert done.status == RunStatus.SUCCEEDED
+    assert await backends.queue.redis.zcard(waiters) == 0

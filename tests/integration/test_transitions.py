@@ -456,3 +456,27 @@ async def test_concurrent_claims_under_max_running_start_no_more_than_it(
     assert isinstance(await store.transitions.complete(lease, 0, "only", 1, 1), Moved)
     [more], still = await store.transitions.claim_limited(held[:2], "w", 30, store.clock.now())
     assert len(still) == 1 and more[0].id == held[0].id
+
+
+async def test_a_claim_under_max_running_gives_up_on_a_gate_a_dead_worker_holds(
+    store: MongoStore, register: Register
+) -> None:
+    """A worker that died inside its claim's transaction leaves the template's gate written
+    and uncommitted until MongoDB's transaction lifetime runs out: the next claims wait a
+    bounded time, hold their runs back as if over the cap, and claim again once it is gone."""
+    template = await register("capped", maxRunning=3)
+    run = await store.runs.insert(NewRun(template, "user", "u"), "u")
+    assert isinstance(store, MongoStore)
+    async with store.client.start_session() as dead:
+        await dead.start_transaction()
+        await raw(store).gates.update_one(
+            {"_id": "capped"}, {"$inc": {"claims": 1}}, upsert=True, session=dead
+        )
+        began = asyncio.get_running_loop().time()
+        claimed, held = await store.transitions.claim_limited([run], "w", 30, store.clock.now())
+        waited = asyncio.get_running_loop().time() - began
+        assert (claimed, held) == ([], [run])
+        assert waited < 10, "bounded by CAPPED_CLAIM_SECONDS, not by the dead transaction"
+        await dead.abort_transaction()
+    [(leased, _)], held = await store.transitions.claim_limited([run], "w", 30, store.clock.now())
+    assert leased.id == run.id and held == []

@@ -647,6 +647,15 @@ class RedisQueue:
         await self.redis.zadd(self.keys.lock_waiters(lock_id), {entry.held(): epoch_ms(since)})
 
     @_bounded
+    async def stop_waiting(self, lock_ids: Sequence[str], entry: QueueEntry) -> None:
+        """`entry` waits for `lock_ids` no more (it took them, or was cancelled): a wake-up of
+        the lock goes to the next waiter."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for lock_id in lock_ids:
+                pipe.zrem(self.keys.lock_waiters(lock_id), entry.held())
+            await pipe.execute()
+
+    @_bounded
     async def scheduler_lock(self) -> tuple[str | None, float]:
         """Who holds the lock (None: no one) and its seconds left (0 when no one does)."""
         async with self.redis.pipeline(transaction=False) as pipe:

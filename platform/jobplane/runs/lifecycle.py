@@ -74,10 +74,13 @@ class Lifecycle:
         self.observe(step.run, written)
         return written
 
-    async def locks_taken(self, step: HeldStep) -> Lost | None:
-        """The run took the locks of the step it waited for: it waits for none now."""
+    async def locks_taken(self, step: HeldStep, lock_ids: Sequence[str]) -> Lost | None:
+        """The run took the locks of the step it waited for: it waits for none now, and is
+        among their waiters no more (a wake-up goes to a run still waiting)."""
         taken = await self.store.leases.locks_taken(step.lease)
         self.observe(step.run, taken)
+        with contextlib.suppress(*REDIS_DOWN):  # a stale waiter costs one wasted wake-up
+            await self.queue.stop_waiting(lock_ids, QueueEntry.of(step.run))
         return taken
 
     async def finish_step(
@@ -230,6 +233,8 @@ class Lifecycle:
         if isinstance(cancelled, Moved):
             with contextlib.suppress(*REDIS_DOWN):  # a popped id is skipped
                 await self.queue.remove(QueueEntry.of(run))
+                if run.lock_wait is not None:
+                    await self.queue.stop_waiting([run.lock_wait.lock], QueueEntry.of(run))
             # The run may have taken the key it waited for since it was read.
             if key := run.dedupe_key or run.dedupe_wait:
                 await self._admit_after_end(key, actor)

@@ -10,12 +10,13 @@ import secrets
 from collections.abc import Sequence
 from dataclasses import replace
 from datetime import datetime, timedelta
-from functools import partial
 from typing import Any
 
+import pymongo
 from bson import ObjectId
 from pymongo import AsyncMongoClient
 from pymongo.asynchronous.client_session import AsyncClientSession
+from pymongo.errors import PyMongoError
 
 from jobplane.model import TRANSITIONS, AttemptChange, LockWait, Run, RunError, StepStatus
 from jobplane.store import convert, rows, steps
@@ -24,6 +25,10 @@ from jobplane.store.database import transaction
 from jobplane.store.steps import RUNNING_STEP, UNDONE_STEP
 from jobplane.store.types import Known, Lease, Lost, Moved
 from jobplane.store.writes import RunWrites, TrailEntry, held_by, recorded
+
+# How long a claim under `maxRunning` waits for the template's other claims (see
+# `_claim_capped`) before it holds its runs back instead.
+CAPPED_CLAIM_SECONDS = 2.0
 
 
 class MongoTransitionStore:
@@ -59,7 +64,7 @@ class MongoTransitionStore:
         oids = [oid for oid in map(object_id, run_ids) if oid]
         if not oids:
             return []
-        docs, _ = await self._claimed("claim", oids, worker_id, lease_seconds, self._clock.now())
+        docs = await self._claimed("claim", oids, worker_id, lease_seconds, self._clock.now())
         return await self._leased(docs, worker_id)
 
     async def claim_limited(
@@ -69,18 +74,15 @@ class MongoTransitionStore:
         `maxRunning`: returns the runs leased, and those their template's `maxRunning` held back.
 
         Runs of a template with `maxRunning` are claimed in one transaction per template that
-        first writes the template's gate document (so MongoDB serializes every such claim: of
-        two at once, one aborts on the write conflict and runs again, seeing the other's
-        claims), then counts the template's started runs (`running`, `waiting_worker`,
-        `cancel_requested`: every version, every scope) and claims, oldest first, as many as
-        the runs' own `maxRunning` leave room for. A Redis wipe cannot let more start. Runs
-        without one are claimed at `at`, the time their rate window counted them from.
+        counts the template's started runs and claims as many as the cap leaves room for
+        (`_claim_capped`): a Redis wipe cannot let more start. Runs without one are claimed at
+        `at`, the time their rate window counted them from.
         """
         claimed: list[tuple[Run, Lease]] = []
         held: list[Run] = []
         free = [oid for r in runs if r.max_running is None if (oid := object_id(r.id))]
         if free:
-            docs, _ = await self._claimed("claim_limited", free, worker_id, lease_seconds, at)
+            docs = await self._claimed("claim_limited", free, worker_id, lease_seconds, at)
             claimed += await self._leased(docs, worker_id)
         capped: dict[str, list[Run]] = {}
         for run in runs:
@@ -95,61 +97,51 @@ class MongoTransitionStore:
     async def _claim_capped(
         self, template_type: str, runs: Sequence[Run], worker_id: str, lease_seconds: float
     ) -> tuple[list[Doc], list[Run]]:
-        """Claim runs of one capped template in transactions (`_claim_fitting`): the claimed
-        runs' documents, and the runs the cap held back."""
-        fitting, held = list(runs), []
-        while fitting:
-            try:
-                docs = await transaction(
-                    self._client,
-                    self._db.runs.write_concern,
-                    partial(self._claim_fitting, template_type, fitting, worker_id, lease_seconds),
-                )
-            except _OverCap as over:
-                held += [r for r in fitting if r.id in over.held]
-                fitting = [r for r in fitting if r.id in over.fitting]
-                continue
-            return docs, held
-        return [], held
+        """Claim runs of one capped template in one transaction: the claimed runs' documents,
+        and the runs the cap held back.
 
-    async def _claim_fitting(
-        self,
-        template_type: str,
-        runs: Sequence[Run],
-        worker_id: str,
-        lease_seconds: float,
-        session: AsyncClientSession,
-    ) -> list[Doc]:
-        """One transaction: write the template's gate, claim the runs, and count the template's
-        started runs in the read that brings the claimed ones back. All fit (as they do while
-        the cap is far): it commits. Some do not: `_OverCap` abandons it, writing nothing, and
-        says which fit, in the caller's order (priority, then age), for the next one.
+        The transaction counts the template's started runs (every version, every scope), reads
+        its clock, claims, in the caller's order (priority, then age), the runs their own
+        `maxRunning` leaves room for, and writes the template's gate last. Every claim of the
+        template writes the gate, so MongoDB serializes them: of two at once, one aborts on
+        the write conflict and runs again, and then counts the other's. Writing it last keeps
+        the gate taken only for the moment before the commit: a worker that dies inside a
+        transaction leaves it open on the server (until `transactionLifetimeLimitSeconds`),
+        and one that had taken the gate first would stall every claim of the template until
+        then. The claims of a template wait at most `CAPPED_CLAIM_SECONDS` for each other: past
+        it, the runs are held back, as runs over the cap are."""
 
-        Writing the gate first makes MongoDB serialize every claim of the template: of two at
-        once, one aborts on the write conflict and runs again, and then counts the other's."""
-        await self._db.gates.update_one(
-            {"_id": template_type}, {"$inc": {"claims": 1}}, upsert=True, session=session
-        )
-        # Read after the gate is ours: every claim that started runs before this one has
-        # committed, and their times come before this one's.
-        now = self._clock.now()
-        oids = [oid for r in runs if (oid := object_id(r.id))]
-        docs, started = await self._claimed(
-            "claim_limited", oids, worker_id, lease_seconds, now, session, template_type
-        )
-        # The count holds the runs just claimed: the others were started before them.
-        before = started - len(docs)
-        claimed = {str(d["_id"]) for d in docs}
-        fitting: list[str] = []
-        held: list[str] = []
-        for run in runs:
-            if run.id in claimed:
+        async def claim(session: AsyncClientSession) -> tuple[list[Doc], list[Run]]:
+            started = await self._db.runs.count_documents(
+                {"templateType": template_type, **rows.STARTED_CAPPED}, session=session
+            )
+            # Read after the count: the ends it counted out were written before it, and their
+            # times come before this claim's.
+            now = self._clock.now()
+            admitted: list[Run] = []
+            for run in runs:
                 assert run.max_running is not None
-                fits = before + len(fitting) < run.max_running
-                (fitting if fits else held).append(run.id)
-        if held:
-            raise _OverCap(fitting, held)
-        return docs
+                if started + len(admitted) < run.max_running:
+                    admitted.append(run)
+            over = [r for r in runs if r not in admitted]
+            oids = [oid for r in admitted if (oid := object_id(r.id))]
+            if not oids:
+                return [], over
+            docs = await self._claimed(
+                "claim_limited", oids, worker_id, lease_seconds, now, session
+            )
+            await self._db.gates.update_one(
+                {"_id": template_type}, {"$inc": {"claims": 1}}, upsert=True, session=session
+            )
+            return docs, over
+
+        try:
+            with pymongo.timeout(CAPPED_CLAIM_SECONDS):
+                return await transaction(self._client, self._db.runs.write_concern, claim)
+        except PyMongoError as exc:
+            if not exc.timeout:
+                raise
+            return [], list(runs)
 
     async def _claimed(
         self,
@@ -159,40 +151,25 @@ class MongoTransitionStore:
         lease_seconds: float,
         now: datetime,
         session: AsyncClientSession | None = None,
-        counting: str | None = None,
-    ) -> tuple[list[Doc], int]:
+    ) -> list[Doc]:
         """The claim row `name` over `oids`: the documents of the runs it leased, each with
-        only this claim's event in its trail (the rest is not the worker's to copy), and, with
-        `counting`, that template's started capped runs, the leased ones included, counted in
-        the same read."""
+        only this claim's event in its trail (the rest is not the worker's to copy)."""
         t = TRANSITIONS[name]
         token = secrets.token_hex(12)
         event_ids = [ObjectId() for _ in oids]
         until = now + timedelta(seconds=lease_seconds)
         claimable, take = rows.claiming(t, oids, event_ids, worker_id, token, until, now)
         await self._db.runs.update_many(claimable, take, session=session)
-        theirs = {"$in": ["$$this._id", {"$literal": event_ids}]}
-        leased = {"_id": {"$in": oids}, **held_by(worker_id, token)}
-        mine = [{"$set": {"trail": {"$filter": {"input": "$trail", "cond": theirs}}}}]
-        if counting is None:
-            cursor = await self._db.runs.aggregate([{"$match": leased}, *mine], session=session)
-            return await cursor.to_list(), 0
-        started = {"templateType": counting, **rows.STARTED_CAPPED}
+        mine = {"$in": ["$$this._id", {"$literal": event_ids}]}
         cursor = await self._db.runs.aggregate(
             [
-                {"$match": {"$or": [leased, started]}},
-                {
-                    "$facet": {
-                        "mine": [{"$match": leased}, *mine],
-                        "started": [{"$match": started}, {"$count": "n"}],
-                    }
-                },
+                {"$match": {"_id": {"$in": oids}, **held_by(worker_id, token)}},
+                {"$set": {"trail": {"$filter": {"input": "$trail", "cond": mine}}}},
             ],
             session=session,
         )
-        [facets] = await cursor.to_list()
-        count = facets["started"][0]["n"] if facets["started"] else 0
-        return facets["mine"], count
+        docs: list[Doc] = await cursor.to_list()
+        return docs
 
     async def _leased(self, docs: list[Doc], worker_id: str) -> list[tuple[Run, Lease]]:
         """The runs a claim leased, once it is durable; their claim events go to be copied."""
@@ -563,16 +540,6 @@ class MongoTransitionStore:
             lease.known = replace(state, status=t.target, version=state.version + 1)
         await self._trail.hand(trail)
         return Moved(run_id, state.status, t.target)
-
-
-class _OverCap(Exception):
-    """A claim under `maxRunning` claimed runs its cap has no room for: abandon it, and claim
-    the `fitting` ones (ids) again; the `held` ones wait."""
-
-    def __init__(self, fitting: list[str], held: list[str]) -> None:
-        super().__init__(f"{len(held)} runs over the cap")
-        self.fitting = fitting
-        self.held = held
 
 
 def _cancel_asked(now: datetime, actor: str, reason: str | None) -> Doc:

@@ -257,7 +257,7 @@ class Runner:
         held.locks.update(taken.tokens)
         if held.run.lock_wait is not None:
             try:
-                self._stop_if_lost(await self.lifecycle.locks_taken(at))
+                self._stop_if_lost(await self.lifecycle.locks_taken(at, wanted))
             except BaseException:
                 await self._let_go(held, wanted)  # the step will not run: nobody else waits
                 raise

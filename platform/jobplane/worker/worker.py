@@ -193,16 +193,16 @@ class Worker:
         """Take the leases MongoDB grants among `run_ids` (`limited`: those with limits to
         pass as they start) and start their runs."""
         seconds = self.settings.lease_seconds
-        claimed = await self.lifecycle.starts.claim(run_ids, self.id, seconds, limited)
-        for run, lease in claimed:
-            metrics.run_claimed(run)
-            held = Held(run, lease)
-            if run.status == RunStatus.CANCEL_REQUESTED:  # asked between the claim and its read
-                held.cancel.set()
-            self.held[run.id] = held
-            # The task copies the context as it is created: its log lines carry the run.
-            with log_context(run_id=run.id, lease_token=lease.token):
-                held.task = asyncio.create_task(self._execute(held))
+        async for claimed in self.lifecycle.starts.claim(run_ids, self.id, seconds, limited):
+            for run, lease in claimed:
+                metrics.run_claimed(run)
+                held = Held(run, lease)
+                if run.status == RunStatus.CANCEL_REQUESTED:  # asked between claim and read
+                    held.cancel.set()
+                self.held[run.id] = held
+                # The task copies the context as it is created: its log lines carry the run.
+                with log_context(run_id=run.id, lease_token=lease.token):
+                    held.task = asyncio.create_task(self._execute(held))
 
     # -- executing -----------------------------------------------------------------------------
 

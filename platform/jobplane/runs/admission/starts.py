@@ -21,7 +21,7 @@ than the limit allows (at most one window's over-admission).
 """
 
 import logging
-from collections.abc import Collection, Sequence
+from collections.abc import AsyncIterator, Collection, Sequence
 from dataclasses import replace
 from datetime import datetime
 
@@ -46,10 +46,11 @@ class Starts:
         worker_id: str,
         lease_seconds: float,
         limited: Collection[str] = (),
-    ) -> list[tuple[Run, Lease]]:
-        """Lease the runs among `run_ids` that may start, to `worker_id`: those without limits
-        at once, those with limits once they pass them. The others are where they belong
-        again (delayed by their rate window, or held back by `maxRunning`), or were not
+    ) -> AsyncIterator[list[tuple[Run, Lease]]]:
+        """Lease the runs among `run_ids` that may start, to `worker_id`, a batch at a time:
+        those without limits at once, then those with limits once they pass them, so that the
+        first may start while the others wait on their limits. The others are where they
+        belong again (delayed by their rate window, or held back by `maxRunning`), or were not
         claimable (cancelled, claimed by another worker).
 
         `limited` are the ids the pop said have limits; they skip the plain claim. A run whose
@@ -57,12 +58,13 @@ class Starts:
         plain claim left, which are read only then."""
         plain = [i for i in run_ids if i not in limited]
         claimed = await self.store.transitions.claim(plain, worker_id, lease_seconds)
+        if claimed:
+            yield claimed
         won = {run.id for run, _ in claimed}
         rest = [i for i in run_ids if i not in won]
         runs = await self.store.runs.limited(rest) if rest else []
-        if runs:
-            claimed += await self._claim_limited(runs, worker_id, lease_seconds)
-        return claimed
+        if runs and (also := await self._claim_limited(runs, worker_id, lease_seconds)):
+            yield also
 
     async def _claim_limited(
         self, runs: Sequence[Run], worker_id: str, lease_seconds: float
