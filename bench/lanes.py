@@ -19,8 +19,9 @@ from pathlib import Path
 
 from jobplane.devstack import RedisServer, free_port
 from jobplane.queue.connect import open_redis, parse_redis_url
+from jobplane.queue.entry import QueueEntry
 from jobplane.queue.keys import Keys
-from jobplane.queue.redis import QueueEntry, RedisQueue
+from jobplane.queue.redis import RedisQueue
 
 
 async def _redis_cpu(queue: RedisQueue) -> float:

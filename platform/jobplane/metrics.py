@@ -215,7 +215,7 @@ async def read_state(store: Store, queue: RedisQueue, queues: Sequence[str]) -> 
             *_workers_state(live),
             *await _scheduler_state(queue),
         ]
-        for template, count in (await queue.held_counts()).items():
+        for template, count in (await queue.limits.held_counts()).items():
             held.add_metric([template, "max_running"], count)
         up.add_metric(["redis"], 1)
     except REDIS_DOWN:
@@ -318,7 +318,7 @@ def _workers_state(live: dict[str, Offer]) -> list[Metric]:
 async def _scheduler_state(queue: RedisQueue) -> list[Metric]:
     """Whether a scheduler holds the singleton lock, and how long until it expires: the
     active one renews it at least every third of its TTL, so a falling TTL is a stalled one."""
-    _, left = await queue.scheduler_lock()
+    _, left = await queue.locks.scheduler_holder()
     return [
         GaugeMetricFamily(
             "jobplane_scheduler_leader",

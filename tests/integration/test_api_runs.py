@@ -14,7 +14,7 @@ import pytest
 from jobplane.api import create_app
 from jobplane.backends import Backends
 from jobplane.model import ALLOWED, RunStatus
-from jobplane.queue.redis import QueueEntry
+from jobplane.queue.entry import QueueEntry
 from jobplane.settings import Settings
 from jobplane.store import EventQuery
 from tests.integration.api_client import error_of, pointers

@@ -26,7 +26,7 @@ from jobplane.errors import (
     ValidationFailed,
 )
 from jobplane.model import CLAIMABLE, Run, RunStatus
-from jobplane.queue.redis import QueueEntry
+from jobplane.queue.entry import QueueEntry
 from jobplane.settings import Settings
 from tests.conftest import REDIS_TOPOLOGIES
 from tests.integration.conftest import Register

@@ -15,7 +15,7 @@ from bson import ObjectId
 from jobplane.backends import Backends
 from jobplane.metrics import read_state
 from jobplane.model import RunStatus, WaitingFor
-from jobplane.queue.redis import QueueEntry
+from jobplane.queue.entry import QueueEntry
 from jobplane.runs import RunRequest, RunService
 from jobplane.runs.waiting import Waiting
 from jobplane.settings import Settings

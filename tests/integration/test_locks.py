@@ -10,7 +10,7 @@ from typing import Any
 
 from jobplane.backends import Backends
 from jobplane.model import RunStatus
-from jobplane.queue.redis import Blocked, Taken
+from jobplane.queue.locks import Blocked, Taken
 from jobplane.runs import RunRequest, RunService
 from jobplane.runs.admission.locks import Locks
 from jobplane.runs.waiting import Waiting

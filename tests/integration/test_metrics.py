@@ -29,7 +29,8 @@ from jobplane.clock import ManualClock
 from jobplane.devstack import free_port
 from jobplane.model import Run, RunStatus, ScheduleSpec, StepStatus
 from jobplane.process import JSONFormatter
-from jobplane.queue.redis import QueueEntry, RedisQueue
+from jobplane.queue.entry import QueueEntry
+from jobplane.queue.redis import RedisQueue
 from jobplane.runs import RunRequest, RunService
 from jobplane.scheduler import Scheduler
 from jobplane.schedules import ScheduleService

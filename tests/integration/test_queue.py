@@ -10,9 +10,12 @@ from redis.asyncio import RedisCluster
 
 from jobplane.backends import Backends
 from jobplane.clock import ManualClock
-from jobplane.model import RunStatus
+from jobplane.model import RunRate, RunStatus, StartLimits
 from jobplane.queue.connect import RedisClient
-from jobplane.queue.redis import Blocked, QueueEntry, RedisQueue, Taken
+from jobplane.queue.entry import QueueEntry
+from jobplane.queue.limits import RateAnswer
+from jobplane.queue.locks import Blocked, Taken
+from jobplane.queue.redis import RedisQueue
 from jobplane.runs import RunRequest, RunService
 from jobplane.runs.admission.locks import Locks
 from jobplane.scheduler import Scheduler
@@ -28,18 +31,18 @@ pytestmark = REDIS_TOPOLOGIES
 async def test_the_scheduler_lock_is_taken_extended_and_released_by_its_owner_only(
     queue: RedisQueue,
 ) -> None:
-    assert await queue.scheduler_lock() == (None, 0)
-    assert await queue.acquire_scheduler_lock("s1", 10)
-    assert not await queue.acquire_scheduler_lock("s2", 100), "held by another owner"
-    assert not await queue.release_scheduler_lock("s2")
-    holder, left = await queue.scheduler_lock()
+    assert await queue.locks.scheduler_holder() == (None, 0)
+    assert await queue.locks.take_scheduler("s1", 10)
+    assert not await queue.locks.take_scheduler("s2", 100), "held by another owner"
+    assert not await queue.locks.release_scheduler("s2")
+    holder, left = await queue.locks.scheduler_holder()
     assert holder == "s1" and 0 < left <= 10, "a stranger's acquire did not extend it"
 
-    assert await queue.acquire_scheduler_lock("s1", 100)
-    holder, left = await queue.scheduler_lock()
+    assert await queue.locks.take_scheduler("s1", 100)
+    holder, left = await queue.locks.scheduler_holder()
     assert holder == "s1" and 10 < left <= 100
-    assert await queue.release_scheduler_lock("s1")
-    assert await queue.scheduler_lock() == (None, 0)
+    assert await queue.locks.release_scheduler("s1")
+    assert await queue.locks.scheduler_holder() == (None, 0)
 
 
 async def test_pipelined_scripts_cost_no_extra_round_trip(
@@ -334,7 +337,7 @@ async def test_locks_are_taken_together_renewed_and_let_go_to_their_oldest_waite
     assert await locks.take(["c", "a"], "run-2:lease") == Blocked("a", "run-1:lease")
     waiter = QueueEntry(_ids(1)[0], "q", 0, now + timedelta(seconds=30), "h")
     await queue.push([waiter], now)
-    await queue.wait_for_lock("a", waiter, now)
+    await queue.locks.wait("a", waiter, now)
     assert await locks.renew(["a", "b:[1]"], "run-1:lease") == set()
     await locks.release(["a", "b:[1]"], "run-1:lease", now)
     popped = await queue.pop(["q"], 5, now, handlers=["h"])
@@ -346,32 +349,39 @@ async def test_locks_are_taken_together_renewed_and_let_go_to_their_oldest_waite
 async def test_rate_windows_and_held_runs(queue: RedisQueue, store: MongoStore) -> None:
     now = store.clock.now()
     window = ("run", '["t"]', 2, 1.0)
-    taken = await queue.rate_take([(f"r{i}", *window[1:]) for i in range(4)], now)
-    assert taken[:2] == [None, None] and all(t is not None and t > now for t in taken[2:])
-    assert taken[2] is not None and taken[3] is not None and taken[3] > taken[2], "spread"
-    await queue.rate_return([("r0", '["t"]')])
-    assert await queue.rate_take([("r9", '["t"]', 2, 1.0)], now) == [None]
-    held = [QueueEntry(i, "q", p, capped="capped") for i, p in zip(_ids(3), (0, 5, 0), strict=True)]
-    await queue.hold(held)
+    taken = await queue.limits.rate_take([(f"r{i}", *window[1:]) for i in range(4)], now)
+    assert taken[:2] == [RateAnswer(counted=True)] * 2
+    later = [t.retry_at for t in taken[2:]]
+    assert later[0] is not None and later[1] is not None and now < later[0] < later[1], "spread"
+    again = await queue.limits.rate_take([("r1", '["t"]', 2, 1.0)], now)
+    assert again == [RateAnswer(counted=False)], "a start counted before is not counted again"
+    await queue.limits.rate_return([("r0", '["t"]')])
+    assert await queue.limits.rate_take([("r9", '["t"]', 2, 1.0)], now) == [RateAnswer(True)]
+    capped = StartLimits("capped", 5)
+    held = [QueueEntry(i, "q", p, limits=capped) for i, p in zip(_ids(3), (0, 5, 0), strict=True)]
+    await queue.limits.hold(held)
     assert await queue.missing(held) == []
-    assert await queue.holding(held) == {e.run_id for e in held}
-    assert await queue.held_counts() == {"capped": 3}
-    assert await queue.release_held("capped", 2, now) == 2
+    assert await queue.limits.holding(held) == {e.run_id for e in held}
+    assert await queue.limits.held_counts() == {"capped": 3}
+    assert await queue.limits.release("capped", 2, now) == 2
     popped = await queue.pop(["q"], 5, now)
     assert popped.run_ids == [held[1].run_id, held[0].run_id], "priority, then age"
-    assert await queue.holding(held) == {held[2].run_id}
+    assert await queue.limits.holding(held) == {held[2].run_id}
 
 
 async def test_a_pop_says_which_runs_have_limits(queue: RedisQueue, store: MongoStore) -> None:
     now = store.clock.now()
     plain, limited = (QueueEntry(i, "q", 0) for i in _ids(2))
-    limited = QueueEntry(limited.run_id, "q", 0, limited=True)
-    later = QueueEntry(_ids(1, 9)[0], "q", 0, now + timedelta(seconds=5), limited=True)
+    # A window may hold any character: `|` would cut a delayed member short.
+    rate = RunRate(key='["t","a|b+c"]', limit=5, period_seconds=1.5)
+    limits = StartLimits("t", 3, rate)
+    limited = QueueEntry(limited.run_id, "q", 0, limits=limits)
+    later = QueueEntry(_ids(1, 9)[0], "q", 0, now + timedelta(seconds=5), limits=limits)
     await queue.push([plain, limited, later], now)
     assert await queue.missing([plain, limited, later]) == []
     popped = await queue.pop(["q"], 5, now + timedelta(seconds=6))
     assert popped.run_ids == [plain.run_id, limited.run_id, later.run_id]
-    assert popped.limited == {limited.run_id, later.run_id}
+    assert popped.limits == {limited.run_id: limits, later.run_id: limits}
     await queue.push([limited], now)
     await queue.remove(limited)
     assert await queue.missing([limited]) == [limited]

@@ -32,7 +32,7 @@ from schemathesis.specs.openapi.checks import (
 
 from jobplane.backends import Backends
 from jobplane.model import LEASED, ApiKey, Event, Run, RunStatus, Schedule, Template
-from jobplane.queue.redis import QueueEntry
+from jobplane.queue.entry import QueueEntry
 from jobplane.schedules.cron import Cron
 from jobplane.settings import Settings
 from tests.integration.conftest import Client

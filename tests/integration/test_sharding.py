@@ -296,13 +296,12 @@ async def test_flow_control_writes_name_their_shard_key_or_are_claims(
     ]
     runs = [await service.get(i) for i in ids]
     assert [r.status for r in runs] == [RunStatus.QUEUED, RunStatus.QUEUED, RunStatus.PENDING]
-    [(first, lease)], held = await store.transitions.claim_limited(
-        runs[:2], "w1", LEASE, clock.now()
-    )
-    assert held == [runs[1]]
+    capped = [(r.id, r.start_limits) for r in runs[:2] if r.start_limits]
+    [(_, lease)], held = await store.transitions.claim_limited(capped, "w1", LEASE, clock.now())
+    assert held == [runs[1].id]
     wait = LockWait(lock="api", holder="other", count=1)
     assert not isinstance(await store.transitions.release(lease, lock_wait=wait), Lost)
-    [(_, lease)], _ = await store.transitions.claim_limited([first], "w1", LEASE, clock.now())
+    [(_, lease)], _ = await store.transitions.claim_limited(capped[:1], "w1", LEASE, clock.now())
     assert await store.leases.locks_taken(lease) is None
     await store.transitions.complete(lease, 0, "call", None, None)
     await service.lifecycle.admit_next(runs[2].dedupe_wait or "", "worker:w1")

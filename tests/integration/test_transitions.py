@@ -23,6 +23,7 @@ from jobplane.model import (
     Run,
     RunError,
     RunStatus,
+    StartLimits,
     Template,
     Transition,
 )
@@ -40,7 +41,7 @@ Args = Callable[[MongoStore, Run, Lease], tuple[object, ...]]
 ARGS: dict[str, Args] = {
     "enqueue": lambda s, r, le: (r.id, "user:t"),
     "claim": lambda s, r, le: ([r.id], "w2", 5),
-    "claim_limited": lambda s, r, le: ([r], "w2", 5, s.clock.now()),
+    "claim_limited": lambda s, r, le: ([limited(r)], "w2", 5, s.clock.now()),
     "wait_worker": lambda s, r, le: (le, 0, "only", "external"),
     "resume": lambda s, r, le: ("external", "x2", 5),
     "complete": lambda s, r, le: (le, 0, "only", 1, 1),
@@ -56,6 +57,11 @@ ARGS: dict[str, Args] = {
     "cancel_timeout": lambda s, r, le: (r, "reaper"),
     "deadline_expire": lambda s, r, le: (r, "reaper"),
 }
+
+
+def limited(run: Run) -> tuple[str, StartLimits]:
+    """A run as `claim_limited` takes it: its id and the limits its queue entry carries."""
+    return run.id, run.start_limits or StartLimits(run.template_type)
 
 
 async def call(store: MongoStore, name: str, run: Run, lease: Lease) -> Moved | Lost:
@@ -439,23 +445,25 @@ async def test_concurrent_claims_under_max_running_start_no_more_than_it(
     serializes their transactions on the template's gate, so three start, whatever the race."""
     template = await register("capped", maxRunning=3)
     runs = [await store.runs.insert(NewRun(template, "user", f"u{i}"), "u") for i in range(30)]
+    now = store.clock.now()
     started = await asyncio.gather(
         *(
-            store.transitions.claim_limited(runs[i::12], f"w{i}", 30, store.clock.now())
+            store.transitions.claim_limited(list(map(limited, runs[i::12])), f"w{i}", 30, now)
             for i in range(12)
         )
     )
     claimed = [run for leased, _ in started for run, _ in leased]
-    held = [run for _, over in started for run in over]
+    held = [run_id for _, over in started for run_id in over]
     assert len(claimed) == 3 and len(held) == 27
     assert {r.status for r in claimed} == {RunStatus.RUNNING}
-    assert {r.id for r in claimed} | {r.id for r in held} == {r.id for r in runs}
+    assert {r.id for r in claimed} | set(held) == {r.id for r in runs}
     # An ended run makes room for one more.
     first, lease = claimed[0], next(le for leased, _ in started for r, le in leased)
     assert first.id == lease.run_id
     assert isinstance(await store.transitions.complete(lease, 0, "only", 1, 1), Moved)
-    [more], still = await store.transitions.claim_limited(held[:2], "w", 30, store.clock.now())
-    assert len(still) == 1 and more[0].id == held[0].id
+    waiting = [limited(r) for r in runs if r.id in held[:2]]
+    [more], still = await store.transitions.claim_limited(waiting, "w", 30, store.clock.now())
+    assert len(still) == 1 and more[0].id == waiting[0][0]
 
 
 async def test_a_claim_under_max_running_gives_up_on_a_gate_a_dead_worker_holds(
@@ -473,10 +481,11 @@ async def test_a_claim_under_max_running_gives_up_on_a_gate_a_dead_worker_holds(
             {"_id": "capped"}, {"$inc": {"claims": 1}}, upsert=True, session=dead
         )
         began = asyncio.get_running_loop().time()
-        claimed, held = await store.transitions.claim_limited([run], "w", 30, store.clock.now())
+        claim = [limited(run)]
+        claimed, held = await store.transitions.claim_limited(claim, "w", 30, store.clock.now())
         waited = asyncio.get_running_loop().time() - began
-        assert (claimed, held) == ([], [run])
+        assert (claimed, held) == ([], [run.id])
         assert waited < 10, "bounded by CAPPED_CLAIM_SECONDS, not by the dead transaction"
         await dead.abort_transaction()
-    [(leased, _)], held = await store.transitions.claim_limited([run], "w", 30, store.clock.now())
+    [(leased, _)], held = await store.transitions.claim_limited(claim, "w", 30, store.clock.now())
     assert leased.id == run.id and held == []

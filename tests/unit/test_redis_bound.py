@@ -9,8 +9,9 @@ from redis.asyncio import Redis
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from jobplane.queue.connect import REDIS_DOWN
+from jobplane.queue.entry import QueueEntry
 from jobplane.queue.keys import Keys
-from jobplane.queue.redis import QueueEntry, RedisQueue
+from jobplane.queue.redis import RedisQueue
 
 
 async def test_a_call_to_a_redis_that_never_answers_fails_within_the_bound() -> None:

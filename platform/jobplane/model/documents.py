@@ -5,6 +5,7 @@ Only the store converts between these models and BSON.
 """
 
 import re
+from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import cached_property
 from typing import Annotated, Any, Literal
@@ -266,6 +267,28 @@ class RunRate(Document):
     period_seconds: float
 
 
+@dataclass(frozen=True)
+class StartLimits:
+    """What a run must pass as it starts, beyond its status: its template's `maxRunning` and
+    its rate window. The queue entry of a run carries them, so that a worker that pops it can
+    check them without reading the run."""
+
+    template_type: str
+    max_running: int | None = None
+    rate: RunRate | None = None
+
+    def as_list(self) -> list[Any]:
+        rate = self.rate
+        window = [rate.key, rate.limit, rate.period_seconds] if rate else [None, None, None]
+        return [self.template_type, self.max_running, *window]
+
+    @classmethod
+    def from_list(cls, values: list[Any]) -> "StartLimits":
+        template_type, max_running, key, limit, period = values
+        rate = None if key is None else RunRate(key=key, limit=limit, period_seconds=period)
+        return cls(template_type, max_running, rate)
+
+
 class LockWait(Document):
     """The lock a run was handed back for, while it waits to take it again."""
 
@@ -357,6 +380,13 @@ class Run(Document):
     version: int = 1
     # Not stored: the run service says it when it answers (`runs/waiting.py`).
     waiting_for: WaitingFor | None = None
+
+    @property
+    def start_limits(self) -> StartLimits | None:
+        """The limits the run passes as it starts (`claim_limited`), or None without any."""
+        if self.max_running is None and self.rate is None:
+            return None
+        return StartLimits(self.template_type, self.max_running, self.rate)
 
 
 class Event(Document):

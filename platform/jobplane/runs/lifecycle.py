@@ -19,7 +19,8 @@ from jobplane import metrics
 from jobplane.clock import Clock
 from jobplane.model import LockWait, Run, RunError, RunStatus, Template
 from jobplane.queue.connect import REDIS_DOWN
-from jobplane.queue.redis import QueueEntry, RedisQueue
+from jobplane.queue.entry import QueueEntry
+from jobplane.queue.redis import RedisQueue
 from jobplane.runs.admission.starts import Starts
 from jobplane.runs.policy import cancel_grace, cancel_of, lease_expired, retry_at
 from jobplane.store import KeyHeld, Lease, Lost, Moved, Store
@@ -80,7 +81,7 @@ class Lifecycle:
         taken = await self.store.leases.locks_taken(step.lease)
         self.observe(step.run, taken)
         with contextlib.suppress(*REDIS_DOWN):  # a stale waiter costs one wasted wake-up
-            await self.queue.stop_waiting(lock_ids, QueueEntry.of(step.run))
+            await self.queue.locks.stop_waiting(lock_ids, QueueEntry.of(step.run))
         return taken
 
     async def finish_step(
@@ -160,7 +161,7 @@ class Lifecycle:
             metrics.LOCK_WAITS.labels(wait.lock.split(":", 1)[0]).inc()
             await self.push([run.model_copy(update={"not_before": until})])
             try:
-                await self.queue.wait_for_lock(wait.lock, QueueEntry.of(run), self.clock.now())
+                await self.queue.locks.wait(wait.lock, QueueEntry.of(run), self.clock.now())
             except REDIS_DOWN as exc:
                 log.warning("run %s waits for lock %s until its back-off: %s", run.id, wait, exc)
             await self._freed(run)
@@ -234,7 +235,7 @@ class Lifecycle:
             with contextlib.suppress(*REDIS_DOWN):  # a popped id is skipped
                 await self.queue.remove(QueueEntry.of(run))
                 if run.lock_wait is not None:
-                    await self.queue.stop_waiting([run.lock_wait.lock], QueueEntry.of(run))
+                    await self.queue.locks.stop_waiting([run.lock_wait.lock], QueueEntry.of(run))
             # The run may have taken the key it waited for since it was read.
             if key := run.dedupe_key or run.dedupe_wait:
                 await self._admit_after_end(key, actor)

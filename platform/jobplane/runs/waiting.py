@@ -21,7 +21,8 @@ from datetime import datetime
 
 from jobplane.errors import JobplaneError
 from jobplane.model import CLAIMABLE, Run, WaitingFor
-from jobplane.queue.redis import QueueEntry, RedisQueue
+from jobplane.queue.entry import QueueEntry
+from jobplane.queue.redis import RedisQueue
 from jobplane.runs.admission import concurrency, locks, pause, starts
 from jobplane.runs.admission.pause import Pauses
 from jobplane.store import Store
@@ -73,7 +74,7 @@ class Waiting:
         rated = [r for r in waiting if r.rate is not None]
         try:
             if capped:
-                facts.holding = await self.queue.holding(capped)
+                facts.holding = await self.queue.limits.holding(capped)
             if rated:
                 due = await self.queue.delayed_until([QueueEntry.of(r) for r in rated])
                 facts.due = {r.id: d for r, d in zip(rated, due, strict=True) if d is not None}

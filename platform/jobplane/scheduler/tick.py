@@ -19,7 +19,8 @@ from jobplane import metrics
 from jobplane.clock import Clock, SystemClock
 from jobplane.model import RunStatus
 from jobplane.process import finish_within
-from jobplane.queue.redis import QueueEntry, RedisQueue
+from jobplane.queue.entry import QueueEntry
+from jobplane.queue.redis import RedisQueue
 from jobplane.runs.admission.pause import Pauses
 from jobplane.runs.lifecycle import Lifecycle
 from jobplane.schedules import ScheduleService
@@ -69,7 +70,7 @@ class Scheduler:
                 ticking.cancel()
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(self.settings.close_seconds):
-                    await self.queue.release_scheduler_lock(self.owner)
+                    await self.queue.locks.release_scheduler(self.owner)
 
     async def _tick_loop(self, stop: asyncio.Event) -> None:
         """Schedules fire the moment they are due (the loop sleeps until the earliest
@@ -82,7 +83,7 @@ class Scheduler:
         while not stop.is_set():
             wait = interval
             try:
-                holds = await self.queue.acquire_scheduler_lock(self.owner, ttl)
+                holds = await self.queue.locks.take_scheduler(self.owner, ttl)
                 if holds != active:  # say when this one takes over or is taken over from
                     active = holds
                     log.info("scheduler %s %s", self.owner, "active" if holds else "stands by")

@@ -19,6 +19,7 @@ from jobplane.model import (
     Run,
     RunError,
     Schedule,
+    StartLimits,
     Template,
     TemplateSpec,
 )
@@ -100,8 +101,12 @@ class TransitionStore(Protocol):
         self, run_ids: Sequence[str], worker_id: str, lease_seconds: float
     ) -> list[tuple[Run, Lease]]: ...
     async def claim_limited(
-        self, runs: Sequence[Run], worker_id: str, lease_seconds: float, at: datetime
-    ) -> tuple[list[tuple[Run, Lease]], list[Run]]: ...
+        self,
+        runs: Sequence[tuple[str, StartLimits]],
+        worker_id: str,
+        lease_seconds: float,
+        at: datetime,
+    ) -> tuple[list[tuple[Run, Lease]], list[str]]: ...
     async def wait_worker(
         self, lease: Lease, index: int, step_id: str, worker_type: str
     ) -> Moved | Lost: ...

@@ -18,7 +18,15 @@ from pymongo import AsyncMongoClient
 from pymongo.asynchronous.client_session import AsyncClientSession
 from pymongo.errors import PyMongoError
 
-from jobplane.model import TRANSITIONS, AttemptChange, LockWait, Run, RunError, StepStatus
+from jobplane.model import (
+    TRANSITIONS,
+    AttemptChange,
+    LockWait,
+    Run,
+    RunError,
+    StartLimits,
+    StepStatus,
+)
 from jobplane.store import convert, rows, steps
 from jobplane.store.convert import NO_TRAIL, OWNER_FIELDS, Doc, known_owner, merged, object_id
 from jobplane.store.database import transaction
@@ -68,10 +76,15 @@ class MongoTransitionStore:
         return await self._leased(docs, worker_id)
 
     async def claim_limited(
-        self, runs: Sequence[Run], worker_id: str, lease_seconds: float, at: datetime
-    ) -> tuple[list[tuple[Run, Lease]], list[Run]]:
-        """Lease runs that have limits to pass as they start, which the caller checked but for
-        `maxRunning`: returns the runs leased, and those their template's `maxRunning` held back.
+        self,
+        runs: Sequence[tuple[str, StartLimits]],
+        worker_id: str,
+        lease_seconds: float,
+        at: datetime,
+    ) -> tuple[list[tuple[Run, Lease]], list[str]]:
+        """Lease runs (ids, with their limits) that have limits to pass as they start, which
+        the caller checked but for `maxRunning`: returns the runs leased, and the ids of those
+        their template's `maxRunning` held back.
 
         Runs of a template with `maxRunning` are claimed in one transaction per template that
         counts the template's started runs and claims as many as the cap leaves room for
@@ -79,15 +92,15 @@ class MongoTransitionStore:
         `at`, the time their rate window counted them from.
         """
         claimed: list[tuple[Run, Lease]] = []
-        held: list[Run] = []
-        free = [oid for r in runs if r.max_running is None if (oid := object_id(r.id))]
+        held: list[str] = []
+        free = [oid for i, limits in runs if limits.max_running is None if (oid := object_id(i))]
         if free:
             docs = await self._claimed("claim_limited", free, worker_id, lease_seconds, at)
             claimed += await self._leased(docs, worker_id)
-        capped: dict[str, list[Run]] = {}
-        for run in runs:
-            if run.max_running is not None:
-                capped.setdefault(run.template_type, []).append(run)
+        capped: dict[str, list[tuple[str, int]]] = {}
+        for run_id, limits in runs:
+            if limits.max_running is not None:
+                capped.setdefault(limits.template_type, []).append((run_id, limits.max_running))
         for template_type, batch in capped.items():
             docs, over = await self._claim_capped(template_type, batch, worker_id, lease_seconds)
             claimed += await self._leased(docs, worker_id)
@@ -95,10 +108,14 @@ class MongoTransitionStore:
         return claimed, held
 
     async def _claim_capped(
-        self, template_type: str, runs: Sequence[Run], worker_id: str, lease_seconds: float
-    ) -> tuple[list[Doc], list[Run]]:
-        """Claim runs of one capped template in one transaction: the claimed runs' documents,
-        and the runs the cap held back.
+        self,
+        template_type: str,
+        runs: Sequence[tuple[str, int]],
+        worker_id: str,
+        lease_seconds: float,
+    ) -> tuple[list[Doc], list[str]]:
+        """Claim runs of one capped template (ids, each with its own `maxRunning`) in one
+        transaction: the claimed runs' documents, and the ids of the runs the cap held back.
 
         The transaction counts the template's started runs (every version, every scope), reads
         its clock, claims, in the caller's order (priority, then age), the runs their own
@@ -111,20 +128,19 @@ class MongoTransitionStore:
         then. The claims of a template wait at most `CAPPED_CLAIM_SECONDS` for each other: past
         it, the runs are held back, as runs over the cap are."""
 
-        async def claim(session: AsyncClientSession) -> tuple[list[Doc], list[Run]]:
+        async def claim(session: AsyncClientSession) -> tuple[list[Doc], list[str]]:
             started = await self._db.runs.count_documents(
                 {"templateType": template_type, **rows.STARTED_CAPPED}, session=session
             )
             # Read after the count: the ends it counted out were written before it, and their
             # times come before this claim's.
             now = self._clock.now()
-            admitted: list[Run] = []
-            for run in runs:
-                assert run.max_running is not None
-                if started + len(admitted) < run.max_running:
-                    admitted.append(run)
-            over = [r for r in runs if r not in admitted]
-            oids = [oid for r in admitted if (oid := object_id(r.id))]
+            admitted: list[str] = []
+            for run_id, cap in runs:
+                if started + len(admitted) < cap:
+                    admitted.append(run_id)
+            over = [run_id for run_id, _ in runs if run_id not in admitted]
+            oids = [oid for run_id in admitted if (oid := object_id(run_id))]
             if not oids:
                 return [], over
             docs = await self._claimed(
@@ -141,7 +157,7 @@ class MongoTransitionStore:
         except PyMongoError as exc:
             if not exc.timeout:
                 raise
-            return [], list(runs)
+            return [], [run_id for run_id, _ in runs]
 
     async def _claimed(
         self,

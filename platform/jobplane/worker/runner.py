@@ -20,7 +20,7 @@ from typing import Any, Literal
 from jobplane.clock import Clock
 from jobplane.model import TERMINAL, Run, RunError, StepStatus, Template
 from jobplane.process import log_context
-from jobplane.queue.redis import Blocked
+from jobplane.queue.locks import Blocked
 from jobplane.runs.admission.keys import lock_id, lock_named
 from jobplane.runs.admission.locks import Locks, holder
 from jobplane.runs.lifecycle import HeldStep, Lifecycle

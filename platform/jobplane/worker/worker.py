@@ -12,13 +12,13 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Collection
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 from jobplane import metrics
 from jobplane.clock import Clock, SystemClock
-from jobplane.model import RunStatus
+from jobplane.model import RunStatus, StartLimits
 from jobplane.process import CANCEL_SECONDS, finish_within, log_context
 from jobplane.queue.redis import RedisQueue
 from jobplane.runs.admission.locks import Locks, holder
@@ -183,17 +183,20 @@ class Worker:
                 due = popped.next_due or now + timedelta(seconds=self.settings.poll_seconds)
                 backlog = len(popped.run_ids) == free
                 if popped.run_ids:
-                    await self.claim(popped.run_ids, popped.limited)
+                    await self.claim(popped.run_ids, popped.limits)
             except Exception:
                 # MongoDB or Redis unreachable: back off, the runs wait safely where they are.
                 log.exception("claim failed; retrying")
                 await asyncio.sleep(self.settings.poll_seconds)
 
-    async def claim(self, run_ids: list[str], limited: Collection[str] = ()) -> None:
-        """Take the leases MongoDB grants among `run_ids` (`limited`: those with limits to
-        pass as they start) and start their runs."""
+    async def claim(
+        self, run_ids: list[str], limits: Mapping[str, StartLimits] | None = None
+    ) -> None:
+        """Take the leases MongoDB grants among `run_ids` (`limits`: those of the runs that
+        have some to pass as they start) and start their runs."""
         seconds = self.settings.lease_seconds
-        async for claimed in self.lifecycle.starts.claim(run_ids, self.id, seconds, limited):
+        claims = self.lifecycle.starts.claim(run_ids, self.id, seconds, limits or {})
+        async for claimed in claims:
             for run, lease in claimed:
                 metrics.run_claimed(run)
                 held = Held(run, lease)

@@ -215,7 +215,7 @@ def _int(value: float | None) -> int | None:
 
 async def _leader(queue: RedisQueue) -> str | None:
     """The scheduler lock's value: the owner id of the active scheduler."""
-    owner, _ = await queue.scheduler_lock()
+    owner, _ = await queue.locks.scheduler_holder()
     return owner
 
 

@@ -2,14 +2,15 @@
 -- KEYS[1] the window's starts (sorted set: member the run id, score when it started, epoch
 -- ms), KEYS[2] the latest time a refused run was told to come back
 -- ARGV[1] now (epoch ms), ARGV[2] limit, ARGV[3] period (ms), ARGV[4] the run id
--- Returns 0 when the run may start now (its start is recorded), or the epoch ms it should try
--- again at: the next free moment of the window, each refused run a share of the period after
+-- Returns 0 when the run may start now (its start is recorded now), -1 when it may start and
+-- its start was recorded before (a claim repeated, or a stale pop of a run started since: the
+-- caller must not take that start back), or the epoch ms it should try again at: the next free moment of the window, each refused run a share of the period after
 -- the one before it, so that a backlog comes back spread at the limit's pace rather than all
 -- at once (and would mostly be refused again).
 local now, limit, period = tonumber(ARGV[1]), tonumber(ARGV[2]), tonumber(ARGV[3])
 redis.call('ZREMRANGEBYSCORE', KEYS[1], '-inf', now - period)
 if redis.call('ZSCORE', KEYS[1], ARGV[4]) then
-  return 0 -- started already: a claim repeated after its grant
+  return -1
 end
 local count = redis.call('ZCARD', KEYS[1])
 if count < limit then

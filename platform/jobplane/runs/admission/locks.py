@@ -25,7 +25,8 @@ from collections.abc import Sequence
 from datetime import datetime, timedelta
 
 from jobplane.model import LockWait, Run, WaitingFor
-from jobplane.queue.redis import Blocked, QueueEntry, RedisQueue, Taken, TokensNeeded
+from jobplane.queue.locks import Blocked, Taken, TokensNeeded
+from jobplane.queue.redis import RedisQueue
 from jobplane.store import Store
 
 log = logging.getLogger("jobplane.runs")
@@ -53,7 +54,7 @@ class Locks:
     async def take(self, lock_ids: Sequence[str], owner: str) -> Taken | Blocked:
         """Take every lock of `lock_ids` for `owner`, or none (`Blocked`: who holds one)."""
         for _ in range(_REFILLS):
-            outcome = await self.queue.take_locks(lock_ids, owner, self.ttl_seconds)
+            outcome = await self.queue.locks.take(lock_ids, owner, self.ttl_seconds)
             if not isinstance(outcome, TokensNeeded):
                 return outcome
             await self._refill(outcome.fresh)
@@ -61,11 +62,11 @@ class Locks:
 
     async def renew(self, lock_ids: Sequence[str], owner: str) -> set[str]:
         """Extend the locks `owner` holds; those it lost."""
-        return await self.queue.renew_locks(lock_ids, owner, self.ttl_seconds)
+        return await self.queue.locks.renew(lock_ids, owner, self.ttl_seconds)
 
     async def release(self, lock_ids: Sequence[str], owner: str, now: datetime) -> None:
         """Let go of the locks, and wake the run that waited longest for each."""
-        await self.queue.release_locks(lock_ids, owner, now)
+        await self.queue.locks.release(lock_ids, owner, now)
 
     def wait(self, run: Run, blocked: Blocked, now: datetime) -> tuple[LockWait, datetime]:
         """What the run, handed back for a lock held, waits with: the lock, and until when at
@@ -77,17 +78,14 @@ class Locks:
         until = now + timedelta(seconds=backoff_seconds(waits))
         return wait, until
 
-    async def note_waiter(self, lock_id: str, entry: QueueEntry, now: datetime) -> None:
-        await self.queue.wait_for_lock(lock_id, entry, now)
-
     async def _refill(self, fresh: bool) -> None:
         """A block of tokens from MongoDB for Redis's counter, under the counter's current
         name: a block allotted before a wipe is refused by the counter after it."""
         if fresh:
             log.info("Redis holds no lock token counter (new, or wiped): starting one")
-        incarnation = await self.queue.lock_incarnation(os.urandom(8).hex())
+        incarnation = await self.queue.locks.incarnation(os.urandom(8).hex())
         first, end = await self.store.locks.token_block()
-        await self.queue.add_lock_tokens(incarnation, first, end)
+        await self.queue.locks.add_tokens(incarnation, first, end)
 
 
 def waiting_for(run: Run) -> WaitingFor | None:

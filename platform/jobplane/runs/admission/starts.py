@@ -21,14 +21,15 @@ than the limit allows (at most one window's over-admission).
 """
 
 import logging
-from collections.abc import AsyncIterator, Collection, Sequence
+from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import replace
 from datetime import datetime
 
 from jobplane import metrics
 from jobplane.clock import Clock
-from jobplane.model import Run, WaitingFor
-from jobplane.queue.redis import QueueEntry, RedisQueue
+from jobplane.model import Run, StartLimits, WaitingFor
+from jobplane.queue.entry import QueueEntry
+from jobplane.queue.redis import RedisQueue
 from jobplane.store import Lease, Store
 
 log = logging.getLogger("jobplane.runs")
@@ -45,7 +46,7 @@ class Starts:
         run_ids: Sequence[str],
         worker_id: str,
         lease_seconds: float,
-        limited: Collection[str] = (),
+        limits: Mapping[str, StartLimits],
     ) -> AsyncIterator[list[tuple[Run, Lease]]]:
         """Lease the runs among `run_ids` that may start, to `worker_id`, a batch at a time:
         those without limits at once, then those with limits once they pass them, so that the
@@ -53,45 +54,56 @@ class Starts:
         belong again (delayed by their rate window, or held back by `maxRunning`), or were not
         claimable (cancelled, claimed by another worker).
 
-        `limited` are the ids the pop said have limits; they skip the plain claim. A run whose
-        limits the pop did not know of (pushed before it had them) is found among the ids the
-        plain claim left, which are read only then."""
-        plain = [i for i in run_ids if i not in limited]
+        `limits` are what the pop said the runs with limits must pass: they skip the plain
+        claim, and nothing is read to check them. A run whose limits the pop did not know of
+        (pushed before it had them) is found among the ids the plain claim left, which are
+        read only then."""
+        plain = [i for i in run_ids if i not in limits]
         claimed = await self.store.transitions.claim(plain, worker_id, lease_seconds)
         if claimed:
             yield claimed
         won = {run.id for run, _ in claimed}
-        rest = [i for i in run_ids if i not in won]
-        runs = await self.store.runs.limited(rest) if rest else []
-        if runs and (also := await self._claim_limited(runs, worker_id, lease_seconds)):
+        limited = [(i, limits[i]) for i in run_ids if i in limits]
+        if rest := [i for i in plain if i not in won]:
+            unknown = await self.store.runs.limited(rest)
+            limited += [(r.id, r.start_limits) for r in unknown if r.start_limits]
+        if limited and (also := await self._claim_limited(limited, worker_id, lease_seconds)):
             yield also
 
     async def _claim_limited(
-        self, runs: Sequence[Run], worker_id: str, lease_seconds: float
+        self, runs: Sequence[tuple[str, StartLimits]], worker_id: str, lease_seconds: float
     ) -> list[tuple[Run, Lease]]:
         now = self.clock.now()
-        rated = [r for r in runs if r.rate is not None]
-        later = await self.queue.rate_take([_window(r) for r in rated], now) if rated else []
-        back = {r.id: at for r, at in zip(rated, later, strict=True) if at is not None}
-        going = [r for r in runs if r.id not in back]
+        rated = [(i, limits.rate) for i, limits in runs if limits.rate is not None]
+        windows = [(i, rate.key, rate.limit, rate.period_seconds) for i, rate in rated]
+        answers = await self.queue.limits.rate_take(windows, now) if rated else []
+        told = list(zip(rated, answers, strict=True))
+        back = {i: a.retry_at for (i, _), a in told if a.retry_at is not None}
+        counted = {i: rate.key for (i, rate), a in told if a.counted}
+        going = [(i, limits) for i, limits in runs if i not in back]
         claimed, held = await self.store.transitions.claim_limited(
             going, worker_id, lease_seconds, now
         )
-        won = {run.id for run, _ in claimed}
         # From here on the claims stand: nothing that fails below may keep their runs from
         # starting (their leases would run out unused).
         try:
-            unused = [(r.id, r.rate.key) for r in going if r.rate and r.id not in won]
+            # The starts this take counted for runs `maxRunning` then held back. A run not
+            # claimed for another reason keeps its count: it may have been claimed by another
+            # worker's pop of it, whose start that count now is (a cancelled one's costs a
+            # place in the window for one period).
+            unused = [(i, counted[i]) for i in held if i in counted]
             if unused:
-                await self.queue.rate_return(unused)
-            if back:
-                later_runs = [r for r in rated if r.id in back]
+                await self.queue.limits.rate_return(unused)
+            if back or held:
+                # Their lanes are needed to put them back: read only for those.
+                found = {r.id: r for r in await self.store.runs.limited([*back, *held])}
+                later_runs = [found[i] for i in back if i in found]
                 delayed = [replace(QueueEntry.of(r), not_before=back[r.id]) for r in later_runs]
                 await self.queue.push(delayed, now)
                 for run in later_runs:
                     metrics.rate_delayed(run, (back[run.id] - now).total_seconds())
-            if held:
-                await self._hold(held)
+                if over := [found[i] for i in held if i in found]:
+                    await self._hold(over)
         except Exception:
             # Runs popped and neither claimed nor put back: the reconciler pushes them again.
             log.exception("runs past their limits not put back in Redis")
@@ -100,7 +112,7 @@ class Starts:
     async def _hold(self, runs: Sequence[Run]) -> None:
         """Hold runs over `maxRunning` back, then let go as many as there is room for now: a
         run of the template that ended while they were on their way found none held."""
-        await self.queue.hold([QueueEntry.of(r) for r in runs])
+        await self.queue.limits.hold([QueueEntry.of(r) for r in runs])
         for run in runs:
             metrics.RUNS_HELD.labels(run.template_type).inc()
         for template_type in {r.template_type for r in runs}:
@@ -113,29 +125,24 @@ class Starts:
         room = 1 << 30
         if cap is not None:
             room = cap - await self.store.overview.started_capped(template_type)
-        return await self.queue.release_held(template_type, room, self.clock.now())
+        return await self.queue.limits.release(template_type, room, self.clock.now())
 
     async def freed(self, run: Run) -> None:
         """A started run left its template's started runs (it ended or went back to its
         queue): under `maxRunning`, one held run may take its place."""
         if run.max_running is not None:
-            await self.queue.release_held(run.template_type, 1, self.clock.now())
+            await self.queue.limits.release(run.template_type, 1, self.clock.now())
 
     async def release_all_room(self) -> int:
         """The scheduler's backstop: for every template with runs held back, let go as many as
         its latest `maxRunning` leaves room for. Returns how many went."""
         released = 0
-        for template_type, held in (await self.queue.held_counts()).items():
+        for template_type, held in (await self.queue.limits.held_counts()).items():
             if held:
                 template = await self.store.templates.get(template_type)
                 cap = template.max_running if template else None
                 released += await self.release_room(template_type, cap)
         return released
-
-
-def _window(run: Run) -> tuple[str, str, int, float]:
-    assert run.rate is not None
-    return run.id, run.rate.key, run.rate.limit, run.rate.period_seconds
 
 
 def held_back(run: Run, holding: set[str]) -> WaitingFor | None:
