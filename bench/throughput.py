@@ -281,6 +281,8 @@ class Counters:
         mongo: dict[str, float] = {"requests": status["network"]["numRequests"]}
         mongo |= {k: v for k, v in status["opcounters"].items() if isinstance(v, int)}
         mongo["journal syncs"] = status["wiredTiger"]["log"]["log sync operations"]
+        mongo["transactions"] = status["transactions"]["totalStarted"]
+        mongo["aborted transactions"] = status["transactions"]["totalAborted"]
         top_count: dict[str, float] = {}
         top_time: dict[str, float] = {}
         for ns, kinds in (await admin.command("top"))["totals"].items():

@@ -8,7 +8,7 @@ naming the row, and the method's other events, to the run's trail.
 
 import secrets
 from collections.abc import Sequence
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -37,6 +37,18 @@ from jobplane.store.writes import RunWrites, TrailEntry, held_by, recorded
 # How long a claim under `maxRunning` waits for the template's other claims (see
 # `_claim_capped`) before it holds its runs back instead.
 CAPPED_CLAIM_SECONDS = 2.0
+
+BY_ID = "_id_"
+
+
+@dataclass(frozen=True)
+class _Claim:
+    """A claim's write: the runs it was over, its events' ids and its lease."""
+
+    oids: list[ObjectId]
+    event_ids: list[ObjectId]
+    worker_id: str
+    token: str
 
 
 class MongoTransitionStore:
@@ -126,9 +138,11 @@ class MongoTransitionStore:
         transaction leaves it open on the server (until `transactionLifetimeLimitSeconds`),
         and one that had taken the gate first would stall every claim of the template until
         then. The claims of a template wait at most `CAPPED_CLAIM_SECONDS` for each other: past
-        it, the runs are held back, as runs over the cap are."""
+        it, the runs are held back, as runs over the cap are. The claimed runs are read back
+        after the commit, which keeps the transaction, and so the window for a conflict, short.
+        """
 
-        async def claim(session: AsyncClientSession) -> tuple[list[Doc], list[str]]:
+        async def claim(session: AsyncClientSession) -> tuple[_Claim | None, list[str]]:
             started = await self._db.runs.count_documents(
                 {"templateType": template_type, **rows.STARTED_CAPPED}, session=session
             )
@@ -142,22 +156,21 @@ class MongoTransitionStore:
             over = [run_id for run_id, _ in runs if run_id not in admitted]
             oids = [oid for run_id in admitted if (oid := object_id(run_id))]
             if not oids:
-                return [], over
-            docs = await self._claimed(
-                "claim_limited", oids, worker_id, lease_seconds, now, session
-            )
+                return None, over
+            taken = await self._take("claim_limited", oids, worker_id, lease_seconds, now, session)
             await self._db.gates.update_one(
                 {"_id": template_type}, {"$inc": {"claims": 1}}, upsert=True, session=session
             )
-            return docs, over
+            return taken, over
 
         try:
             with pymongo.timeout(CAPPED_CLAIM_SECONDS):
-                return await transaction(self._client, self._db.runs.write_concern, claim)
+                taken, over = await transaction(self._client, self._db.runs.write_concern, claim)
         except PyMongoError as exc:
             if not exc.timeout:
                 raise
             return [], [run_id for run_id, _ in runs]
+        return (await self._read(taken) if taken else []), over
 
     async def _claimed(
         self,
@@ -166,23 +179,42 @@ class MongoTransitionStore:
         worker_id: str,
         lease_seconds: float,
         now: datetime,
-        session: AsyncClientSession | None = None,
     ) -> list[Doc]:
-        """The claim row `name` over `oids`: the documents of the runs it leased, each with
-        only this claim's event in its trail (the rest is not the worker's to copy)."""
+        """The claim row `name` over `oids`: the documents of the runs it leased."""
+        return await self._read(await self._take(name, oids, worker_id, lease_seconds, now))
+
+    async def _take(
+        self,
+        name: str,
+        oids: list[ObjectId],
+        worker_id: str,
+        lease_seconds: float,
+        now: datetime,
+        session: AsyncClientSession | None = None,
+    ) -> _Claim:
+        """The write of the claim row `name` over `oids`, under a fresh lease token."""
         t = TRANSITIONS[name]
-        token = secrets.token_hex(12)
-        event_ids = [ObjectId() for _ in oids]
+        claim = _Claim(oids, [ObjectId() for _ in oids], worker_id, secrets.token_hex(12))
         until = now + timedelta(seconds=lease_seconds)
-        claimable, take = rows.claiming(t, oids, event_ids, worker_id, token, until, now)
-        await self._db.runs.update_many(claimable, take, session=session)
-        mine = {"$in": ["$$this._id", {"$literal": event_ids}]}
+        claimable, take = rows.claiming(
+            t, oids, claim.event_ids, worker_id, claim.token, until, now
+        )
+        # By `_id`, named: the planner would otherwise race it against the status index on
+        # every claim in a transaction (the plan cache does not serve those), walking queued
+        # runs for nothing.
+        await self._db.runs.update_many(claimable, take, hint=BY_ID, session=session)
+        return claim
+
+    async def _read(self, claim: _Claim) -> list[Doc]:
+        """The documents of the runs `claim` leased, each with only the claim's event in its
+        trail (the rest is not the worker's to copy)."""
+        mine = {"$in": ["$$this._id", {"$literal": claim.event_ids}]}
         cursor = await self._db.runs.aggregate(
             [
-                {"$match": {"_id": {"$in": oids}, **held_by(worker_id, token)}},
+                {"$match": {"_id": {"$in": claim.oids}, **held_by(claim.worker_id, claim.token)}},
                 {"$set": {"trail": {"$filter": {"input": "$trail", "cond": mine}}}},
             ],
-            session=session,
+            hint=BY_ID,
         )
         docs: list[Doc] = await cursor.to_list()
         return docs
