@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: demo test lint typecheck pytest chaos bench bench-api bench-fire clean
+.PHONY: demo test lint typecheck pytest chaos bench bench-api bench-fire bench-limits clean
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -89,6 +89,9 @@ bench-api: $(STAMP)
 
 bench-fire: $(STAMP)
 	$(BIN)/python bench/fire_precision.py
+
+bench-limits: $(STAMP)
+	$(BIN)/python bench/flow_control.py
 
 clean:
 	rm -rf $(VENV) .jobplane .pytest_cache .mypy_cache .ruff_cache

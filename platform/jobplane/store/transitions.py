@@ -38,8 +38,6 @@ from jobplane.store.writes import RunWrites, TrailEntry, held_by, recorded
 # `_claim_capped`) before it holds its runs back instead.
 CAPPED_CLAIM_SECONDS = 2.0
 
-BY_ID = "_id_"
-
 
 @dataclass(frozen=True)
 class _Claim:
@@ -199,10 +197,11 @@ class MongoTransitionStore:
         claimable, take = rows.claiming(
             t, oids, claim.event_ids, worker_id, claim.token, until, now
         )
-        # By `_id`, named: the planner would otherwise race it against the status index on
-        # every claim in a transaction (the plan cache does not serve those), walking queued
-        # runs for nothing.
-        await self._db.runs.update_many(claimable, take, hint=BY_ID, session=session)
+        # In a transaction the planner raced the status index against `_id` on every claim
+        # (`fromMultiPlanner` in the slow-query log, where claims outside one hit the plan
+        # cache), so there the index is named.
+        hint = "_id_" if session else None
+        await self._db.runs.update_many(claimable, take, hint=hint, session=session)
         return claim
 
     async def _read(self, claim: _Claim) -> list[Doc]:
@@ -214,7 +213,6 @@ class MongoTransitionStore:
                 {"$match": {"_id": {"$in": claim.oids}, **held_by(claim.worker_id, claim.token)}},
                 {"$set": {"trail": {"$filter": {"input": "$trail", "cond": mine}}}},
             ],
-            hint=BY_ID,
         )
         docs: list[Doc] = await cursor.to_list()
         return docs
