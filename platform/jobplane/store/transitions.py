@@ -82,7 +82,8 @@ class MongoTransitionStore:
         oids = [oid for oid in map(object_id, run_ids) if oid]
         if not oids:
             return []
-        docs = await self._claimed("claim", oids, worker_id, lease_seconds, self._clock.now())
+        taken = await self._take("claim", oids, worker_id, lease_seconds, self._clock.now())
+        docs = await self._read(taken)
         return await self._leased(docs, worker_id)
 
     async def claim_limited(
@@ -105,7 +106,8 @@ class MongoTransitionStore:
         held: list[str] = []
         free = [oid for i, limits in runs if limits.max_running is None if (oid := object_id(i))]
         if free:
-            docs = await self._claimed("claim_limited", free, worker_id, lease_seconds, at)
+            taken = await self._take("claim_limited", free, worker_id, lease_seconds, at)
+            docs = await self._read(taken)
             claimed += await self._leased(docs, worker_id)
         capped: dict[str, list[tuple[str, int]]] = {}
         for run_id, limits in runs:
@@ -169,17 +171,6 @@ class MongoTransitionStore:
                 raise
             return [], [run_id for run_id, _ in runs]
         return (await self._read(taken) if taken else []), over
-
-    async def _claimed(
-        self,
-        name: str,
-        oids: list[ObjectId],
-        worker_id: str,
-        lease_seconds: float,
-        now: datetime,
-    ) -> list[Doc]:
-        """The claim row `name` over `oids`: the documents of the runs it leased."""
-        return await self._read(await self._take(name, oids, worker_id, lease_seconds, now))
 
     async def _take(
         self,
