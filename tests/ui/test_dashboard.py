@@ -29,6 +29,11 @@ def run_status(page: Page) -> Locator:
     return page.locator("#run-status [data-status]")
 
 
+def waiting_note(page: Page) -> Locator:
+    """The run page's note on why the run waits."""
+    return page.get_by_role("region", name="Progress").get_by_role("status")
+
+
 def test_sign_in_keeps_the_key_in_this_tab_only(page: Page, stack: Stack) -> None:
     page.goto(stack.dashboard)
     key = page.get_by_label("API key")
@@ -153,7 +158,7 @@ def test_a_run_waiting_for_a_handler_says_so_here_and_on_the_overview(
     sign_in(page, stack)
     page.goto(f"{stack.dashboard}#/runs/{run_id}")
     expect(run_status(page)).to_have_text("queued")
-    note = page.get_by_role("region", name="Progress").get_by_role("status")
+    note = waiting_note(page)
     expect(note).to_have_text(
         "No live worker on queue default offers handler ui.nobody: the run starts once one does."
     )
@@ -350,7 +355,7 @@ def test_pausing_a_queue_holds_its_runs_until_it_is_resumed(
 
     page.goto(f"{stack.dashboard}#/runs/{run_id}")
     expect(run_status(page)).to_have_text("queued")
-    note = page.get_by_role("region", name="Progress").get_by_role("status")
+    note = waiting_note(page)
     expect(note).to_have_attribute("data-reason", "queue_paused")
     expect(note).to_have_text(
         f"Its queue {PAUSABLE_QUEUE} is paused: the run starts once the queue is resumed. "
@@ -370,7 +375,7 @@ def test_pausing_a_queue_holds_its_runs_until_it_is_resumed(
 
     page.goto(f"{stack.dashboard}#/runs/{run_id}")
     expect(run_status(page)).to_have_text("succeeded", timeout=15_000)
-    expect(page.get_by_role("region", name="Progress").get_by_role("status")).to_have_count(0)
+    expect(waiting_note(page)).to_have_count(0)
 
     # The audit trail has both, by queue name, each linking to the Queues page.
     page.goto(f"{stack.dashboard}#/audit?jobId={PAUSABLE_QUEUE}")
@@ -393,7 +398,7 @@ def test_an_open_run_page_says_when_its_queue_is_paused_and_resumed(
         run_id = create_run(admin, "ui_pausable_unserved", scope_id)
     sign_in(page, stack)
     page.goto(f"{stack.dashboard}#/runs/{run_id}")
-    note = page.get_by_role("region", name="Progress").get_by_role("status")
+    note = waiting_note(page)
     expect(note).to_have_attribute("data-reason", "handler")
     try:
         with stack.admin() as admin:

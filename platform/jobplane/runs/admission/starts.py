@@ -66,7 +66,7 @@ class Starts:
         limited = [(i, limits[i]) for i in run_ids if i in limits]
         if rest := [i for i in plain if i not in won]:
             unknown = await self.store.runs.limited(rest)
-            limited += [(r.id, r.start_limits) for r in unknown if r.start_limits]
+            limited += [(r.id, sl) for r in unknown if (sl := r.start_limits)]
         if limited and (also := await self._claim_limited(limited, worker_id, lease_seconds)):
             yield also
 
