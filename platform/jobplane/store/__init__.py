@@ -2,6 +2,7 @@
 the event trail, each behind an interface of `abc.py`."""
 
 from jobplane.store.abc import (
+    GateStore,
     KeyStore,
     LeaseStore,
     LockStore,
@@ -33,6 +34,7 @@ from jobplane.store.types import (
 __all__ = [
     "DuplicateRun",
     "EventQuery",
+    "GateStore",
     "KeyHeld",
     "KeyStore",
     "Known",

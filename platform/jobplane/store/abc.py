@@ -221,9 +221,15 @@ class MaintenanceStore(Protocol):
     async def archive(self, before: datetime, limit: int) -> int: ...
 
 
+class GateStore(Protocol):
+    """Admissions under `maxRunning`; the claim's own are the transition store's."""
+
+    async def admitted(self, template_type: str) -> int: ...
+    async def sweep(self, template_type: str) -> int: ...
+
+
 class OverviewStore(Protocol):
     async def held_back(self) -> dict[tuple[str, str], int]: ...
-    async def started_capped(self, template_type: str) -> int: ...
     async def started_by_queue(self) -> dict[str, int]: ...
     async def run_figures(
         self, within: Sequence[tuple[str, str]] | None, now: datetime
@@ -243,6 +249,7 @@ class Store(Protocol):
     transitions: TransitionStore
     leases: LeaseStore
     trail: TrailStore
+    gates: GateStore
     maintenance: MaintenanceStore
     overview: OverviewStore
 

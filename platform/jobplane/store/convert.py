@@ -10,9 +10,9 @@ from typing import Any
 
 from bson import ObjectId
 
-from jobplane.model import Event, Run, RunStatus, Schedule, Template
+from jobplane.model import LEASED, Event, Run, RunStatus, Schedule, Template
 from jobplane.model.documents import ApiKeyPublic
-from jobplane.store.types import Known
+from jobplane.store.types import Admission, Known
 
 Doc = dict[str, Any]
 
@@ -30,6 +30,8 @@ STATE_FIELDS = {
     "version": 1,
     "attempt": 1,
     "attemptStartedAt": 1,
+    "templateType": 1,
+    "admissionToken": 1,
 }
 # The shard key of a run (see `indexes.SHARD_KEYS`).
 OWNER_FIELDS = {"scope": 1, "scopeId": 1}
@@ -65,13 +67,20 @@ def known_owner(known: Known | None, scope: tuple[str, str] | None = None) -> Do
 
 def known(doc: Doc) -> Known:
     """A run's state as read with `STATE_FIELDS`."""
+    status = RunStatus(doc["status"])
+    admission = None
+    # A run keeps the token of the admission it last started under; it holds the place only
+    # while started.
+    if status in LEASED and (token := doc.get("admissionToken")):
+        admission = Admission(doc["templateType"], doc["_id"], token)
     return Known(
-        RunStatus(doc["status"]),
+        status,
         doc["version"],
         doc["scope"],
         doc["scopeId"],
         doc["attempt"],
         doc.get("attemptStartedAt"),
+        admission,
     )
 
 

@@ -36,8 +36,8 @@ class Collections:
     meta: AsyncCollection[Doc]
     # Each queue an operator paused or resumed, with who did and why.
     queues: AsyncCollection[Doc]
-    # One document per template type with `maxRunning`: the point every claim of its runs
-    # writes, so that MongoDB serializes them (`store/starts.py`).
+    # One document per template type with `maxRunning`: the runs it admitted to start
+    # (`store/gates.py`).
     gates: AsyncCollection[Doc]
 
     @classmethod

@@ -10,7 +10,7 @@ from typing import Any
 
 from pymongo import ASCENDING, DESCENDING, HASHED, AsyncMongoClient, IndexModel
 from pymongo.asynchronous.database import AsyncDatabase
-from pymongo.errors import CollectionInvalid, OperationFailure
+from pymongo.errors import OperationFailure
 
 from jobplane.store.types import NotSharded
 
@@ -38,6 +38,9 @@ _REPLACED_INDEXES = {
         # Unique on the key alone: one place a key. Now (key, place), for `concurrencyLimit`.
         "scope_1_scopeId_1_dedupeKey_1",
         "scheduleId_1_scheduledFor_1",
+        # Capped runs by template and status, which claims under `maxRunning` counted before
+        # the template's gate listed its admissions.
+        "capped_by_template",
     },
     "job_events": {"jobId_1_runVersion_1__id_1"},
 }
@@ -117,13 +120,6 @@ def index_models() -> dict[str, list[IndexModel]]:
         _only_with(
             "scheduleId", [("scheduleId", ASCENDING), ("_id", DESCENDING)], name="schedule_runs"
         ),
-        # A template's started runs, counted by every claim under its `maxRunning`: only runs
-        # of a version that has one.
-        _only_with(
-            "maxRunning",
-            [("templateType", ASCENDING), ("status", ASCENDING)],
-            name="capped_by_template",
-        ),
         # Runs handed back for a lock their step needs, for `/metrics`.
         _only_with("lockWait", [("lockWait", ASCENDING)], name="lock_waits"),
         # Runs waiting for a dedupe key, oldest first.
@@ -177,13 +173,6 @@ async def ensure_indexes(db: AsyncDatabase[Doc]) -> None:
     """
     for collection, models in index_models().items():
         await db[collection].create_indexes(models)
-    # A claim under `maxRunning` writes its template's gate in a transaction, which on a
-    # sharded cluster may not create the collection: it exists from the start.
-    if "job_gates" not in await db.list_collection_names(filter={"name": "job_gates"}):
-        # Another process created it first: pymongo's own look finds it (CollectionInvalid),
-        # or the server does (OperationFailure).
-        with contextlib.suppress(CollectionInvalid, OperationFailure):
-            await db.create_collection("job_gates")
     for collection, names in _REPLACED_INDEXES.items():
         existing = await db[collection].index_information()
         for name in names & existing.keys():

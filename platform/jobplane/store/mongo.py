@@ -16,6 +16,7 @@ from jobplane.clock import Clock, SystemClock
 from jobplane.store import abc, indexes
 from jobplane.store.convert import Doc
 from jobplane.store.database import Collections
+from jobplane.store.gates import MongoGateStore
 from jobplane.store.keys import MongoKeyStore
 from jobplane.store.leases import MongoLeaseStore
 from jobplane.store.locks import MongoLockStore
@@ -55,7 +56,9 @@ class MongoStore:
         self.queues: abc.QueueStore = MongoQueueStore(client, db, self.clock, trail)
         self.locks: abc.LockStore = MongoLockStore(db)
         self.runs: abc.RunStore = MongoRunStore(writes)
-        self.transitions: abc.TransitionStore = MongoTransitionStore(client, writes)
+        gates = MongoGateStore(db)
+        self.gates: abc.GateStore = gates
+        self.transitions: abc.TransitionStore = MongoTransitionStore(writes, gates)
         self.leases: abc.LeaseStore = MongoLeaseStore(writes)
         self.maintenance: abc.MaintenanceStore = MongoMaintenanceStore(db, self.clock)
         self.overview: abc.OverviewStore = MongoOverviewStore(db)

@@ -22,7 +22,6 @@ from pymongo.asynchronous.collection import AsyncCollection
 from jobplane.model import ACTIVE, LEASED, TERMINAL, RunStatus
 from jobplane.store.convert import listed
 from jobplane.store.database import Collections
-from jobplane.store.rows import STARTED_CAPPED
 
 Doc = dict[str, Any]
 Runs = AsyncCollection[Doc]
@@ -91,12 +90,6 @@ class RunFigures:
 class MongoOverviewStore:
     def __init__(self, db: Collections) -> None:
         self._runs = db.runs
-
-    async def started_capped(self, template_type: str) -> int:
-        """The template's started runs that count against its `maxRunning`, as a claim under
-        it counts them."""
-        query = {"templateType": template_type, **STARTED_CAPPED}
-        return await self._runs.count_documents(query)
 
     async def held_back(self) -> dict[tuple[str, str], int]:
         """Runs held back by a limit MongoDB records, by template and reason: `concurrency`

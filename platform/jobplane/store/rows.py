@@ -10,7 +10,6 @@ from datetime import datetime, timedelta
 from bson import ObjectId
 
 from jobplane.model import (
-    LEASED,
     Attempt,
     AttemptChange,
     Guard,
@@ -30,11 +29,6 @@ _LEASE_REMOVED = {
     LeaseChange.DROP: ("lockedBy", "leaseToken", "lockedUntil"),
     LeaseChange.END: ("leaseToken", "lockedUntil"),
 }
-
-
-# Runs that count against their template's `maxRunning`: started and not yet ended, of a
-# version that has the limit.
-STARTED_CAPPED: Doc = {"maxRunning": {"$exists": True}, "status": {"$in": sorted(LEASED)}}
 
 
 def guarded(
@@ -126,15 +120,22 @@ def claiming(
     token: str,
     until: datetime,
     now: datetime,
+    admission: tuple[str, datetime] | None = None,
 ) -> tuple[Doc, list[Doc]]:
     """The claim row as one multi-document pipeline update: its filter and its pipeline.
 
     A pipeline, so that each run's claim event is built from the run as it was before the
     write: its `from` status and version are exact whatever lands after. The event's `_id`
-    comes from `event_ids`, so the claimer knows which event in each trail is its own.
+    comes from `event_ids`, so the claimer knows which event in each trail is its own. A
+    claim under `maxRunning` names its `admission` (its token, which is the lease's, and its
+    fence): the runs keep the token, and the server takes them only before the fence.
     """
     assert t.lease is LeaseChange.GRANT and t.attempt is AttemptChange.START, t.name
     claimable = {"_id": {"$in": oids}, **guarded(t, now)}
+    admitted: Doc = {}
+    if admission is not None:
+        claimable["$expr"] = {"$lt": ["$$NOW", admission[1]]}
+        admitted["admissionToken"] = {"$literal": admission[0]}
     event = {
         "_id": {
             "$arrayElemAt": [
@@ -182,6 +183,7 @@ def claiming(
             ]
         },
         "trail": {"$concatArrays": [{"$ifNull": ["$trail", []]}, [event]]},
+        **admitted,
     }
     return claimable, [{"$set": take}]
 

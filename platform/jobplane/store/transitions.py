@@ -6,19 +6,18 @@ a step's output, an error, a cancel's reason. The write appends a `status_change
 naming the row, and the method's other events, to the run's trail.
 """
 
+import logging
 import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
 from typing import Any
 
-import pymongo
 from bson import ObjectId
-from pymongo import AsyncMongoClient
-from pymongo.asynchronous.client_session import AsyncClientSession
 from pymongo.errors import PyMongoError
 
 from jobplane.model import (
+    LEASED,
     TRANSITIONS,
     AttemptChange,
     LockWait,
@@ -29,14 +28,12 @@ from jobplane.model import (
 )
 from jobplane.store import convert, rows, steps
 from jobplane.store.convert import NO_TRAIL, OWNER_FIELDS, Doc, known_owner, merged, object_id
-from jobplane.store.database import transaction
+from jobplane.store.gates import MongoGateStore
 from jobplane.store.steps import RUNNING_STEP, UNDONE_STEP
-from jobplane.store.types import Known, Lease, Lost, Moved
+from jobplane.store.types import Admission, Known, Lease, Lost, Moved
 from jobplane.store.writes import RunWrites, TrailEntry, held_by, recorded
 
-# How long a claim under `maxRunning` waits for the template's other claims (see
-# `_claim_capped`) before it holds its runs back instead.
-CAPPED_CLAIM_SECONDS = 2.0
+log = logging.getLogger("jobplane.store")
 
 
 @dataclass(frozen=True)
@@ -50,9 +47,9 @@ class _Claim:
 
 
 class MongoTransitionStore:
-    def __init__(self, client: AsyncMongoClient[Doc], writes: RunWrites) -> None:
-        self._client = client
+    def __init__(self, writes: RunWrites, gates: MongoGateStore) -> None:
         self._writes = writes
+        self._gates = gates
         self._db, self._clock, self._trail = writes.db, writes.clock, writes.trail
 
     async def enqueue(
@@ -97,10 +94,9 @@ class MongoTransitionStore:
         the caller checked but for `maxRunning`: returns the runs leased, and the ids of those
         their template's `maxRunning` held back.
 
-        Runs of a template with `maxRunning` are claimed in one transaction per template that
-        counts the template's started runs and claims as many as the cap leaves room for
-        (`_claim_capped`): a Redis wipe cannot let more start. Runs without one are claimed at
-        `at`, the time their rate window counted them from.
+        Runs of a template with `maxRunning` are claimed once their template's gate admits
+        them (`_claim_capped`): a Redis wipe cannot let more start. Runs without one are
+        claimed at `at`, the time their rate window counted them from.
         """
         claimed: list[tuple[Run, Lease]] = []
         held: list[str] = []
@@ -109,10 +105,10 @@ class MongoTransitionStore:
             taken = await self._take("claim_limited", free, worker_id, lease_seconds, at)
             docs = await self._read(taken)
             claimed += await self._leased(docs, worker_id)
-        capped: dict[str, list[tuple[str, int]]] = {}
+        capped: dict[str, list[tuple[ObjectId, int]]] = {}
         for run_id, limits in runs:
-            if limits.max_running is not None:
-                capped.setdefault(limits.template_type, []).append((run_id, limits.max_running))
+            if limits.max_running is not None and (oid := object_id(run_id)):
+                capped.setdefault(limits.template_type, []).append((oid, limits.max_running))
         for template_type, batch in capped.items():
             docs, over = await self._claim_capped(template_type, batch, worker_id, lease_seconds)
             claimed += await self._leased(docs, worker_id)
@@ -122,55 +118,31 @@ class MongoTransitionStore:
     async def _claim_capped(
         self,
         template_type: str,
-        runs: Sequence[tuple[str, int]],
+        runs: Sequence[tuple[ObjectId, int]],
         worker_id: str,
         lease_seconds: float,
     ) -> tuple[list[Doc], list[str]]:
-        """Claim runs of one capped template (ids, each with its own `maxRunning`) in one
-        transaction: the claimed runs' documents, and the ids of the runs the cap held back.
+        """Claim runs of one capped template (ids, each with its own `maxRunning`): the
+        claimed runs' documents, and the ids of the runs the cap held back.
 
-        The transaction counts the template's started runs (every version, every scope), reads
-        its clock, claims, in the caller's order (priority, then age), the runs their own
-        `maxRunning` leaves room for, and writes the template's gate last. Every claim of the
-        template writes the gate, so MongoDB serializes them: of two at once, one aborts on
-        the write conflict and runs again, and then counts the other's. Writing it last keeps
-        the gate taken only for the moment before the commit: a worker that dies inside a
-        transaction leaves it open on the server (until `transactionLifetimeLimitSeconds`),
-        and one that had taken the gate first would stall every claim of the template until
-        then. The claims of a template wait at most `CAPPED_CLAIM_SECONDS` for each other: past
-        it, the runs are held back, as runs over the cap are. The claimed runs are read back
-        after the commit, which keeps the transaction, and so the window for a conflict, short.
+        The gate admits, in the caller's order (priority, then age), the runs their own
+        `maxRunning` leaves room for; the claim takes them under the admission's token, before
+        the admission's fence. An admitted run the claim did not take (cancelled meanwhile,
+        claimed by another worker's pop of it, or the fence passed) gives its place back.
         """
-
-        async def claim(session: AsyncClientSession) -> tuple[_Claim | None, list[str]]:
-            started = await self._db.runs.count_documents(
-                {"templateType": template_type, **rows.STARTED_CAPPED}, session=session
-            )
-            # Read after the count: the ends it counted out were written before it, and their
-            # times come before this claim's.
-            now = self._clock.now()
-            admitted: list[str] = []
-            for run_id, cap in runs:
-                if started + len(admitted) < cap:
-                    admitted.append(run_id)
-            over = [run_id for run_id, _ in runs if run_id not in admitted]
-            oids = [oid for run_id in admitted if (oid := object_id(run_id))]
-            if not oids:
-                return None, over
-            taken = await self._take("claim_limited", oids, worker_id, lease_seconds, now, session)
-            await self._db.gates.update_one(
-                {"_id": template_type}, {"$inc": {"claims": 1}}, upsert=True, session=session
-            )
-            return taken, over
-
-        try:
-            with pymongo.timeout(CAPPED_CLAIM_SECONDS):
-                taken, over = await transaction(self._client, self._db.runs.write_concern, claim)
-        except PyMongoError as exc:
-            if not exc.timeout:
-                raise
-            return [], [run_id for run_id, _ in runs]
-        return (await self._read(taken) if taken else []), over
+        token = secrets.token_hex(12)
+        admitted, until = await self._gates.admit(template_type, runs, token)
+        over = [str(oid) for oid, _ in runs if oid not in admitted]
+        if not admitted:
+            return [], over
+        now = self._clock.now()
+        taken = await self._take(
+            "claim_limited", admitted, worker_id, lease_seconds, now, (token, until)
+        )
+        docs = await self._read(taken)
+        if unused := set(admitted) - {d["_id"] for d in docs}:
+            await self._gates.leave([Admission(template_type, oid, token) for oid in unused])
+        return docs, over
 
     async def _take(
         self,
@@ -179,20 +151,19 @@ class MongoTransitionStore:
         worker_id: str,
         lease_seconds: float,
         now: datetime,
-        session: AsyncClientSession | None = None,
+        admission: tuple[str, datetime] | None = None,
     ) -> _Claim:
-        """The write of the claim row `name` over `oids`, under a fresh lease token."""
+        """The write of the claim row `name` over `oids`, under a fresh lease token, or under
+        an `admission` to start (its token, and until when the server may let the claim take
+        its runs)."""
         t = TRANSITIONS[name]
-        claim = _Claim(oids, [ObjectId() for _ in oids], worker_id, secrets.token_hex(12))
+        token = admission[0] if admission else secrets.token_hex(12)
+        claim = _Claim(oids, [ObjectId() for _ in oids], worker_id, token)
         until = now + timedelta(seconds=lease_seconds)
         claimable, take = rows.claiming(
-            t, oids, claim.event_ids, worker_id, claim.token, until, now
+            t, oids, claim.event_ids, worker_id, claim.token, until, now, admission
         )
-        # In a transaction the planner raced the status index against `_id` on every claim
-        # (`fromMultiPlanner` in the slow-query log, where claims outside one hit the plan
-        # cache), so there the index is named.
-        hint = "_id_" if session else None
-        await self._db.runs.update_many(claimable, take, hint=hint, session=session)
+        await self._db.runs.update_many(claimable, take)
         return claim
 
     async def _read(self, claim: _Claim) -> list[Doc]:
@@ -573,10 +544,26 @@ class MongoTransitionStore:
             # unfenced move (an external worker's `resume` that lost the race) was never granted.
             return await self._writes.lost(run_id, lease if t.fenced else None, name, owner)
         state, trail = written
+        started = t.target in LEASED
         if lease is not None:
-            lease.known = replace(state, status=t.target, version=state.version + 1)
+            lease.known = replace(
+                state,
+                status=t.target,
+                version=state.version + 1,
+                admission=state.admission if started else None,
+            )
         await self._trail.hand(trail)
+        if state.admission is not None and not started:
+            await self._leave(state.admission)
         return Moved(run_id, state.status, t.target)
+
+    async def _leave(self, admission: Admission) -> None:
+        """A run left its started statuses: its place under `maxRunning` is free. Should the
+        write fail, the place stays taken until the scheduler's sweep (`gates.sweep`)."""
+        try:
+            await self._gates.leave([admission])
+        except PyMongoError as exc:
+            log.warning("run %s left its place under maxRunning late: %s", admission.run_id, exc)
 
 
 def _cancel_asked(now: datetime, actor: str, reason: str | None) -> Doc:

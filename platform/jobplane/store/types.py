@@ -5,12 +5,24 @@ from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
 
+from bson import ObjectId
+
 from jobplane.model import Run, RunStatus, Template
 
 
 def worker_actor(worker_id: str) -> str:
     """How events name a worker as their actor."""
     return f"worker:{worker_id}"
+
+
+@dataclass(frozen=True)
+class Admission:
+    """A run's place among its template's started runs under `maxRunning`: its entry in the
+    template's gate (`store/gates.py`), by the token of the claim it was admitted for."""
+
+    template_type: str
+    run_id: ObjectId
+    token: str
 
 
 @dataclass
@@ -29,6 +41,8 @@ class Known:
     # The attempt in progress, for a write that ends it in an error (`AttemptChange.FAIL`).
     attempt: int = 0
     attempt_started_at: datetime | None = None
+    # The place the run holds while started under its template's `maxRunning`.
+    admission: Admission | None = None
 
 
 @dataclass

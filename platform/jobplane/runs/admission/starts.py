@@ -9,12 +9,13 @@ template with `rateLimit` or `maxRunning` is left out of that update and starts 
   set until the window allows it, a share of the period after the run refused before it, so a
   backlog comes back at the limit's pace. It never holds a worker and is never refused.
 - **`maxRunning`**: at most that many runs of the template (all versions, all scopes) started
-  at once. MongoDB decides, in the claim's own transaction (`transitions.claim_limited`), so no
-  loss of Redis lets more start. A run over the cap is held back out of every lane (Redis's
-  held set, `queue/keys.py`) and goes back to its lane when a started run of its template
-  ends: no worker pops it meanwhile. Should that hand-over be lost (a process died, Redis was
-  wiped), the scheduler's tick lets held runs go while there is room, and the reconciler
-  pushes again what Redis lost.
+  at once. MongoDB decides: the template's gate admits a run before its claim takes it
+  (`store/gates.py`, `transitions.claim_limited`), so no loss of Redis lets more start. A run
+  over the cap is held back out of every lane (Redis's held set, `queue/keys.py`) and goes
+  back to its lane when a started run of its template ends: no worker pops it meanwhile.
+  Should that hand-over be lost (a process died, Redis was wiped), the scheduler's tick takes
+  back the places dead processes left admitted and lets held runs go while there is room, and
+  the reconciler pushes again what Redis lost.
 
 A Redis wipe loses the rate windows: in the window after it, up to `limit` more runs may start
 than the limit allows (at most one window's over-admission).
@@ -124,7 +125,7 @@ class Starts:
         room for (all of them without a cap); how many went."""
         room = 1 << 30
         if cap is not None:
-            room = cap - await self.store.overview.started_capped(template_type)
+            room = cap - await self.store.gates.admitted(template_type)
         return await self.queue.limits.release(template_type, room, self.clock.now())
 
     async def freed(self, run: Run) -> None:
@@ -134,11 +135,13 @@ class Starts:
             await self.queue.limits.release(run.template_type, 1, self.clock.now())
 
     async def release_all_room(self) -> int:
-        """The scheduler's backstop: for every template with runs held back, let go as many as
-        its latest `maxRunning` leaves room for. Returns how many went."""
+        """The scheduler's backstop: for every template with runs held back, take back the
+        places processes that died left admitted, then let go as many runs as its latest
+        `maxRunning` leaves room for. Returns how many went."""
         released = 0
         for template_type, held in (await self.queue.limits.held_counts()).items():
             if held:
+                await self.store.gates.sweep(template_type)
                 template = await self.store.templates.get(template_type)
                 cap = template.max_running if template else None
                 released += await self.release_room(template_type, cap)
