@@ -7,8 +7,8 @@ its price, not the limit doing its job):
 
 plain               no limit
 concurrency_limit   queue_same_scope with a dedupe key per run and concurrencyLimit 2
-max_running         maxRunning 100,000: every claim goes through the template's gate
-                    transaction (`claim_limited`)
+max_running         maxRunning 100,000: every claim is admitted by the template's gate
+                    (`claim_limited`), and every end gives its place back
 rate_limit          rateLimit of a million a second: every start checks the window in Redis
 lock                the step holds a lock keyed by the run (`payload.i`): taken before the
                     step, renewed with the heartbeat, let go after it

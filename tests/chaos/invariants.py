@@ -17,7 +17,7 @@ import json
 from collections import Counter, defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
-from datetime import UTC, datetime
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from pymongo.asynchronous.database import AsyncDatabase
@@ -34,6 +34,10 @@ Templates = dict[tuple[str, int], Doc]
 Window = tuple[datetime, datetime]
 # A step event must be written under the lease of the run's holder at that point.
 STEP_EVENTS = frozenset({"step_started", "step_finished"})
+# How long after its locks were taken a step may read its start: the take's answer comes
+# back through group commit to a worker under load. A fault that wiped the locks in between
+# may let another run take them before the step's recorded start.
+TAKE_TO_START = timedelta(seconds=1)
 ENDED = frozenset(s.value for s in TERMINAL)
 STARTED = frozenset(s.value for s in LEASED)
 
@@ -328,11 +332,11 @@ def over_max_running(trailed: Iterable[Trailed]) -> list[str]:
     started (`running`, `waiting_worker`, `cancel_requested`).
 
     Each run is held to its own `maxRunning`, copied from its version, rather than to the
-    smallest of the template's versions: a claim admits a run while the started runs of every
-    capped version, itself included, are within the run's own cap
-    (`transitions.claim_limited`), so a version that raised the cap may start runs past an
-    older version's. A claim reads its clock after taking the template's gate, so after every
-    end it counted out was written (and each end is stamped before it is written).
+    smallest of the template's versions: the gate admits a run while the started runs of every
+    capped version, itself included, are within the run's own cap (`store/gates.py`), so a
+    version that raised the cap may start runs past an older version's. A claim reads its
+    clock after its gate admitted it, so after every end whose place it took was written (an
+    end is stamped before it is written, and gives its place back after).
     """
     bad = []
     for template_type, spans in started_spans(trailed).items():
@@ -392,8 +396,8 @@ def lock_overlaps(
     that wipes Redis, or keeps a holder from renewing for a lease length (a pause, a MongoDB
     it cannot reach), gives the lock to the next taker while the holder may still run, by
     design; fencing tokens protect what the lock guards then. `lost` are the windows of such
-    faults: a step that began after a window opened may overlap one that began before it
-    closed.
+    faults: a step that began after a window opened may overlap one that took its locks
+    before it closed. (A FLUSHALL between a take and the start it reads after found that.)
     """
     locks: defaultdict[str, list[Span]] = defaultdict(list)
     for run, events in trailed:
@@ -417,8 +421,9 @@ def lock_overlaps(
 
 
 def _taken_away(holder: Span, taker: Span, lost: Sequence[Window]) -> bool:
-    """Whether a fault may have taken the lock from `holder` before `taker` took it."""
-    return any(holder.start < end and taker.start >= begin for begin, end in lost)
+    """Whether a fault may have taken the lock from `holder` before `taker` took it: the
+    holder took it before the fault ended (its start is read up to `TAKE_TO_START` after)."""
+    return any(holder.start < end + TAKE_TO_START and taker.start >= begin for begin, end in lost)
 
 
 def _step_spans(run: Doc, events: list[Doc]) -> list[tuple[str, datetime, datetime]]:

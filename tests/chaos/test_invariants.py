@@ -345,16 +345,26 @@ def test_steps_of_two_runs_holding_a_lock_at_once_are_a_violation() -> None:
 
 
 def test_steps_overlapping_across_a_fault_that_took_the_lock_away_pass() -> None:
-    """Redis was wiped (or r1's worker paused past its lease) between 150 and 160 ms: r2 took
-    the lock while r1's step went on, as the locks' design allows; not so r3, whose lock r2
-    still held."""
-    trailed = [stepped("r1", 100, 300), stepped("r2", 200, 400)]
-    assert lock_overlaps(trailed, templates(LOCKED), [(at(150), at(160))]) == []
-    assert lock_overlaps(trailed, templates(LOCKED), [(at(250), at(260))]) != []
+    """Redis was wiped (or r1's worker paused past its lease) between 1,150 and 1,160 ms: r2
+    took the lock while r1's step went on, as the locks' design allows; not so r3, whose lock
+    r2 still held."""
+    trailed = [stepped("r1", 1_100, 2_300), stepped("r2", 2_200, 3_400)]
+    assert lock_overlaps(trailed, templates(LOCKED), [(at(1_150), at(1_160))]) == []
+    assert lock_overlaps(trailed, templates(LOCKED), [(at(2_250), at(2_260))]) != []
     assert lock_overlaps(trailed, templates(LOCKED), [(at(50), at(60))]) != []
-    r3 = stepped("r3", 350, 450)
-    [found] = lock_overlaps([*trailed, r3], templates(LOCKED), [(at(150), at(160))])
-    assert f"runs ['r2', 'r3'] held it at once at {at(350)}" in found
+    r3 = stepped("r3", 3_350, 3_450)
+    [found] = lock_overlaps([*trailed, r3], templates(LOCKED), [(at(1_150), at(1_160))])
+    assert f"runs ['r2', 'r3'] held it at once at {at(3_350)}" in found
+
+
+def test_a_step_may_read_its_start_a_moment_after_a_fault_took_its_lock() -> None:
+    """r1 took its lock before a FLUSHALL at 1,150 ms and read its start after it (its take's
+    answer came back late): r2 took the emptied lock. Within `TAKE_TO_START` of the fault,
+    that is the fault's doing; a full second later it is not."""
+    trailed = [stepped("r1", 1_170, 1_300), stepped("r2", 1_200, 1_400)]
+    assert lock_overlaps(trailed, templates(LOCKED), [(at(1_150), at(1_152))]) == []
+    late = [stepped("r1", 2_170, 2_300), stepped("r2", 2_200, 2_400)]
+    assert lock_overlaps(late, templates(LOCKED), [(at(1_150), at(1_152))]) != []
 
 
 def test_a_step_cut_short_holds_no_recorded_span() -> None:

@@ -21,6 +21,7 @@ from datetime import datetime, timedelta
 
 from bson import ObjectId
 from pymongo import ReturnDocument, UpdateOne
+from pymongo.write_concern import WriteConcern
 
 from jobplane.groupcommit import GroupCommit
 from jobplane.model import LEASED
@@ -40,6 +41,9 @@ class MongoGateStore:
     def __init__(self, db: Collections) -> None:
         self._gates = db.gates
         self._runs = db.runs
+        # A place given back too late only keeps a run waiting (a write lost to a failover is
+        # swept), so taking it back waits for no journal.
+        self._freeing = db.gates.with_options(write_concern=WriteConcern(w=1))
         # Runs end by the hundred a second: their admissions leave in one write per batch.
         self._leaving = GroupCommit(self._leave_many)
 
@@ -124,7 +128,7 @@ class MongoGateStore:
         # them between this read and the write below.
         dead = [e for e in entries if (e["run"], e["token"]) not in live]
         if dead:
-            await self._gates.update_one(
+            await self._freeing.update_one(
                 {"_id": template_type},
                 {"$pull": {"admitted": {"$or": [_entry(e["run"], e["token"]) for e in dead]}}},
             )
@@ -134,7 +138,7 @@ class MongoGateStore:
         by_gate: dict[str, list[Admission]] = {}
         for a in admissions:
             by_gate.setdefault(a.template_type, []).append(a)
-        await self._gates.bulk_write(
+        await self._freeing.bulk_write(
             [
                 UpdateOne(
                     {"_id": template_type},
