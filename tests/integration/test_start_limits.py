@@ -7,7 +7,9 @@ from pathlib import Path
 
 from jobplane.backends import Backends
 from jobplane.model import RunStatus
+from jobplane.queue.entry import QueueEntry
 from jobplane.runs import RunRequest, RunService
+from jobplane.runs.admission.starts import NONE_HELD_SECONDS, Starts
 from jobplane.runs.waiting import Waiting
 from jobplane.settings import Settings
 from jobplane.templates import load_file
@@ -166,3 +168,23 @@ async def test_the_shipped_flow_control_template_runs(
         runs = await settled(backends.store, ids, within=60)
     assert {r.status for r in runs} == {RunStatus.SUCCEEDED}
     assert {r.attempt for r in runs} == {1}
+
+
+async def test_ends_that_found_none_held_skip_asking_redis_for_a_moment_only(
+    backends: Backends, register: Register
+) -> None:
+    """An end that found none of its template's runs held spares the next ends of this process
+    the question for `NONE_HELD_SECONDS`: a run another process held back meanwhile is let go
+    by the first end after that."""
+    await register("capped", maxRunning=1)
+    service = RunService(backends.store, backends.queue)
+    ended_id, held_id = await create(service, "capped", 2)
+    ended, held = await service.get(ended_id), await service.get(held_id)
+    starts = Starts(backends.store, backends.queue)
+    await starts.freed(ended)
+    await backends.queue.limits.hold([QueueEntry.of(held)])  # by another process
+    await starts.freed(ended)
+    assert await backends.queue.limits.holding([QueueEntry.of(held)]) == {held_id}
+    await asyncio.sleep(NONE_HELD_SECONDS)
+    await starts.freed(ended)
+    assert await backends.queue.limits.holding([QueueEntry.of(held)]) == set()

@@ -22,6 +22,7 @@ than the limit allows (at most one window's over-admission).
 """
 
 import logging
+import time
 from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import replace
 from datetime import datetime
@@ -36,11 +37,20 @@ from jobplane.store import Lease, Store
 log = logging.getLogger("jobplane.runs")
 
 
+# After a run's end found none of its template's runs held back, how long this process's
+# later ends take that as still so and skip asking Redis: under a cap that does not bind, the
+# question would cost every run's end a round trip. A run held back meanwhile waits at most this
+# long for a later end, and its holder lets it go at once if there is room (`_hold`).
+NONE_HELD_SECONDS = 0.05
+
+
 class Starts:
     def __init__(self, store: Store, queue: RedisQueue, clock: Clock | None = None) -> None:
         self.store = store
         self.queue = queue
         self.clock = clock or store.clock
+        # By template: until when (monotonic) its ends need not ask Redis for a held run.
+        self._none_held: dict[str, float] = {}
 
     async def claim(
         self,
@@ -115,6 +125,7 @@ class Starts:
         run of the template that ended while they were on their way found none held."""
         await self.queue.limits.hold([QueueEntry.of(r) for r in runs])
         for run in runs:
+            self._none_held.pop(run.template_type, None)
             metrics.RUNS_HELD.labels(run.template_type).inc()
         for template_type in {r.template_type for r in runs}:
             cap = min(r.max_running or 0 for r in runs if r.template_type == template_type)
@@ -131,8 +142,11 @@ class Starts:
     async def freed(self, run: Run) -> None:
         """A started run left its template's started runs (it ended or went back to its
         queue): under `maxRunning`, one held run may take its place."""
-        if run.max_running is not None:
-            await self.queue.limits.release(run.template_type, 1, self.clock.now())
+        template_type = run.template_type
+        if run.max_running is None or time.monotonic() < self._none_held.get(template_type, 0):
+            return
+        if not await self.queue.limits.release(template_type, 1, self.clock.now()):
+            self._none_held[template_type] = time.monotonic() + NONE_HELD_SECONDS
 
     async def release_all_room(self) -> int:
         """The scheduler's backstop: for every template with runs held back, take back the
