@@ -102,6 +102,8 @@ def test_flow_control_fields_are_read_as_written() -> None:
         # A limit of 0, of each kind.
         ({"concurrencyLimit": 0}, "/concurrencyLimit"),
         ({"maxRunning": 0}, "/maxRunning"),
+        # A cap its gate's list could not hold.
+        ({"maxRunning": 100_001}, "/maxRunning"),
         ({"rateLimit": {"limit": 0, "periodSeconds": 60}}, "/rateLimit/limit"),
         ({"rateLimit": {"limit": 5, "periodSeconds": 0}}, "/rateLimit/periodSeconds"),
         # A limit with nothing to limit.
