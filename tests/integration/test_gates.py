@@ -175,7 +175,7 @@ async def test_a_stalled_claimer_whose_place_was_swept_starts_nothing(
     admitted = asyncio.Event()
     woken = asyncio.Event()
 
-    async def stalls(*args: object) -> tuple[list[ObjectId], datetime]:
+    async def stalls(*args: object) -> tuple[list[ObjectId], datetime | None]:
         answer = await admit(*args)  # type: ignore[arg-type]
         admitted.set()
         await woken.wait()

@@ -49,11 +49,12 @@ class MongoGateStore:
 
     async def admit(
         self, template_type: str, runs: Sequence[tuple[ObjectId, int]], token: str
-    ) -> tuple[list[ObjectId], datetime]:
+    ) -> tuple[list[ObjectId], datetime | None]:
         """Admit, in order, each of `runs` (id, its own cap) while fewer than its cap are
         admitted, under `token`: the ids admitted, and until when (the server's clock) their
-        claim may take them. A run admitted already (under another token) is not admitted
-        again: its claim is on its way, or its admission waits for `sweep`."""
+        claim may take them (None when none was). A run admitted already (under another
+        token) is not admitted again: its claim is on its way, or its admission waits for
+        `sweep`."""
         candidates = [{"run": oid, "cap": cap} for oid, cap in runs]
         entry = {"run": "$$this.run", "token": {"$literal": token}, "at": "$$NOW"}
         fits = {
@@ -80,7 +81,8 @@ class MongoGateStore:
         assert doc is not None  # upserted
         entries: list[Doc] = doc["admitted"]
         if not entries:
-            return [], datetime.min
+            return [], None
+        # One update: every entry has the same `$$NOW`.
         until = entries[0]["at"] + timedelta(seconds=ADMISSION_SECONDS)
         return [e["run"] for e in entries], until
 
@@ -119,11 +121,10 @@ class MongoGateStore:
             {
                 "_id": {"$in": [e["run"] for e in entries]},
                 "status": {"$in": sorted(LEASED)},
-                "admissionToken": {"$exists": True},
             },
             {"admissionToken": 1},
         )
-        live = {(d["_id"], d["admissionToken"]) async for d in started}
+        live = {(d["_id"], d.get("admissionToken")) async for d in started}
         # A claim can no longer use these (their fence has passed), so no run starts under
         # them between this read and the write below.
         dead = [e for e in entries if (e["run"], e["token"]) not in live]

@@ -133,7 +133,7 @@ class MongoTransitionStore:
         token = secrets.token_hex(12)
         admitted, until = await self._gates.admit(template_type, runs, token)
         over = [str(oid) for oid, _ in runs if oid not in admitted]
-        if not admitted:
+        if until is None:
             return [], over
         now = self._clock.now()
         taken = await self._take(
