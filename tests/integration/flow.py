@@ -62,8 +62,12 @@ async def sampled(
     stop = asyncio.Event()
 
     async def sample() -> None:
-        for name, query in filters.items():
-            peaks[name] = max(peaks[name], await runs.count_documents(query))
+        # One snapshot for all: a plain read may count a run twice when its status moves
+        # further along the index the count is scanning.
+        async with runs.database.client.start_session(snapshot=True) as session:
+            for name, query in filters.items():
+                count = await runs.count_documents(query, session=session)
+                peaks[name] = max(peaks[name], count)
 
     async def loop() -> None:
         while not stop.is_set():
