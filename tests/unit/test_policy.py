@@ -1,14 +1,16 @@
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 import pytest
 
 from jobplane.errors import ResourceInvalidState
-from jobplane.model import TERMINAL, RetryPolicy, Run, RunStatus
+from jobplane.model import TERMINAL, Attempt, RetryPolicy, Run, RunError, RunStatus, Template
 from jobplane.runs.policy import (
     backoff_seconds,
     cancel_asked,
     cancel_grace,
     cancel_of,
+    charged,
     lease_expired,
     retry_at,
 )
@@ -55,12 +57,49 @@ def test_equal_jitter_keeps_at_least_half() -> None:
     assert backoff_seconds(policy, 2, rand=lambda: 1.0) == 20
 
 
+def template_with(policy: RetryPolicy, *steps: dict[str, Any]) -> Template:
+    return Template.model_validate(
+        {
+            "type": "t",
+            "retryPolicy": policy.model_dump(by_alias=True),
+            "steps": list(steps) or [{"id": "s", "handler": "h"}],
+            "version": 1,
+            "createAt": NOW,
+            "updateAt": NOW,
+        }
+    )
+
+
+def failed_at(*steps: str) -> list[Attempt]:
+    error = {"code": "e", "message": "m"}
+    return [
+        Attempt(attempt=i + 1, error=RunError(**error, step=s), ended_at=NOW)
+        for i, s in enumerate(steps)
+    ]
+
+
 def test_a_failed_attempt_retries_after_the_backoff_while_attempts_are_left() -> None:
-    policy = RetryPolicy(max_attempts=3, backoff_seconds=[30, 120])
-    assert retry_at(run_in(RunStatus.RUNNING, 1), policy, True, NOW) == NOW + timedelta(seconds=30)
-    assert retry_at(run_in(RunStatus.RUNNING, 2), policy, True, NOW) == NOW + timedelta(seconds=120)
-    assert retry_at(run_in(RunStatus.RUNNING, 3), policy, True, NOW) is None
-    assert retry_at(run_in(RunStatus.RUNNING, 1), policy, False, NOW) is None
+    t = template_with(RetryPolicy(max_attempts=3, backoff_seconds=[30, 120]))
+    later = [NOW + timedelta(seconds=30), NOW + timedelta(seconds=120), None]
+    assert [retry_at(run_in(RunStatus.RUNNING, n), t, "s", True, NOW) for n in (1, 2, 3)] == later
+    assert retry_at(run_in(RunStatus.RUNNING, 1), t, "s", False, NOW) is None
+
+
+def test_a_step_with_its_own_policy_is_charged_its_own_failures_the_rest_the_templates() -> None:
+    t = template_with(
+        RetryPolicy(max_attempts=2, backoff_seconds=[5]),
+        {"id": "a", "handler": "h"},
+        {"id": "b", "handler": "h", "retryPolicy": {"maxAttempts": 3, "backoffSeconds": [60]}},
+    )
+    # Attempt 4, after b failed twice and a once: b has its third and last try in progress,
+    # a its second and last.
+    run = run_in(RunStatus.RUNNING, 4).model_copy(update={"attempts": failed_at("b", "a", "b")})
+    assert charged(run, t, "b") == (t.steps[1].retry_policy, 3)
+    assert charged(run, t, "a") == (t.retry_policy, 2)
+    assert retry_at(run, t, "b", True, NOW) is None
+    assert retry_at(run, t, "a", True, NOW) is None
+    once = run_in(RunStatus.RUNNING, 2).model_copy(update={"attempts": failed_at("a")})
+    assert retry_at(once, t, "b", True, NOW) == NOW + timedelta(seconds=60)
 
 
 def test_an_expired_lease_is_cancelled_requeued_or_expired() -> None:

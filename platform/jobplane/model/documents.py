@@ -5,6 +5,7 @@ Only the store converts between these models and BSON.
 """
 
 import re
+from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from functools import cached_property
@@ -27,6 +28,7 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
 
+from jobplane.model.graph import Graph
 from jobplane.model.status import RunStatus, StepStatus
 from jobplane.model.storable import INT64
 
@@ -122,22 +124,6 @@ class LockSpec(Spec):
     key: list[DedupePart] = Field(default_factory=list)
 
 
-class StepSpec(Spec):
-    id: StepId
-    name: str = ""
-    handler: Annotated[str, Field(min_length=1, max_length=200)]
-    worker_type: Literal["inline", "external"] = "inline"
-    timeout_seconds: PositiveSeconds | None = None
-    cancelable: bool = True
-    locks: list[LockSpec] = Field(default_factory=list)
-
-
-class CancelPolicy(Spec):
-    supported: bool = True
-    mode: Literal["cooperative"] = "cooperative"
-    grace_seconds: Seconds = 30
-
-
 class RetryPolicy(Spec):
     """Either an explicit `backoffSeconds` list or exponential backoff with jitter."""
 
@@ -147,6 +133,32 @@ class RetryPolicy(Spec):
     multiplier: Annotated[float, Field(ge=1, le=100)] = 2
     max_seconds: Seconds = 3600
     jitter: Literal["full", "equal", "none"] = "full"
+
+
+class StepSpec(Spec):
+    id: StepId
+    name: str = ""
+    handler: Annotated[str, Field(min_length=1, max_length=200)]
+    worker_type: Literal["inline", "external"] = "inline"
+    timeout_seconds: PositiveSeconds | None = None
+    cancelable: bool = True
+    locks: list[LockSpec] = Field(default_factory=list)
+    # The steps that must end (succeeded or skipped) before this one starts; omitted, the
+    # step before it in the list (`model/graph.py`).
+    needs: Annotated[list[StepId], Field(max_length=100)] | None = None
+    # A CEL expression over `payload`, `outputs` and `run`: false skips the step.
+    when: Annotated[str, Field(min_length=1, max_length=2000)] | None = None
+    # When the step fails for good: end the run (`fail_run`), or skip what depends on it and
+    # go on with the rest (`continue`).
+    on_failure: Literal["fail_run", "continue"] = "fail_run"
+    # Overrides the template's `retryPolicy` for this step.
+    retry_policy: RetryPolicy | None = None
+
+
+class CancelPolicy(Spec):
+    supported: bool = True
+    mode: Literal["cooperative"] = "cooperative"
+    grace_seconds: Seconds = 30
 
 
 class RateLimit(Spec):
@@ -204,8 +216,19 @@ class Template(TemplateSpec):
         validating a small payload."""
         return Draft202012Validator(self.payload_schema)
 
+    @cached_property
+    def graph(self) -> Graph:
+        """The steps' graph; registration refused any template whose needs make none."""
+        return Graph.of([(s.id, s.needs) for s in self.steps])
+
     def step_index(self, step_id: str) -> int:
         return next(i for i, s in enumerate(self.steps) if s.id == step_id)
+
+    def next_handler(self, statuses: Sequence[StepStatus]) -> str | None:
+        """The handler a worker needs to go on with a run whose steps are in `statuses`: that
+        of its first ready step (None: none, or an external one)."""
+        ready = self.graph.ready(statuses)
+        return self.handler_at(ready[0]) if ready else None
 
     def handler_at(self, index: int) -> str | None:
         """The handler a worker needs to run step `index`; None for an external step, which
@@ -217,6 +240,11 @@ class Template(TemplateSpec):
 class StepProgress(Document):
     id: str
     status: StepStatus = StepStatus.PENDING
+    # How many times the step started, this time included.
+    attempt: int = 0
+    # A step that failed for good with `onFailure: continue`: it is not run again (a failed
+    # step without it is retried with its run).
+    final: bool | None = None
     started_at: datetime | None = None
     completed_at: datetime | None = None
     percentage: float = 0

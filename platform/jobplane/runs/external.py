@@ -14,7 +14,8 @@ from typing import Any
 
 from jobplane import metrics
 from jobplane.errors import NotFound, ResourceInvalidState
-from jobplane.model import Run, RunError, RunStatus, Template
+from jobplane.model import Run, RunError, RunStatus, StepStatus, Template
+from jobplane.model.graph import ENDED
 from jobplane.queue.redis import RedisQueue
 from jobplane.runs.lifecycle import HeldStep
 from jobplane.runs.policy import cancel_asked
@@ -86,12 +87,18 @@ class ExternalSteps:
     async def complete(self, lease: Lease, step_id: str, output: Any) -> Run:
         step = await self._step(lease, step_id)
         await self._unless_cancelled(step)
-        if step.index == len(step.template.steps) - 1:
-            moved = await self.lifecycle.complete(step, output)
+        template = step.template
+        statuses = [s.status for s in step.run.progress.steps]
+        statuses[step.index] = StepStatus.SUCCEEDED
+        if all(s in ENDED for s in statuses):
+            last = template.steps[-1].id
+            result = output if step.id == last else step.run.outputs.get(last)
+            moved = await self.lifecycle.complete(step, output, result=result)
         else:
-            # The run goes back to the inline workers, in the lane of its next step.
-            onward = step.run.model_copy(update={"handler": step.following})
-            lost = await self.lifecycle.finish_step(step, output)
+            # The run goes back to the inline workers, in the lane of the step it goes on with.
+            handler = template.next_handler(statuses)
+            onward = step.run.model_copy(update={"handler": handler})
+            lost = await self.lifecycle.finish_step(step, output, next_handler=handler)
             moved = lost or await self.lifecycle.release(onward, lease)
         await self._settle(step, moved)
         return await self.runs.get(lease.run_id)
@@ -121,7 +128,8 @@ class ExternalSteps:
             await self.store.leases.lease_lost(lease, "external")
             metrics.STALE_WRITES.inc()
             raise ResourceInvalidState(f"run {run.id}: step {step_id!r} is not held by this lease")
-        return HeldStep(run, lease, template, template.step_index(step_id))
+        done = sum(1 for s in run.progress.steps if s.status in ENDED or s.final)
+        return HeldStep(run, lease, template, template.step_index(step_id), done)
 
     async def _unless_cancelled(self, step: HeldStep) -> None:
         """Once a cancel was asked, the worker's report is refused and the run ends cancelled.

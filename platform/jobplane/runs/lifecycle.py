@@ -23,29 +23,45 @@ from jobplane.queue.entry import QueueEntry
 from jobplane.queue.redis import RedisQueue
 from jobplane.runs.admission.starts import Starts
 from jobplane.runs.policy import cancel_grace, cancel_of, lease_expired, retry_at
-from jobplane.store import KeyHeld, Lease, Lost, Moved, Store
+from jobplane.store import KeyHeld, Lease, Lost, Moved, StepEnd, Store
 
 log = logging.getLogger("jobplane.runs")
 
 
 @dataclass(frozen=True)
+class StepStart:
+    """When a step began, and which of its tries that is (`progress.steps[i].attempt`)."""
+
+    at: datetime
+    attempt: int
+
+
+def _at(start: StepStart | None) -> tuple[datetime | None]:
+    return (start.at if start else None,)
+
+
+def _attempt(start: StepStart | None) -> int:
+    return start.attempt if start else 0
+
+
+@dataclass(frozen=True)
 class HeldStep:
-    """Step `index` of `run`, which `lease` holds: what its holder's writes are about."""
+    """Step `index` of `run`, which `lease` holds: what its holder's writes are about.
+    `done`: how many of the run's steps had ended when it began, for the run's percentage."""
 
     run: Run
     lease: Lease
     template: Template
     index: int
+    done: int
 
     @property
     def id(self) -> str:
         return self.template.steps[self.index].id
 
-    @property
-    def following(self) -> str | None:
-        """The handler of the step after this one (None: none, or an external step)."""
-        after = self.index + 1
-        return self.template.handler_at(after) if after < len(self.template.steps) else None
+    def percentage(self, step_percentage: float = 100) -> float:
+        """The run's percentage with this step `step_percentage` done."""
+        return 100 * (self.done + step_percentage / 100) / len(self.template.steps)
 
 
 class Lifecycle:
@@ -59,18 +75,19 @@ class Lifecycle:
 
     # -- the lease holder's writes: an inline worker's, or an external one's through the API --
 
-    async def start_step(self, step: HeldStep, began: datetime) -> Lost | None:
-        started = await self.store.leases.start_step(step.lease, step.index, step.id, began)
+    async def start_step(self, step: HeldStep, start: StepStart) -> Lost | None:
+        started = await self.store.leases.start_step(
+            step.lease, step.index, step.id, start.at, start.attempt
+        )
         self.observe(step.run, started)
         return started
 
     async def report_progress(
         self, step: HeldStep, percentage: float, message: str | None
     ) -> Lost | None:
-        """A step's own progress, and the run's: the steps before it done, it `percentage` done."""
-        overall = 100 * (step.index + percentage / 100) / len(step.template.steps)
+        """A step's own progress, and the run's: the steps ended done, this one `percentage`."""
         written = await self.store.leases.report_progress(
-            step.lease, step.index, percentage, overall, message
+            step.lease, step.index, percentage, step.percentage(percentage), message
         )
         self.observe(step.run, written)
         return written
@@ -85,27 +102,65 @@ class Lifecycle:
         return taken
 
     async def finish_step(
-        self, step: HeldStep, output: Any, began: datetime | None = None
+        self,
+        step: HeldStep,
+        output: Any,
+        start: StepStart | None = None,
+        *,
+        next_handler: str | None,
     ) -> Lost | None:
-        """Record a step's success, without ending the run: it goes on in the next step's lane
-        (or, the last step's success refused for a cancel, it keeps the step's output)."""
-        percentage = 100 * (step.index + 1) / len(step.template.steps)
+        """Record a step's success, without ending the run: it goes on with the step whose
+        handler is `next_handler` (or, the last step's success refused for a cancel, it keeps
+        the step's output)."""
         finished = await self.store.leases.finish_step(
-            step.lease, step.index, step.id, output, percentage, began, next_handler=step.following
+            step.lease,
+            step.index,
+            step.id,
+            output,
+            step.percentage(),
+            *_at(start),
+            next_handler=next_handler,
+            attempt=_attempt(start),
         )
         self.observe(step.run, finished)
         return finished
 
+    async def end_steps(self, step: HeldStep, ends: Sequence[StepEnd]) -> Lost | None:
+        """Record steps that ended without a result (skipped, failed with `onFailure:
+        continue`, or cancelled), the run going on; `step` is the last of them."""
+        done = step.percentage(0) + 100 * (len(ends) - 1) / len(step.template.steps)
+        written = await self.store.leases.end_steps(step.lease, ends, min(done, 100))
+        self.observe(step.run, written)
+        return written
+
     async def complete(
-        self, step: HeldStep, output: Any, began: datetime | None = None
+        self, step: HeldStep, output: Any, start: StepStart | None = None, *, result: Any
     ) -> Moved | Lost:
-        """The last step succeeded. A template that is not `repeatable` spends the run's dedupe
-        key: it stays the run's, so no later run of the key may start."""
+        """Every step is done: `step` succeeded last, with `output`. A template that is not
+        `repeatable` spends the run's dedupe key: it stays the run's, so no later run of the
+        key may start."""
         spend = not step.template.repeatable
         completed = await self.store.transitions.complete(
-            step.lease, step.index, step.id, output, output, began, spend_key=spend
+            step.lease,
+            step.index,
+            step.id,
+            output,
+            result,
+            *_at(start),
+            spend_key=spend,
+            attempt=_attempt(start),
         )
         return await self._ended(step.run, completed, step.lease.actor)
+
+    async def complete_ended(
+        self, run: Run, lease: Lease, template: Template, result: Any
+    ) -> Moved | Lost:
+        """Every step is done, the last to end having been skipped or failed with `onFailure:
+        continue` (written already)."""
+        completed = await self.store.transitions.complete(
+            lease, None, None, None, result, spend_key=not template.repeatable
+        )
+        return await self._ended(run, completed, lease.actor)
 
     async def wait_worker(self, step: HeldStep) -> Moved | Lost:
         """Hand the step to an external worker; the run's holder lets go of it."""
@@ -117,14 +172,16 @@ class Lifecycle:
         return waiting
 
     async def attempt_failed(
-        self, step: HeldStep, error: RunError, retryable: bool, began: datetime | None = None
+        self, step: HeldStep, error: RunError, retryable: bool, start: StepStart | None = None
     ) -> Moved | Lost:
-        """Fail the run, or queue it again after the template's backoff, as the policy says."""
+        """Fail the run, or queue it again after the step's backoff, as its policy says."""
         run, lease = step.run, step.lease
-        not_before = retry_at(run, step.template.retry_policy, retryable, self.clock.now())
+        not_before = retry_at(run, step.template, step.id, retryable, self.clock.now())
         if not_before is None:
-            return await self.fail(run, lease, step.index, error, began)
-        retried = await self.store.transitions.retry(lease, step.index, error, not_before, began)
+            return await self.fail(run, lease, step.index, error, start)
+        retried = await self.store.transitions.retry(
+            lease, step.index, error, not_before, *_at(start), _attempt(start)
+        )
         if isinstance(retried, Moved):
             metrics.RUN_RETRIES.labels(run.template_type).inc()
             await self.push([run.model_copy(update={"not_before": not_before})])
@@ -133,9 +190,11 @@ class Lifecycle:
         return retried
 
     async def fail(
-        self, run: Run, lease: Lease, index: int, error: RunError, began: datetime | None = None
+        self, run: Run, lease: Lease, index: int, error: RunError, start: StepStart | None = None
     ) -> Moved | Lost:
-        failed = await self.store.transitions.fail(lease, index, error, began)
+        failed = await self.store.transitions.fail(
+            lease, index, error, *_at(start), _attempt(start)
+        )
         return await self._ended(run, failed, lease.actor)
 
     async def release(self, run: Run, lease: Lease, handler: str | None = None) -> Moved | Lost:

@@ -11,7 +11,7 @@ from datetime import datetime, timedelta
 from typing import Literal
 
 from jobplane.errors import ResourceInvalidState
-from jobplane.model import CLAIMABLE, TERMINAL, RetryPolicy, Run, RunStatus
+from jobplane.model import CLAIMABLE, TERMINAL, RetryPolicy, Run, RunStatus, Template
 from jobplane.store import Lost, Moved
 
 # The reaper's transitions for a run whose lease ran out.
@@ -38,12 +38,31 @@ def backoff_seconds(
     return delay
 
 
-def retry_at(run: Run, policy: RetryPolicy, retryable: bool, now: datetime) -> datetime | None:
-    """When a run whose attempt failed tries again, after the template's backoff; None when it
-    fails for good: the error is not retryable, or that was its last attempt."""
-    if not retryable or not _attempts_left(run):
+def retry_at(
+    run: Run, template: Template, step_id: str, retryable: bool, now: datetime
+) -> datetime | None:
+    """When a run whose step `step_id` failed tries again, after the backoff of the step's
+    policy; None when it fails for good: the error is not retryable, or the attempts its policy
+    allows are spent."""
+    policy, tries = charged(run, template, step_id)
+    if not retryable or tries >= policy.max_attempts:
         return None
-    return now + timedelta(seconds=backoff_seconds(policy, run.attempt))
+    return now + timedelta(seconds=backoff_seconds(policy, tries))
+
+
+def charged(run: Run, template: Template, step_id: str) -> tuple[RetryPolicy, int]:
+    """The retry policy that governs step `step_id` (its own `retryPolicy`, else the
+    template's) and how many of the run's attempts are charged to it, the one in progress
+    included: a step with its own policy is charged the attempts that ended in its errors; the
+    template's policy, the rest. Without step policies that is every attempt of the run."""
+    own = {s.id: s.retry_policy for s in template.steps if s.retry_policy is not None}
+    if not own:
+        return template.retry_policy, run.attempt
+    if step_id in own:
+        ended = sum(1 for a in run.attempts if a.error.step == step_id)
+        return own[step_id], 1 + ended
+    ended = sum(1 for a in run.attempts if a.error.step not in own)
+    return template.retry_policy, 1 + ended
 
 
 def lease_expired(run: Run) -> LeaseExpiry:

@@ -29,6 +29,7 @@ from jobplane.store.types import (
     NotSharded,
     RunQuery,
     ScheduleQuery,
+    StepEnd,
 )
 
 __all__ = [
@@ -53,6 +54,7 @@ __all__ = [
     "RunStore",
     "ScheduleQuery",
     "ScheduleStore",
+    "StepEnd",
     "Store",
     "TemplateStore",
     "TrailStore",

@@ -24,7 +24,16 @@ from jobplane.model import (
     TemplateSpec,
 )
 from jobplane.store.overview import RunFigures
-from jobplane.store.types import EventQuery, Lease, Lost, Moved, NewRun, RunQuery, ScheduleQuery
+from jobplane.store.types import (
+    EventQuery,
+    Lease,
+    Lost,
+    Moved,
+    NewRun,
+    RunQuery,
+    ScheduleQuery,
+    StepEnd,
+)
 
 
 class TemplateStore(Protocol):
@@ -116,15 +125,21 @@ class TransitionStore(Protocol):
     async def complete(
         self,
         lease: Lease,
-        index: int,
-        step_id: str,
+        index: int | None,
+        step_id: str | None,
         output: Any,
         result: Any,
         started_at: datetime | None = None,
         spend_key: bool = False,
+        attempt: int = 0,
     ) -> Moved | Lost: ...
     async def fail(
-        self, lease: Lease, index: int, error: RunError, started_at: datetime | None = None
+        self,
+        lease: Lease,
+        index: int,
+        error: RunError,
+        started_at: datetime | None = None,
+        attempt: int = 0,
     ) -> Moved | Lost: ...
     async def retry(
         self,
@@ -133,6 +148,7 @@ class TransitionStore(Protocol):
         error: RunError,
         not_before: datetime,
         started_at: datetime | None = None,
+        attempt: int = 0,
     ) -> Moved | Lost: ...
     async def release(
         self, lease: Lease, handler: str | None = None, lock_wait: LockWait | None = None
@@ -169,7 +185,7 @@ class LeaseStore(Protocol):
         self, worker_id: str, leases: Sequence[Lease], lease_seconds: float
     ) -> tuple[set[str], set[str]]: ...
     async def start_step(
-        self, lease: Lease, index: int, step_id: str, at: datetime | None = None
+        self, lease: Lease, index: int, step_id: str, at: datetime | None = None, attempt: int = 0
     ) -> Lost | None: ...
     async def finish_step(
         self,
@@ -181,6 +197,10 @@ class LeaseStore(Protocol):
         started_at: datetime | None = None,
         *,
         next_handler: str | None,
+        attempt: int = 0,
+    ) -> Lost | None: ...
+    async def end_steps(
+        self, lease: Lease, ends: Sequence[StepEnd], percentage: float
     ) -> Lost | None: ...
     async def report_progress(
         self,

@@ -12,7 +12,7 @@ from bson import ObjectId
 from jobplane.model import LEASED, RunStatus, StepStatus
 from jobplane.store import convert, steps
 from jobplane.store.convert import STATE_FIELDS, Doc, known_owner, owner
-from jobplane.store.types import Known, Lease, Lost
+from jobplane.store.types import Known, Lease, Lost, StepEnd
 from jobplane.store.writes import RunWrites, TrailEntry, held_by, recorded
 
 
@@ -68,11 +68,12 @@ class MongoLeaseStore:
         return set(docs), cancel
 
     async def start_step(
-        self, lease: Lease, index: int, step_id: str, at: datetime | None = None
+        self, lease: Lease, index: int, step_id: str, at: datetime | None = None, attempt: int = 0
     ) -> Lost | None:
-        """Mark a step running. Workers write this only for steps that are not over at once."""
+        """Mark a step running (its `attempt`-th try). Workers write this only for steps that
+        are not over at once."""
         now = self._clock.now()
-        started, events = steps.unwritten_start(index, step_id, at or now)
+        started, events = steps.unwritten_start(index, step_id, at or now, attempt)
         s = f"progress.steps.{index}"
         update = {**started, f"{s}.status": StepStatus.RUNNING, f"{s}.percentage": 0}
         return await self._fenced(lease, "start_step", {"$set": update}, events, now)
@@ -87,11 +88,12 @@ class MongoLeaseStore:
         started_at: datetime | None = None,
         *,
         next_handler: str | None,
+        attempt: int = 0,
     ) -> Lost | None:
-        """Record a step's success (and its start, when that was not written yet); the run's
-        `handler` becomes the next step's."""
+        """Record a step's success (and its start, its `attempt`-th try, when that was not
+        written yet); the run's `handler` becomes that of the step it goes on with."""
         now = self._clock.now()
-        update, events = steps.unwritten_start(index, step_id, started_at)
+        update, events = steps.unwritten_start(index, step_id, started_at, attempt)
         update |= {
             **steps.succeeded(index, step_id, output, now),
             "progress.percentage": percentage,
@@ -103,6 +105,20 @@ class MongoLeaseStore:
         else:
             update["handler"] = next_handler
         return await self._fenced(lease, "finish_step", write, events, now)
+
+    async def end_steps(
+        self, lease: Lease, ends: Sequence[StepEnd], percentage: float
+    ) -> Lost | None:
+        """Record steps that ended without a result while the run goes on (`StepEnd`)."""
+        now = self._clock.now()
+        update: Doc = {}
+        events: list[TrailEntry] = []
+        for end in ends:
+            fields, entries = steps.ended(end, now)
+            update |= fields
+            events += entries
+        write = {"$set": update, "$max": {"progress.percentage": percentage}}
+        return await self._fenced(lease, "end_steps", write, events, now)
 
     async def report_progress(
         self,

@@ -5,30 +5,60 @@ from typing import Any
 
 from jobplane.model import RunError, StepStatus
 from jobplane.store.convert import Doc
+from jobplane.store.types import StepEnd
 from jobplane.store.writes import TrailEntry
 
-# Array filters: the step a worker was in, and steps that will not run now (a step that failed
+# Array filters: the steps a worker was in, and steps that will not run now (a step that failed
 # in an earlier attempt is retried later, so it counts as not done).
 RUNNING_STEP = {"r.status": StepStatus.RUNNING}
-UNDONE_STEP = {"p.status": {"$in": [StepStatus.PENDING, StepStatus.FAILED]}}
+UNDONE_STEP = {
+    "p.status": {"$in": [StepStatus.PENDING, StepStatus.FAILED]},
+    # A step that failed for good with `onFailure: continue` is done.
+    "p.final": {"$ne": True},
+}
 
 
 def unwritten_start(
-    index: int, step_id: str, started_at: datetime | None
+    index: int, step_id: str, started_at: datetime | None, attempt: int = 0
 ) -> tuple[Doc, list[TrailEntry]]:
-    """The fields and event of a step's start, to go along with the write that ends it."""
+    """The fields and event of a step's start (its `attempt`-th try, when known), to go along
+    with the write that ends it."""
     if started_at is None:
         return {}, []
-    fields = {"phase": step_id, f"progress.steps.{index}.startedAt": started_at}
+    s = f"progress.steps.{index}"
+    fields: Doc = {"phase": step_id, f"{s}.startedAt": started_at}
+    if attempt:
+        fields[f"{s}.attempt"] = attempt
     return fields, [("step_started", None, {"step": step_id})]
 
 
 def ended_badly(
-    index: int, error: RunError, started_at: datetime | None
+    index: int, error: RunError, started_at: datetime | None, attempt: int = 0
 ) -> tuple[Doc, list[TrailEntry]]:
     """A step's unwritten start and its failed end's event."""
-    fields, events = unwritten_start(index, error.step or "", started_at)
+    fields, events = unwritten_start(index, error.step or "", started_at, attempt)
     events.append(("step_finished", error.message, {"step": error.step, "status": "failed"}))
+    return fields, events
+
+
+def ended(end: StepEnd, now: datetime) -> tuple[Doc, list[TrailEntry]]:
+    """The fields and events of a step that ended without a result (`StepEnd`)."""
+    s = f"progress.steps.{end.index}"
+    fields: Doc = {f"{s}.status": end.status, f"{s}.completedAt": now}
+    if end.status == StepStatus.SKIPPED:
+        return fields | {f"{s}.message": end.reason}, [
+            ("step_skipped", end.reason, {"step": end.step_id})
+        ]
+    started, events = unwritten_start(end.index, end.step_id, end.started_at, end.attempt)
+    fields |= started
+    if end.final:
+        fields[f"{s}.final"] = True
+    if end.error is not None:
+        fields[f"{s}.error"] = end.error.message
+        status = {"step": end.step_id, "status": "failed"}
+        events.append(("step_finished", end.error.message, status))
+    else:
+        events.append(("step_finished", None, {"step": end.step_id, "status": end.status.value}))
     return fields, events
 
 

@@ -243,38 +243,45 @@ class MongoTransitionStore:
     async def complete(
         self,
         lease: Lease,
-        index: int,
-        step_id: str,
+        index: int | None,
+        step_id: str | None,
         output: Any,
         result: Any,
         started_at: datetime | None = None,
         spend_key: bool = False,
+        attempt: int = 0,
     ) -> Moved | Lost:
-        """The last step succeeded. With `spend_key` (a template that is not `repeatable`) the
-        run keeps its dedupe key, so the unique index refuses every later run for that key."""
+        """The run's steps are all done: with the success of step `index` (None when the last
+        step to end was skipped or failed with `onFailure: continue`, written already). With
+        `spend_key` (a template that is not `repeatable`) the run keeps its dedupe key, so the
+        unique index refuses every later run for that key."""
         now = self._clock.now()
-        started, before = steps.unwritten_start(index, step_id, started_at)
-        before.append(("step_finished", None, {"step": step_id}))
+        set_: Doc = {"result": result, "progress.percentage": 100}
+        before: list[TrailEntry] = []
+        if index is not None and step_id is not None:
+            started, before = steps.unwritten_start(index, step_id, started_at, attempt)
+            before.append(("step_finished", None, {"step": step_id}))
+            set_ |= {**started, **steps.succeeded(index, step_id, output, now)}
         return await self._apply(
             "complete",
             lease.run_id,
             lease.actor,
             lease=lease,
             spend_key=spend_key,
-            set_={
-                **started,
-                **steps.succeeded(index, step_id, output, now),
-                "result": result,
-                "progress.percentage": 100,
-            },
+            set_=set_,
             before=before,
         )
 
     async def fail(
-        self, lease: Lease, index: int, error: RunError, started_at: datetime | None = None
+        self,
+        lease: Lease,
+        index: int,
+        error: RunError,
+        started_at: datetime | None = None,
+        attempt: int = 0,
     ) -> Moved | Lost:
         """End the run `failed`: retries exhausted or a non-retryable error (a dead letter)."""
-        return await self._step_failed("fail", lease, index, error, started_at)
+        return await self._step_failed("fail", lease, index, error, (started_at, attempt))
 
     async def retry(
         self,
@@ -283,11 +290,13 @@ class MongoTransitionStore:
         error: RunError,
         not_before: datetime,
         started_at: datetime | None = None,
+        attempt: int = 0,
     ) -> Moved | Lost:
         """Queue the run again after a retryable failure; it resumes at the failed step."""
         scheduled = ("retry_scheduled", None, {"notBefore": not_before.isoformat()})
         later = {"notBefore": not_before}
-        return await self._step_failed("retry", lease, index, error, started_at, later, scheduled)
+        start = (started_at, attempt)
+        return await self._step_failed("retry", lease, index, error, start, later, scheduled)
 
     async def release(
         self, lease: Lease, handler: str | None = None, lock_wait: LockWait | None = None
@@ -430,13 +439,13 @@ class MongoTransitionStore:
         lease: Lease,
         index: int,
         error: RunError,
-        started_at: datetime | None,
+        start: tuple[datetime | None, int],
         more: Doc | None = None,
         *also: TrailEntry,
     ) -> Moved | Lost:
         """A worker's row for a step that raised: the step failed (its start written too, if
         it was not yet), and the attempt with it."""
-        started, before = steps.ended_badly(index, error, started_at)
+        started, before = steps.ended_badly(index, error, *start)
         failed = steps.failed(index, error, self._clock.now())
         return await self._apply(
             name,

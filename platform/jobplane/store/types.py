@@ -7,7 +7,7 @@ from typing import Any, Literal
 
 from bson import ObjectId
 
-from jobplane.model import Run, RunStatus, Template
+from jobplane.model import Run, RunError, RunStatus, StepStatus, Template
 
 
 def worker_actor(worker_id: str) -> str:
@@ -43,6 +43,25 @@ class Known:
     attempt_started_at: datetime | None = None
     # The place the run holds while started under its template's `maxRunning`.
     admission: Admission | None = None
+
+
+@dataclass(frozen=True)
+class StepEnd:
+    """A step that ended without a result, the run going on or about to end: skipped (its
+    `when` was false, or a step it needs failed for good), failed for good (`onFailure:
+    continue`), or cancelled (a step beside it failed the run)."""
+
+    index: int
+    step_id: str
+    status: StepStatus
+    # Its start, when that was not written yet, and which of its tries that was.
+    started_at: datetime | None = None
+    attempt: int = 0
+    error: RunError | None = None
+    # Why a skipped step was skipped.
+    reason: str | None = None
+    # A failed step that is not run again (`onFailure: continue`).
+    final: bool = False
 
 
 @dataclass

@@ -16,7 +16,9 @@ from pydantic import ValidationError
 
 from jobplane.errors import ValidationFailed
 from jobplane.model import TemplateSpec
+from jobplane.model.graph import Graph, GraphError
 from jobplane.model.storable import unstorable
+from jobplane.templates.expressions import WHEN_NAMES, ExpressionError, check
 
 MAX_TEMPLATE_BYTES = 1 << 20
 # Values in a template once its aliases are expanded; a 1 MiB template without aliases has fewer.
@@ -65,6 +67,12 @@ def nonsense(spec: TemplateSpec) -> list[dict[str, Any]]:
     ids = [s.id for s in spec.steps]
     if len(set(ids)) != len(ids):
         refuse("/steps", f"step ids must be unique; ids: {ids}")
+    else:
+        try:
+            Graph.of([(s.id, s.needs) for s in spec.steps])
+        except GraphError as exc:
+            for pointer, message in exc.problems:
+                refuse(pointer, message)
     if "concurrency_limit" in spec.model_fields_set and spec.concurrency_policy == "allow":
         refuse(
             "/concurrencyLimit",
@@ -76,6 +84,11 @@ def nonsense(spec: TemplateSpec) -> list[dict[str, Any]]:
         # active at once could both succeed.
         refuse("/concurrencyLimit", "a template that is not repeatable allows 1 run per key")
     for i, step in enumerate(spec.steps):
+        if step.when is not None:
+            try:
+                check(step.when, WHEN_NAMES)
+            except ExpressionError as exc:
+                refuse(f"/steps/{i}/when", str(exc))
         names = [lock.name for lock in step.locks]
         for j, name in enumerate(names):
             if name in names[:j]:

@@ -125,6 +125,8 @@ class StepContext:
         self._writing = False
         self._closed = False
         self._interrupted = False
+        # A step beside it failed the run: it is asked to stop, as a cancel of the run would.
+        self.cancel_asked = False
         self._background: set[asyncio.Task[None]] = set()
         # The locks the step holds, in the order taken: its `locks`, then the handler's.
         self._locks: list[tuple[str, int]] = list((step_locks or {}).items())
@@ -167,7 +169,8 @@ class StepContext:
 
     @property
     def cancelled(self) -> bool:
-        return self._interrupted or (self._cancel.is_set() and self.step.cancelable)
+        asked = self._cancel.is_set() or self.cancel_asked
+        return self._interrupted or (asked and self.step.cancelable)
 
     def checkpoint(self) -> None:
         if self._interrupted:

@@ -14,7 +14,6 @@ import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from datetime import datetime
 from typing import Any, Literal
 
 from jobplane.clock import Clock
@@ -23,9 +22,10 @@ from jobplane.process import log_context
 from jobplane.queue.locks import Blocked
 from jobplane.runs.admission.keys import lock_id, lock_named
 from jobplane.runs.admission.locks import Locks, holder
-from jobplane.runs.lifecycle import HeldStep, Lifecycle
-from jobplane.runs.policy import cancel_asked
-from jobplane.store import Lease, Lost, Moved, Store
+from jobplane.runs.lifecycle import HeldStep, Lifecycle, StepStart
+from jobplane.runs.policy import cancel_asked, retry_at
+from jobplane.store import Lease, Lost, Moved, StepEnd, Store
+from jobplane.templates.expressions import ExpressionError, evaluate_when
 from jobplane.worker.context import (
     CancelRequested,
     FatalError,
@@ -34,6 +34,7 @@ from jobplane.worker.context import (
     StepTimeout,
     step_failure,
 )
+from jobplane.worker.flow import Flow
 from jobplane.worker.handlers import HandlerRegistry
 
 log = logging.getLogger("jobplane.worker")
@@ -56,18 +57,22 @@ class Held:
     lease: Lease
     cancel: asyncio.Event = field(default_factory=asyncio.Event)
     task: asyncio.Task[None] | None = None
-    # The running handler. Stopping a run interrupts only this, never the worker's own writes,
-    # so a transition and its events are never cut in half.
-    handler: asyncio.Future[Any] | None = None
+    # The running handlers, one a step (a graph's steps may run side by side). Stopping a run
+    # interrupts only these, never the worker's own writes, so a transition and its events
+    # are never cut in half.
+    handlers: set[asyncio.Future[Any]] = field(default_factory=set)
     stop: Stop | None = None
-    # The locks its step holds (the step's and its handler's), each with its fencing token:
+    # The locks its steps hold (the steps' and their handlers'), each with its fencing token:
     # the heartbeat renews them.
     locks: dict[str, int] = field(default_factory=dict)
-    # When the current step began, while its start is not yet written (see START_WRITE_AFTER).
-    unwritten_start: datetime | None = None
     # When MongoDB last confirmed the lease (monotonic seconds); past the lease length the
-    # worker assumes the reaper may have given the run away and stops its handler itself.
+    # worker assumes the reaper may have given the run away and stops its handlers itself.
     renewed: float = field(default_factory=time.monotonic)
+
+    @property
+    def busy(self) -> bool:
+        """A handler of the run's runs now."""
+        return bool(self.handlers)
 
     @property
     def log_fields(self) -> dict[str, str]:
@@ -76,8 +81,34 @@ class Held:
 
     def interrupt(self, reason: Stop) -> None:
         self.stop = reason
-        if self.handler is not None:
-            self.handler.cancel()
+        for handler in self.handlers:
+            handler.cancel()
+
+
+@dataclass
+class _Step:
+    """A step this worker runs: where it is, its start (until written) and its context."""
+
+    at: HeldStep
+    start: StepStart
+    start_written: bool = False
+    ctx: StepContext | None = None
+    # The locks taken for it, let go once its end is written.
+    locks: list[str] = field(default_factory=list)
+
+    @property
+    def unwritten_start(self) -> StepStart | None:
+        return None if self.start_written else self.start
+
+
+@dataclass(frozen=True)
+class _Failure:
+    """The first step of this attempt that failed, and whether its run tries again."""
+
+    step: _Step
+    error: RunError
+    retryable: bool
+    retried: bool
 
 
 class _Overdue(Exception):
@@ -90,6 +121,14 @@ class _HandOff(Exception):
     def __init__(self, handler: str) -> None:
         super().__init__(handler)
         self.handler = handler
+
+
+class _External(Exception):
+    """The run's next step is an external worker's."""
+
+    def __init__(self, at: HeldStep) -> None:
+        super().__init__(at.id)
+        self.at = at
 
 
 class _LockHeld(Exception):
@@ -148,6 +187,9 @@ class Runner:
                 await self._release(held, handoff.handler)
             except _LockHeld as wait:
                 await self._wait_for_lock(held, wait.blocked)
+            except _External as external:
+                # The run waits for an external worker's callback; this worker lets go of it.
+                self._check(held.run, await self.lifecycle.wait_worker(external.at))
         except _Stopped as stopped:
             if stopped.reason == "lost":
                 log.warning("run %s: lease lost, stopped without writing", held.run.id)
@@ -179,7 +221,10 @@ class Runner:
             self._finished(held.run, acked)
 
     async def _run_steps(self, held: Held) -> None:
-        """Run the steps from the first one not yet done; raises `CancelRequested` to stop."""
+        """Walk the run's graph from where it stands: each step whose needs are met starts,
+        beside those running, until every step has ended or the run must stop. Raises
+        `CancelRequested` to stop; a step that needs the run to itself (an external step, a
+        handler this worker lacks, a lock held) waits until nothing else runs."""
         run, lease = held.run, held.lease
         template = await self._template(run)
         if template is None:
@@ -187,63 +232,230 @@ class Runner:
             error = RunError(code="fatal", message=missing)
             self._check(run, await self.lifecycle.fail(run, lease, 0, error))
             return
-        steps = template.steps
         # Resume, don't restart: steps that succeeded in an earlier attempt keep their outputs.
-        done = {s.id for s in run.progress.steps if s.status == StepStatus.SUCCEEDED}
-        first = next((i for i, s in enumerate(steps) if s.id not in done), len(steps))
-        outputs = dict(run.outputs)
-        if first == len(steps):  # every step succeeded before a crash cut the final write short
-            last = HeldStep(run, lease, template, first - 1)
-            self._check(run, await self.lifecycle.complete(last, outputs.get(last.id)))
+        flow = Flow(template, run)
+        if flow.finished:  # every step ended before a crash cut the final write short
+            await self._complete_ended(held, flow)
             return
-        for index in range(first, len(steps)):
-            step = steps[index]
-            if held.stop is not None:
-                raise _Stopped(held.stop)
-            if held.cancel.is_set():
-                raise CancelRequested(run.id, interrupted=False)
-            if self._time_left(run) == 0:
-                raise _Overdue
-            at = HeldStep(held.run, lease, template, index)
-            if step.worker_type == "external":
-                # The run waits for an external worker's callback; this worker lets go of it.
-                self._check(run, await self.lifecycle.wait_worker(at))
-                return
-            if step.handler not in self.offered:
-                raise _HandOff(step.handler)
-            taken = await self._take_locks(held, at)
-            try:
-                if not await self._step(held, at, outputs):
-                    return
-            finally:
-                # After the step's end is written: its recorded span ends inside the lock's.
-                await self._let_go(held, taken)
+        running: dict[asyncio.Future[Any], _Step] = {}
+        failure: _Failure | None = None
+        stopping: Exception | None = None
+        alone: Exception | None = None
+        ended: list[StepEnd] = []  # steps stopped beside a failure, written with it
+        while True:
+            if stopping is None and failure is None:
+                try:
+                    self._go_on(held)
+                    alone, failure = await self._start_ready(held, flow, running)
+                except (CancelRequested, _Stopped, _Overdue) as exc:
+                    stopping = exc
+            if not running:
+                break
+            done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+            for future in done:
+                step = running.pop(future)
+                flow.running.discard(step.at.index)
+                try:
+                    try:
+                        output = future.result()
+                    except (CancelRequested, _Stopped, _Overdue):
+                        if not self._asked_aside(held, future, step):
+                            raise
+                        ended.append(self._stopped(step, StepStatus.CANCELLED))
+                        continue
+                    except Exception as exc:
+                        failure = await self._step_failed(held, flow, step, exc, failure, ended)
+                        if failure is not None and not failure.retried:
+                            self._cancel_all(running)
+                        continue
+                    if await self._succeeded(held, flow, step, output):
+                        return
+                except (CancelRequested, _Stopped, _Overdue) as exc:
+                    # What stops one step (or its write) stops the run: the steps beside it
+                    # stop too, and their ends are the run's transition's to write.
+                    stopping = stopping or exc
+                    if isinstance(exc, CancelRequested):
+                        held.cancel.set()
+                    elif isinstance(exc, _Stopped) and held.stop is None:
+                        held.interrupt(exc.reason)
+                finally:
+                    await self._let_go(held, step.locks)
+        if stopping is not None:
+            raise stopping
+        if failure is not None:
+            if ended:
+                self._check(run, await self.lifecycle.end_steps(failure.step.at, ended))
+            at = failure.step.at
+            moved = await self.lifecycle.attempt_failed(
+                at, failure.error, failure.retryable, failure.step.unwritten_start
+            )
+            self._check(run, moved)
+            return
+        if alone is not None:
+            raise alone
+        if flow.finished:
+            await self._complete_ended(held, flow)
+            return
+        raise RuntimeError(f"run {run.id}: steps {flow.statuses} neither ready nor running")
 
-    async def _step(self, held: Held, at: HeldStep, outputs: dict[str, Any]) -> bool:
-        """Run one step and write how it ended; False when that ended the run's attempt."""
-        run = held.run
-        try:
-            with log_context(step=at.id):
-                output = await self._call(held, at, outputs)
-        except (CancelRequested, _Stopped, _Overdue):
-            raise
-        except Exception as exc:
-            await self._failed(held, at, exc)
+    async def _start_ready(
+        self, held: Held, flow: Flow, running: dict[asyncio.Future[Any], _Step]
+    ) -> tuple[Exception | None, _Failure | None]:
+        """Start every step whose needs are met (skipping those whose `when` is false): the
+        first step that must wait for the run to itself, if any, and a `when` that could not
+        be evaluated, as the failure it is."""
+        alone: Exception | None = None
+        template = flow.template
+        while True:
+            skipped = False
+            for index in flow.ready:
+                step = template.steps[index]
+                at = HeldStep(held.run, held.lease, template, index, flow.done)
+                if step.when is not None:
+                    try:
+                        go = evaluate_when(step.when, flow.activation())
+                    except ExpressionError as exc:
+                        error = RunError(code="WhenError", message=str(exc), step=step.id)
+                        failing = _Step(at, StepStart(self.clock.now(), flow.tries[index]))
+                        failing.start_written = True  # it never started
+                        self._cancel_all(running)
+                        return alone, _Failure(failing, error, retryable=False, retried=False)
+                    if not go:
+                        reason = f"when {step.when!r} is false"
+                        skip = StepEnd(index, step.id, StepStatus.SKIPPED, reason=reason)
+                        self._check(held.run, await self.lifecycle.end_steps(at, [skip]))
+                        flow.statuses[index] = StepStatus.SKIPPED
+                        skipped = True
+                        continue
+                if step.worker_type == "external":
+                    alone = alone or _External(at)
+                    continue
+                if step.handler not in self.offered:
+                    alone = alone or _HandOff(step.handler)
+                    continue
+                try:
+                    taken = await self._take_locks(held, at)
+                except _LockHeld as blocked:
+                    alone = alone or blocked
+                    continue
+                flow.tries[index] += 1
+                started = _Step(at, StepStart(self.clock.now(), flow.tries[index]), locks=taken)
+                flow.running.add(index)
+                with log_context(step=step.id):
+                    task = asyncio.ensure_future(self._call(held, started, flow.outputs))
+                running[task] = started
+            if not skipped:
+                return (None if running else alone), None
+
+    async def _succeeded(self, held: Held, flow: Flow, step: _Step, output: Any) -> bool:
+        """Write a step's success; True when that ended the run."""
+        at, run = step.at, held.run
+        flow.outputs[at.id] = output
+        flow.statuses[at.index] = StepStatus.SUCCEEDED
+        done = HeldStep(at.run, at.lease, at.template, at.index, flow.done - 1)
+        if not flow.finished or flow.ready:
+            handler = flow.next_handler
+            self._check(
+                run,
+                await self.lifecycle.finish_step(
+                    done, output, step.unwritten_start, next_handler=handler
+                ),
+            )
+            held.run = held.run.model_copy(update={"handler": handler})
             return False
-        outputs[at.id] = output
-        began = held.unwritten_start
-        if at.index + 1 < len(at.template.steps):
-            self._check(run, await self.lifecycle.finish_step(at, output, began))
-            held.run = held.run.model_copy(update={"handler": at.following})
-            return True
-        moved = await self.lifecycle.complete(at, output, began)
+        moved = await self.lifecycle.complete(
+            done, output, step.unwritten_start, result=flow.result
+        )
         if cancel_asked(moved):
             # The step ran to its end (it may be non-cancelable): keep its output, then
             # acknowledge the cancel, which the table requires over success.
-            self._check(run, await self.lifecycle.finish_step(at, output, began))
+            kept = await self.lifecycle.finish_step(
+                done, output, step.unwritten_start, next_handler=None
+            )
+            self._check(run, kept)
             raise CancelRequested(run.id, interrupted=False)
         self._check(run, moved)
         return True
+
+    async def _step_failed(
+        self,
+        held: Held,
+        flow: Flow,
+        step: _Step,
+        exc: Exception,
+        failure: _Failure | None,
+        ended: list[StepEnd],
+    ) -> _Failure | None:
+        """A step raised. Failed for good with `onFailure: continue`, it ends `failed` and the
+        steps that need it are skipped; otherwise it fails this attempt (the first to, that
+        is; a later one is written with it), and the run is tried again or fails."""
+        at = step.at
+        error, retryable = step_failure(exc, at.id), not isinstance(exc, FatalError)
+        run = held.run
+        retried = retry_at(run, at.template, at.id, retryable, self.clock.now()) is not None
+        spec = at.template.steps[at.index]
+        if not retried and spec.on_failure == "continue":
+            failed = self._stopped(step, StepStatus.FAILED, error, final=True)
+            reason = f"needs {at.id!r}, which failed"
+            skips = [
+                StepEnd(i, at.template.steps[i].id, StepStatus.SKIPPED, reason=reason)
+                for i in flow.to_skip(at.index)
+            ]
+            self._check(run, await self.lifecycle.end_steps(at, [failed, *skips]))
+            flow.statuses[at.index] = StepStatus.FAILED
+            for skip in skips:
+                flow.statuses[skip.index] = StepStatus.SKIPPED
+            return failure
+        if failure is None:
+            return _Failure(step, error, retryable, retried)
+        ended.append(self._stopped(step, StepStatus.FAILED, error))
+        return failure
+
+    async def _complete_ended(self, held: Held, flow: Flow) -> None:
+        """Every step has ended, the last of them without a success to write with the run's."""
+        last = len(flow.template.steps) - 1
+        if flow.statuses[last] == StepStatus.SUCCEEDED:
+            at = HeldStep(held.run, held.lease, flow.template, last, flow.done - 1)
+            output = flow.outputs.get(at.id)
+            moved = await self.lifecycle.complete(at, output, result=flow.result)
+        else:
+            moved = await self.lifecycle.complete_ended(
+                held.run, held.lease, flow.template, flow.result
+            )
+        self._check(held.run, moved)
+
+    def _go_on(self, held: Held) -> None:
+        """Raise what stops the run before its next step: a stop, a cancel, its deadline."""
+        if held.stop is not None:
+            raise _Stopped(held.stop)
+        if held.cancel.is_set():
+            raise CancelRequested(held.run.id, interrupted=False)
+        if self._time_left(held.run) == 0:
+            raise _Overdue
+
+    @staticmethod
+    def _asked_aside(held: Held, future: asyncio.Future[Any], step: _Step) -> bool:
+        """The step stopped because a step beside it failed the run, not for a cancel."""
+        asked = step.ctx is not None and step.ctx.cancel_asked
+        return (
+            asked and isinstance(future.exception(), CancelRequested) and not held.cancel.is_set()
+        )
+
+    @staticmethod
+    def _stopped(
+        step: _Step, status: StepStatus, error: RunError | None = None, final: bool = False
+    ) -> StepEnd:
+        """The end of a step that ran but gave no result."""
+        at, start = step.at, step.unwritten_start
+        began, attempt = (start.at, start.attempt) if start else (None, 0)
+        return StepEnd(at.index, at.id, status, began, attempt, error, final=final)
+
+    @staticmethod
+    def _cancel_all(running: dict[asyncio.Future[Any], _Step]) -> None:
+        """A step failed the run: the steps beside it are asked to stop."""
+        for step in running.values():
+            if step.ctx is not None:
+                step.ctx.cancel_asked = True
 
     async def _take_locks(self, held: Held, at: HeldStep) -> list[str]:
         """Take the step's locks, all or none; `_LockHeld` when another run holds one. A run
@@ -277,16 +489,16 @@ class Runner:
         except Exception as exc:
             log.warning("run %s: locks %s not let go, they expire: %s", held.run.id, lock_ids, exc)
 
-    async def _call(self, held: Held, at: HeldStep, outputs: dict[str, Any]) -> Any:
+    async def _call(self, held: Held, running: _Step, outputs: dict[str, Any]) -> Any:
+        at = running.at
         template, index = at.template, at.index
         step = template.steps[index]
-        began = held.unwritten_start = self.clock.now()
         handler = self.handlers.resolve(step.handler)
         assert handler is not None, "an offered handler, as checked before the step began"
         start: asyncio.Future[Lost | None] | None = None
 
         async def write_start() -> Lost | None:
-            return await self.lifecycle.start_step(at, began)
+            return await self.lifecycle.start_step(at, running.start)
 
         def started() -> asyncio.Future[Lost | None]:
             # One start write per step, shared: every later write of the step waits for it.
@@ -328,7 +540,7 @@ class Runner:
 
         mine = [lock_id(lock, held.run) for lock in step.locks]
         step_locks = {lock: held.locks[lock] for lock in mine if lock in held.locks}
-        ctx = StepContext(
+        ctx = running.ctx = StepContext(
             held.run,
             template,
             index,
@@ -341,28 +553,31 @@ class Runner:
             release_lock,
         )
         succeeded = False
+        if held.stop is not None:
+            raise _Stopped(held.stop)
         if inspect.iscoroutinefunction(handler):
             work: asyncio.Future[Any] = asyncio.ensure_future(handler(ctx))
-            held.handler = work
+            watched = work
         else:
             call = contextvars.copy_context().run
             work = asyncio.wrap_future(self.threads.submit(call, handler, ctx))
             # A thread cannot be cancelled: interrupting cancels this shield, not the thread.
-            held.handler = asyncio.shield(work)
+            watched = asyncio.shield(work)
+        held.handlers.add(watched)
         left = self._time_left(held.run)
         overdue = left is not None and (step.timeout_seconds is None or left < step.timeout_seconds)
         try:
             async with asyncio.timeout(left if overdue else step.timeout_seconds):
                 # A step over at once has its start written with its end: one write, not two.
-                await asyncio.wait([held.handler], timeout=START_WRITE_AFTER)
-                if not held.handler.done():
+                await asyncio.wait([watched], timeout=START_WRITE_AFTER)
+                if not watched.done():
                     self._stop_if_lost(await started())
-                output = await held.handler
+                output = await watched
             succeeded = True
             return output
         except (asyncio.CancelledError, TimeoutError) as exc:
             ctx.interrupt()
-            if work is not held.handler:
+            if work is not watched:
                 # Keep the lease until the thread returns (its checkpoint() now raises), so
                 # a retry or a release never runs the step twice at once.
                 await asyncio.wait([work])
@@ -376,7 +591,7 @@ class Runner:
                 raise _Stopped(held.stop) from None
             raise
         finally:
-            held.handler = None
+            held.handlers.discard(watched)
             await ctx.close(write_latest=not succeeded and held.stop is None)
             if start is not None:
                 await asyncio.wait([start])
@@ -384,12 +599,7 @@ class Runner:
                     log.warning(
                         "run %s: step start not written: %s", held.run.id, start.exception()
                     )
-            held.unwritten_start = None if start is not None else began
-
-    async def _failed(self, held: Held, at: HeldStep, exc: Exception) -> None:
-        error, retryable = step_failure(exc, at.id), not isinstance(exc, FatalError)
-        failed = await self.lifecycle.attempt_failed(at, error, retryable, held.unwritten_start)
-        self._check(held.run, failed)
+            running.start_written = start is not None
 
     def _time_left(self, run: Run) -> float | None:
         """Seconds until the run's deadline (0 once passed), or None without one."""

@@ -245,7 +245,7 @@ class Worker:
             # reaper may have given the run to another worker, so stop working on it.
             deadline = time.monotonic() - self.settings.lease_seconds
             for held in list(self.held.values()):
-                if held.renewed < deadline and held.handler is not None and held.stop is None:
+                if held.renewed < deadline and held.busy and held.stop is None:
                     log.warning(
                         "run %s: lease not renewed in time; stopping",
                         held.run.id,
@@ -276,7 +276,7 @@ class Worker:
                 # own can have ended the lease. Outside a handler the run may have just finished,
                 # and the worker's next write, fenced by MongoDB, finds a real loss by itself.
                 # Once stopped, a sync handler's thread may run on: the loss is recorded once.
-                if held.handler is not None and held.stop is None:
+                if held.busy and held.stop is None:
                     log.warning(
                         "run %s: lease lost; stopping its handler",
                         held.run.id,
@@ -293,7 +293,7 @@ class Worker:
         for held in helds:
             owner = holder(held.run.id, held.lease.token)
             lost = await self.locks.renew(list(held.locks), owner)
-            if lost and held.handler is not None and held.stop is None:
+            if lost and held.busy and held.stop is None:
                 log.warning(
                     "run %s: locks %s lost; stopping its step",
                     held.run.id,

@@ -1,0 +1,89 @@
+"""Where a held run's steps stand while a worker walks its graph: which steps have ended and
+how, their outputs, their tries, and what that allows next.
+
+Decisions only; the runner (`worker/runner.py`) runs the steps and writes their ends.
+"""
+
+from dataclasses import dataclass, field
+from typing import Any
+
+from jobplane.model import Run, StepStatus, Template
+from jobplane.model.graph import ENDED
+
+
+@dataclass
+class Flow:
+    """The run's steps as this attempt found them, kept current as they end."""
+
+    template: Template
+    run: Run
+    statuses: list[StepStatus] = field(init=False)
+    outputs: dict[str, Any] = field(init=False)
+    # Each step's tries so far (`progress.steps[i].attempt`).
+    tries: list[int] = field(init=False)
+    # The steps this worker runs now.
+    running: set[int] = field(default_factory=set)
+
+    def __post_init__(self) -> None:
+        steps = self.run.progress.steps
+        # A step that was running, or failed and is retried with the run, runs again; one that
+        # failed for good with `onFailure: continue` stays failed.
+        self.statuses = [
+            StepStatus.FAILED
+            if s.final
+            else StepStatus.PENDING
+            if s.status in (StepStatus.RUNNING, StepStatus.FAILED)
+            else s.status
+            for s in steps
+        ]
+        self.outputs = dict(self.run.outputs)
+        self.tries = [s.attempt for s in steps]
+
+    @property
+    def ready(self) -> list[int]:
+        """Steps whose needs are met and that are not running yet, in template order."""
+        return [i for i in self.template.graph.ready(self.statuses) if i not in self.running]
+
+    @property
+    def done(self) -> int:
+        """How many steps have ended, for the run's percentage."""
+        return sum(1 for i, s in enumerate(self.statuses) if self._ended(i, s))
+
+    @property
+    def finished(self) -> bool:
+        """Every step has ended: nothing runs, and nothing is left to run."""
+        return not self.running and all(self._ended(i, s) for i, s in enumerate(self.statuses))
+
+    @property
+    def result(self) -> Any:
+        """The run's result: the output of its last step in template order (None if that step
+        did not succeed)."""
+        return self.outputs.get(self.template.steps[-1].id)
+
+    @property
+    def next_handler(self) -> str | None:
+        return self.template.next_handler(self.statuses)
+
+    def to_skip(self, failed: int) -> list[int]:
+        """The steps a step that failed for good leaves without a need they can meet."""
+        below = self.template.graph.dependents(failed)
+        return [i for i in below if self.statuses[i] == StepStatus.PENDING]
+
+    def activation(self) -> dict[str, Any]:
+        """What a step's `when` sees: the payload, the outputs of the steps that succeeded,
+        and the run."""
+        run = self.run
+        return {
+            "payload": run.payload,
+            "outputs": self.outputs,
+            "run": {
+                "scope": run.scope,
+                "scopeId": run.scope_id,
+                "attempt": run.attempt,
+                "templateVersion": run.template_version,
+            },
+        }
+
+    def _ended(self, index: int, status: StepStatus) -> bool:
+        # Here a failed step failed for good: one retried with the run went back to pending.
+        return status in ENDED or status == StepStatus.FAILED
