@@ -620,3 +620,26 @@ async def test_queues_list_pause_and_resume(cli: CLI, register: Register) -> Non
     failed(await cli("queues", "pause", "reports", "--reason", "x" * 501), "ValidationFailed")
     ci = fields(ok(await cli("keys", "create", "ci", "--role", "author")))
     failed(await cli("queues", "list", key=ci["secret"]), "Forbidden")
+
+
+def test_templates_validate_prints_the_layers_or_each_problem_without_a_server(
+    tmp_path: Path,
+) -> None:
+    layers = ok(invoke(["templates", "validate", str(TEMPLATES / "diamond_report.yaml")]))
+    assert layers.lines[1:] == ["  1. fetch", "  2. render_pdf, render_csv", "  3. publish"]
+    assert layers.lines[0].endswith(": diamond_report, 4 steps in 3 layers")
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(
+        "type: bad\n"
+        "steps:\n"
+        "  - {id: a, handler: h, needs: [b]}\n"
+        "  - {id: b, handler: h, when: 'foo > 1'}\n"
+    )
+    refused = invoke(["templates", "validate", str(bad)])
+    assert refused.code == 1 and refused.out == ""
+    assert refused.err.splitlines() == [
+        f"{bad}: /steps/0/needs: the steps' needs make a cycle: a → b → a (each needs the next)",
+        f"{bad}: /steps/1/when: unknown name foo (it may use outputs, payload, run)",
+        f"error: ValidationFailed: {bad}: invalid template",
+    ]
+    failed(invoke(["templates", "validate", str(tmp_path / "none.yaml")]), "InvalidArgument")

@@ -1,6 +1,7 @@
 """Flows beyond a line (`needs`, `when`, `onFailure`, per-step retries), run by real worker
 processes: steps whose needs are met run side by side, and a retry redoes only what failed."""
 
+import signal
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,8 @@ from jobplane.runs import RunRequest, RunService
 from jobplane.settings import Settings
 from tests.integration.conftest import Register
 from tests.integration.db import raw
-from tests.integration.flow import workers
+from tests.integration.flow import until, workers
+from tests.integration.processes import spawn
 from tests.integration.workers import settled
 
 
@@ -167,3 +169,38 @@ async def test_a_step_with_its_own_retry_policy_is_retried_by_it(
     run = await run_once(backends, settings, tmp_path, {"failTimes": 2})
     assert run.status == RunStatus.SUCCEEDED, "the template allows 1 attempt, the step 3"
     assert [s.attempt for s in run.progress.steps] == [1, 3]
+
+
+async def test_a_worker_killed_in_a_branch_has_only_that_branch_run_again(
+    backends: Backends, settings: Settings, register: Register, tmp_path: Path
+) -> None:
+    """b sleeps 3 s, c 0.2 s; the worker is SIGKILLed while b runs, after c succeeded. The
+    reaper queues the run again; another worker runs b, then d. c's output is kept, and each
+    step's success is written once."""
+    await register(
+        "flow",
+        steps=diamond(c={"handler": "builtin.echo"}),
+        retryPolicy={"maxAttempts": 2, "backoffSeconds": [0]},
+    )
+    service = RunService(backends.store, backends.queue)
+    run, _ = await service.create(RunRequest("flow", "user", "u1", {"sleepSeconds": 3}), "user:t")
+
+    async def in_b() -> bool:
+        now = await backends.store.runs.get(run.id)
+        return now is not None and steps(now)["b"] == "running" and steps(now)["c"] == "succeeded"
+
+    async with workers(settings, tmp_path, count=0):  # the scheduler, which reaps
+        first = spawn(settings, "worker", tmp_path / "first.log", JOBPLANE_WORKER_ID="first")
+        try:
+            await until(in_b, within=30)
+            first.send_signal(signal.SIGKILL)
+        finally:
+            first.wait()
+        async with workers(settings, tmp_path, count=1, scheduler=False):
+            [done] = await settled(backends.store, [run.id], within=60)
+    assert done.status == RunStatus.SUCCEEDED
+    assert [a.error.code for a in done.attempts] == ["lease_expired"]
+    assert done.outputs["c"] == {"sleepSeconds": 3}
+    finished = [e["metadata"]["step"] for e in await trail_of(backends, run.id, "step_finished")]
+    assert sorted(finished) == ["a", "b", "c", "d"], "each success written once"
+    assert [s.attempt for s in done.progress.steps] == [1, 2, 1, 1]

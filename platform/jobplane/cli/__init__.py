@@ -217,6 +217,28 @@ def _templates_apply(args: argparse.Namespace, client: APIClient) -> None:
             print(f"warning: {file.name}: {warning}", file=sys.stderr)
 
 
+def _templates_validate(args: argparse.Namespace) -> None:
+    """Check a template file as registration would, here: its steps' layers, or each problem."""
+    from jobplane.errors import ValidationFailed
+    from jobplane.model.graph import Graph
+    from jobplane.templates import load_file
+
+    path = Path(args.file)
+    try:
+        spec = load_file(path)
+    except OSError as exc:
+        raise CLIError("InvalidArgument", f"{path}: {exc.strerror}") from exc
+    except ValidationFailed as exc:
+        problems = exc.details["errors"]
+        for problem in problems:
+            print(f"{path}: {problem['pointer'] or '/'}: {problem['message']}", file=sys.stderr)
+        raise CLIError("ValidationFailed", f"{path}: {exc.message}") from exc
+    layers = Graph.of([(s.id, s.needs) for s in spec.steps]).layers
+    print(f"{path}: {spec.type}, {len(spec.steps)} steps in {len(layers)} layers")
+    for depth, layer in enumerate(layers, 1):
+        print(f"  {depth}. {', '.join(layer)}")
+
+
 def _templates_list(args: argparse.Namespace, client: APIClient) -> None:
     for template in client.call("GET", "/v1/templates"):
         print(template_line(Template.model_validate(template)))
@@ -500,6 +522,11 @@ def _parser() -> argparse.ArgumentParser:
     tsub = templates.add_subparsers(required=True, metavar="ACTION")
     apply = client_command(tsub, "apply", _templates_apply, "register templates from DIR or FILE")
     apply.add_argument("path", metavar="DIR|FILE")
+    validate = tsub.add_parser(
+        "validate", help="check a template FILE here: its steps' layers, or each problem"
+    )
+    validate.add_argument("file", metavar="FILE")
+    validate.set_defaults(command=_templates_validate)
     client_command(tsub, "list", _templates_list, "the latest version of each template")
     show = client_command(tsub, "show", _templates_show, "a template as JSON")
     show.add_argument("type", metavar="TYPE")

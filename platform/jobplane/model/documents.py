@@ -240,6 +240,9 @@ class Template(TemplateSpec):
 class StepProgress(Document):
     id: str
     status: StepStatus = StepStatus.PENDING
+    # The steps it needs (`needs`, resolved: a step of a line needs the one before it); None
+    # on runs created before steps formed graphs.
+    needs: list[str] | None = None
     # How many times the step started, this time included.
     attempt: int = 0
     # A step that failed for good with `onFailure: continue`: it is not run again (a failed

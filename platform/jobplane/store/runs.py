@@ -287,7 +287,12 @@ def _new_run(new: NewRun, actor: str, now: datetime) -> tuple[Run, Doc]:
         priority=t.priority if new.priority is None else new.priority,
         queue=t.queue,
         handler=t.handler_at(0),
-        progress=Progress(steps=[StepProgress(id=s.id) for s in t.steps]),
+        progress=Progress(
+            steps=[
+                StepProgress(id=s.id, needs=[t.steps[n].id for n in needs])
+                for s, needs in zip(t.steps, t.graph.needs, strict=True)
+            ]
+        ),
         max_attempts=t.retry_policy.max_attempts,
         timeout_seconds=t.timeout_seconds,
         cancel_grace_seconds=t.cancel_policy.grace_seconds,

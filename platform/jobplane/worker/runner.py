@@ -123,6 +123,21 @@ class _HandOff(Exception):
         self.handler = handler
 
 
+@dataclass
+class _Walk:
+    """A walk of a run's graph in progress: its running steps, and what stops it."""
+
+    running: dict[asyncio.Future[Any], _Step] = field(default_factory=dict)
+    # The first step of this attempt that failed it.
+    failure: _Failure | None = None
+    # What stops the whole run: a cancel, a stop, the deadline.
+    stopping: Exception | None = None
+    # A ready step that waits for the run to itself, once nothing else runs.
+    alone: Exception | None = None
+    # Steps that stopped beside a failure, written with it.
+    ended: list[StepEnd] = field(default_factory=list)
+
+
 class _External(Exception):
     """The run's next step is an external worker's."""
 
@@ -237,74 +252,91 @@ class Runner:
         if flow.finished:  # every step ended before a crash cut the final write short
             await self._complete_ended(held, flow)
             return
-        running: dict[asyncio.Future[Any], _Step] = {}
-        failure: _Failure | None = None
-        stopping: Exception | None = None
-        alone: Exception | None = None
-        ended: list[StepEnd] = []  # steps stopped beside a failure, written with it
+        walk = _Walk()
         while True:
-            if stopping is None and failure is None:
+            if walk.stopping is None and walk.failure is None:
                 try:
                     self._go_on(held)
-                    alone, failure = await self._start_ready(held, flow, running)
+                    starting = await self._start_ready(held, flow, walk)
                 except (CancelRequested, _Stopped, _Overdue) as exc:
-                    stopping = exc
-            if not running:
-                break
-            done, _ = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
-            for future in done:
-                step = running.pop(future)
-                flow.running.discard(step.at.index)
-                try:
+                    walk.stopping, starting = exc, []
+                if not walk.running and len(starting) == 1:
+                    # Alone, as every step of a line is: awaited here, without a task.
+                    [step] = starting
+                    done = asyncio.get_running_loop().create_future()
                     try:
-                        output = future.result()
-                    except (CancelRequested, _Stopped, _Overdue):
-                        if not self._asked_aside(held, future, step):
-                            raise
-                        ended.append(self._stopped(step, StepStatus.CANCELLED))
-                        continue
+                        with log_context(step=step.at.id):
+                            done.set_result(await self._call(held, step, flow.outputs))
                     except Exception as exc:
-                        failure = await self._step_failed(held, flow, step, exc, failure, ended)
-                        if failure is not None and not failure.retried:
-                            self._cancel_all(running)
-                        continue
-                    if await self._succeeded(held, flow, step, output):
+                        done.set_exception(exc)
+                    if await self._step_ended(held, flow, walk, step, done):
                         return
-                except (CancelRequested, _Stopped, _Overdue) as exc:
-                    # What stops one step (or its write) stops the run: the steps beside it
-                    # stop too, and their ends are the run's transition's to write.
-                    stopping = stopping or exc
-                    if isinstance(exc, CancelRequested):
-                        held.cancel.set()
-                    elif isinstance(exc, _Stopped) and held.stop is None:
-                        held.interrupt(exc.reason)
-                finally:
-                    await self._let_go(held, step.locks)
-        if stopping is not None:
-            raise stopping
-        if failure is not None:
-            if ended:
-                self._check(run, await self.lifecycle.end_steps(failure.step.at, ended))
-            at = failure.step.at
+                    continue
+                for step in starting:
+                    with log_context(step=step.at.id):  # the task copies the context
+                        task = asyncio.ensure_future(self._call(held, step, flow.outputs))
+                    walk.running[task] = step
+            if not walk.running:
+                break
+            finished, _ = await asyncio.wait(walk.running, return_when=asyncio.FIRST_COMPLETED)
+            for future in finished:
+                if await self._step_ended(held, flow, walk, walk.running.pop(future), future):
+                    return
+        if walk.stopping is not None:
+            raise walk.stopping
+        if (failure := walk.failure) is not None:
+            if walk.ended:
+                self._check(run, await self.lifecycle.end_steps(failure.step.at, walk.ended))
             moved = await self.lifecycle.attempt_failed(
-                at, failure.error, failure.retryable, failure.step.unwritten_start
+                failure.step.at, failure.error, failure.retryable, failure.step.unwritten_start
             )
             self._check(run, moved)
             return
-        if alone is not None:
-            raise alone
+        if walk.alone is not None:
+            raise walk.alone
         if flow.finished:
             await self._complete_ended(held, flow)
             return
         raise RuntimeError(f"run {run.id}: steps {flow.statuses} neither ready nor running")
 
-    async def _start_ready(
-        self, held: Held, flow: Flow, running: dict[asyncio.Future[Any], _Step]
-    ) -> tuple[Exception | None, _Failure | None]:
-        """Start every step whose needs are met (skipping those whose `when` is false): the
-        first step that must wait for the run to itself, if any, and a `when` that could not
-        be evaluated, as the failure it is."""
-        alone: Exception | None = None
+    async def _step_ended(
+        self, held: Held, flow: Flow, walk: _Walk, step: _Step, future: asyncio.Future[Any]
+    ) -> bool:
+        """Write how a step ended, and what that means for the walk; True when it ended the
+        run."""
+        flow.running.discard(step.at.index)
+        try:
+            try:
+                output = future.result()
+            except (CancelRequested, _Stopped, _Overdue):
+                if not self._asked_aside(held, future, step):
+                    raise
+                walk.ended.append(self._stopped(step, StepStatus.CANCELLED))
+                return False
+            except Exception as exc:
+                walk.failure = await self._step_failed(held, flow, step, exc, walk)
+                if walk.failure is not None and not walk.failure.retried:
+                    self._cancel_all(walk.running)
+                return False
+            return await self._succeeded(held, flow, step, output)
+        except (CancelRequested, _Stopped, _Overdue) as exc:
+            # What stops one step (or its write) stops the run: the steps beside it stop too,
+            # and their ends are the run's transition's to write.
+            walk.stopping = walk.stopping or exc
+            if isinstance(exc, CancelRequested):
+                held.cancel.set()
+            elif isinstance(exc, _Stopped) and held.stop is None:
+                held.interrupt(exc.reason)
+            return False
+        finally:
+            await self._let_go(held, step.locks)
+
+    async def _start_ready(self, held: Held, flow: Flow, walk: _Walk) -> list[_Step]:
+        """The steps to start now: every step whose needs are met, with its locks taken (those
+        whose `when` is false are written skipped). A step that must wait for the run to itself
+        is noted in `walk.alone`; a `when` that could not be evaluated is the walk's failure."""
+        walk.alone = None
+        starting: list[_Step] = []
         template = flow.template
         while True:
             skipped = False
@@ -318,8 +350,13 @@ class Runner:
                         error = RunError(code="WhenError", message=str(exc), step=step.id)
                         failing = _Step(at, StepStart(self.clock.now(), flow.tries[index]))
                         failing.start_written = True  # it never started
-                        self._cancel_all(running)
-                        return alone, _Failure(failing, error, retryable=False, retried=False)
+                        self._cancel_all(walk.running)
+                        walk.failure = _Failure(failing, error, retryable=False, retried=False)
+                        for prepared in starting:  # none of them starts now
+                            flow.running.discard(prepared.at.index)
+                            flow.tries[prepared.at.index] -= 1
+                            await self._let_go(held, prepared.locks)
+                        return []
                     if not go:
                         reason = f"when {step.when!r} is false"
                         skip = StepEnd(index, step.id, StepStatus.SKIPPED, reason=reason)
@@ -328,24 +365,24 @@ class Runner:
                         skipped = True
                         continue
                 if step.worker_type == "external":
-                    alone = alone or _External(at)
+                    walk.alone = walk.alone or _External(at)
                     continue
                 if step.handler not in self.offered:
-                    alone = alone or _HandOff(step.handler)
+                    walk.alone = walk.alone or _HandOff(step.handler)
                     continue
                 try:
                     taken = await self._take_locks(held, at)
                 except _LockHeld as blocked:
-                    alone = alone or blocked
+                    walk.alone = walk.alone or blocked
                     continue
                 flow.tries[index] += 1
-                started = _Step(at, StepStart(self.clock.now(), flow.tries[index]), locks=taken)
+                start = StepStart(self.clock.now(), flow.tries[index])
+                starting.append(_Step(at, start, locks=taken))
                 flow.running.add(index)
-                with log_context(step=step.id):
-                    task = asyncio.ensure_future(self._call(held, started, flow.outputs))
-                running[task] = started
             if not skipped:
-                return (None if running else alone), None
+                if walk.running or starting:
+                    walk.alone = None
+                return starting
 
     async def _succeeded(self, held: Held, flow: Flow, step: _Step, output: Any) -> bool:
         """Write a step's success; True when that ended the run."""
@@ -383,8 +420,7 @@ class Runner:
         flow: Flow,
         step: _Step,
         exc: Exception,
-        failure: _Failure | None,
-        ended: list[StepEnd],
+        walk: _Walk,
     ) -> _Failure | None:
         """A step raised. Failed for good with `onFailure: continue`, it ends `failed` and the
         steps that need it are skipped; otherwise it fails this attempt (the first to, that
@@ -405,11 +441,11 @@ class Runner:
             flow.statuses[at.index] = StepStatus.FAILED
             for skip in skips:
                 flow.statuses[skip.index] = StepStatus.SKIPPED
-            return failure
-        if failure is None:
+            return walk.failure
+        if walk.failure is None:
             return _Failure(step, error, retryable, retried)
-        ended.append(self._stopped(step, StepStatus.FAILED, error))
-        return failure
+        walk.ended.append(self._stopped(step, StepStatus.FAILED, error))
+        return walk.failure
 
     async def _complete_ended(self, held: Held, flow: Flow) -> None:
         """Every step has ended, the last of them without a success to write with the run's."""
