@@ -77,6 +77,23 @@ TEMPLATES: list[Doc] = [
         "maxRunning": 3,
         "steps": [{"id": "nap", "handler": "chaos.nap"}],
     },
+    # A flow beyond a line: two branches nap side by side, a third is skipped by its `when`,
+    # and the last step needs all three.
+    {
+        "type": "chaos_diamond",
+        "steps": [
+            {"id": "first", "handler": "builtin.echo"},
+            {"id": "left", "handler": "chaos.nap", "needs": ["first"]},
+            {"id": "right", "handler": "chaos.nap", "needs": ["first"]},
+            {
+                "id": "never",
+                "handler": "builtin.echo",
+                "needs": ["first"],
+                "when": "payload.napSeconds > 1000.0",
+            },
+            {"id": "last", "handler": "builtin.echo", "needs": ["left", "right", "never"]},
+        ],
+    },
     # Its second step holds a lock per partner (three of them), whatever the run's account.
     {
         "type": "chaos_locked",
@@ -92,8 +109,9 @@ TEMPLATES: list[Doc] = [
 ]
 # The share of each template in a load, out of 100.
 MIX = [
-    ("chaos_quick", 30),
-    ("chaos_steps", 25),
+    ("chaos_quick", 25),
+    ("chaos_steps", 20),
+    ("chaos_diamond", 10),
     ("chaos_flaky", 10),
     ("chaos_fatal", 5),
     ("chaos_once", 10),
@@ -223,7 +241,7 @@ class Load:
     def request(self, i: int) -> Doc:
         [kind] = self.rng.choices([k for k, _ in self.mix], [w for _, w in self.mix])
         payload: Doc = {}
-        if kind in ("chaos_steps", "chaos_once"):
+        if kind in ("chaos_steps", "chaos_once", "chaos_diamond"):
             payload["napSeconds"] = round(self.rng.uniform(*self.nap), 3)
         if kind == "chaos_flaky":
             payload["failTimes"] = 1

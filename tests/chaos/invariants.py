@@ -23,6 +23,7 @@ from typing import Any
 from pymongo.asynchronous.database import AsyncDatabase
 
 from jobplane.model import ALLOWED, LEASED, TERMINAL, RunStatus
+from jobplane.model.graph import Graph
 from jobplane.runs.admission.keys import lock_named
 
 Doc = dict[str, Any]
@@ -33,7 +34,7 @@ Templates = dict[tuple[str, int], Doc]
 # times are read).
 Window = tuple[datetime, datetime]
 # A step event must be written under the lease of the run's holder at that point.
-STEP_EVENTS = frozenset({"step_started", "step_finished"})
+STEP_EVENTS = frozenset({"step_started", "step_finished", "step_skipped"})
 # How long after its locks were taken a step may read its start: the take's answer comes
 # back through group commit to a worker under load. A fault that wiped the locks in between
 # may let another run take them before the step's recorded start.
@@ -96,7 +97,10 @@ async def audit(
         trailed.append((run, events))
         template = templates.get((run["templateType"], run["templateVersion"]))
         steps = [s["id"] for s in template["steps"]] if template else None
-        found.violations += [f"run {run_id}: {v}" for v in check_run(run, events, steps, now)]
+        needs = _needs(template) if template else None
+        found.violations += [
+            f"run {run_id}: {v}" for v in check_run(run, events, steps, now, needs)
+        ]
     found.violations += [f"events of a run that does not exist: {run_id}" for run_id in copies]
     found.violations += _shared_keys(runs.values())
     found.violations += over_concurrency_limit(trailed, templates)
@@ -106,8 +110,15 @@ async def audit(
     return found
 
 
-def check_run(run: Doc, events: list[Doc], steps: list[str] | None, now: datetime) -> list[str]:
-    """The violations of one run, given its trail in the order MongoDB wrote it."""
+def check_run(
+    run: Doc,
+    events: list[Doc],
+    steps: list[str] | None,
+    now: datetime,
+    needs: dict[str, list[str]] | None = None,
+) -> list[str]:
+    """The violations of one run, given its trail in the order MongoDB wrote it, its
+    template's steps and what each needs (None: a line, each step needing the one before)."""
     status = RunStatus(run["status"])
     bad: list[str] = []
     if status not in TERMINAL and not _scheduled_later(run, now):
@@ -164,25 +175,48 @@ def check_run(run: Doc, events: list[Doc], steps: list[str] | None, now: datetim
     elif run.get("error") is not None:
         bad.append(f"is {status.value} with an error")
     if status == RunStatus.SUCCEEDED:
-        bad += _steps_in_order(steps, finished)
+        line = {step: steps[i - 1 : i] for i, step in enumerate(steps)}
+        bad += _steps_in_order(steps, finished, needs or line, _not_run(run))
     return bad
 
 
-def _steps_in_order(steps: list[str], finished: dict[str, tuple[int, int, int]]) -> list[str]:
-    """Each step's successful run began after the previous step's ended, and began and ended
-    under one lease."""
+def _needs(template: Doc) -> dict[str, list[str]]:
+    """What each step of a stored template needs, resolved (`model/graph.py`)."""
+    graph = Graph.of([(s["id"], s.get("needs")) for s in template["steps"]])
+    return {step: [graph.ids[n] for n in graph.needs[i]] for i, step in enumerate(graph.ids)}
+
+
+def _not_run(run: Doc) -> set[str]:
+    """The steps of a succeeded run that ended without a success: skipped, or failed for good
+    under `onFailure: continue`."""
+    return {
+        s["id"]
+        for s in run.get("progress", {}).get("steps", [])
+        if s["status"] == "skipped" or (s["status"] == "failed" and s.get("final"))
+    }
+
+
+def _steps_in_order(
+    steps: list[str],
+    finished: dict[str, tuple[int, int, int]],
+    needs: dict[str, list[str]],
+    not_run: set[str],
+) -> list[str]:
+    """Each step's successful run began after the runs of the steps it needs had ended, and
+    began and ended under one lease."""
     bad: list[str] = []
-    previous_end = -1
     for step in steps:
+        if step in not_run:
+            continue
         if step not in finished:
             bad.append(f"succeeded without a recorded run of step {step}")
             continue
-        start, lease, end = finished[step]
-        if start < previous_end:
-            bad.append(f"step {step} started before the step ahead of it finished")
+        start, lease, _ = finished[step]
+        for need in needs[step]:
+            if need in finished and start < finished[need][2]:
+                bad.append(f"step {step} started before the step ahead of it ({need}) finished")
         if lease < 0:
             bad.append(f"step {step} ran outside any lease")
-        previous_end = end
     return bad
 
 

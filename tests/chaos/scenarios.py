@@ -380,7 +380,14 @@ async def cancel_storm(where: Where, scale: Scale) -> Outcome:
     began, rng = time.monotonic(), random.Random(6)
     # Limited runs waiting for a place or a start, and locked ones for their lock, are
     # cancelled while they wait too.
-    mix = [("chaos_steps", 60), ("chaos_quick", 10), ("chaos_limited", 15), ("chaos_locked", 15)]
+    # Both branches of a diamond must have stopped before its cancel is acknowledged.
+    mix = [
+        ("chaos_steps", 45),
+        ("chaos_diamond", 15),
+        ("chaos_quick", 10),
+        ("chaos_limited", 15),
+        ("chaos_locked", 15),
+    ]
     # Long naps and many slots: most cancels should find their run queued or running, even
     # when a busy machine answers API calls late.
     async with staged(

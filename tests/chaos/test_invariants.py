@@ -398,3 +398,49 @@ def test_an_earlier_run_of_a_step_counts_from_its_own_events() -> None:
     assert lock_overlaps([inside, stepped("r2", 200, 300)], templates(LOCKED)) != []
     edge = of(LOCKED, "r3", {"p": "acme"}, [*point[:1], *stepped("r3", 0, 300)[1][-3:-1]])
     assert lock_overlaps([edge, stepped("r2", 200, 300)], templates(LOCKED)) == []
+
+
+DIAMOND = ["a", "b", "c", "d"]
+DIAMOND_NEEDS = {"a": [], "b": ["a"], "c": ["a"], "d": ["b", "c"]}
+
+
+def diamond(d_starts_early: bool = False, c: str = "run") -> list[Doc]:
+    """a, then b and c side by side (c finishing last), then d; or c skipped by its `when`."""
+    c_events = (
+        [step(5, "step_started", "c"), step(7, "step_finished", "c")]
+        if c == "run"
+        else [step(5, "step_skipped", "c")]
+    )
+    d_at = 6 if d_starts_early else 8
+    events = [
+        moved(1, None, "queued", "user:u"),
+        moved(2, "queued", "running"),
+        step(3, "step_started", "a"),
+        step(3, "step_finished", "a"),
+        step(4, "step_started", "b"),
+        *c_events,
+        step(5, "step_finished", "b"),
+        step(d_at, "step_started", "d"),
+        step(d_at, "step_finished", "d"),
+        moved(9, "running", "succeeded"),
+    ]
+    return sorted(events, key=lambda e: (e["runVersion"], e["_id"]))
+
+
+def test_steps_of_a_graph_may_overlap_but_not_start_before_what_they_need() -> None:
+    done = run(version=9)
+    assert check_run(done, diamond(), DIAMOND, NOW, DIAMOND_NEEDS) == []
+    early = check_run(done, diamond(d_starts_early=True), DIAMOND, NOW, DIAMOND_NEEDS)
+    assert early == ["step d started before the step ahead of it (c) finished"]
+    # Read as a line, b and c side by side are out of order.
+    assert check_run(done, diamond(), DIAMOND, NOW) != []
+
+
+def test_a_skipped_step_needs_no_recorded_run_but_a_missing_one_does() -> None:
+    skipped = {"progress": {"steps": [{"id": "c", "status": "skipped"}]}}
+    assert (
+        check_run(run(version=9, **skipped), diamond(c="skip"), DIAMOND, NOW, DIAMOND_NEEDS) == []
+    )
+    assert check_run(run(version=9), diamond(c="skip"), DIAMOND, NOW, DIAMOND_NEEDS) == [
+        "succeeded without a recorded run of step c"
+    ]

@@ -23,6 +23,8 @@ class Flow:
     tries: list[int] = field(init=False)
     # The steps this worker runs now.
     running: set[int] = field(default_factory=set)
+    # How many steps have ended: kept as they end, since every step's end asks.
+    done: int = field(init=False)
 
     def __post_init__(self) -> None:
         steps = self.run.progress.steps
@@ -38,6 +40,12 @@ class Flow:
         ]
         self.outputs = dict(self.run.outputs)
         self.tries = [s.attempt for s in steps]
+        self.done = sum(1 for s in self.statuses if _ended(s))
+
+    def end(self, index: int, status: StepStatus) -> None:
+        """Step `index` ended: succeeded, skipped, or failed for good."""
+        self.statuses[index] = status
+        self.done += 1
 
     @property
     def ready(self) -> list[int]:
@@ -45,14 +53,9 @@ class Flow:
         return [i for i in self.template.graph.ready(self.statuses) if i not in self.running]
 
     @property
-    def done(self) -> int:
-        """How many steps have ended, for the run's percentage."""
-        return sum(1 for i, s in enumerate(self.statuses) if self._ended(i, s))
-
-    @property
     def finished(self) -> bool:
         """Every step has ended: nothing runs, and nothing is left to run."""
-        return not self.running and all(self._ended(i, s) for i, s in enumerate(self.statuses))
+        return self.done == len(self.statuses) and not self.running
 
     @property
     def result(self) -> Any:
@@ -84,6 +87,7 @@ class Flow:
             },
         }
 
-    def _ended(self, index: int, status: StepStatus) -> bool:
-        # Here a failed step failed for good: one retried with the run went back to pending.
-        return status in ENDED or status == StepStatus.FAILED
+
+def _ended(status: StepStatus) -> bool:
+    # Here a failed step failed for good: one retried with the run went back to pending.
+    return status in ENDED or status == StepStatus.FAILED

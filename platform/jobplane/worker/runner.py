@@ -361,7 +361,7 @@ class Runner:
                         reason = f"when {step.when!r} is false"
                         skip = StepEnd(index, step.id, StepStatus.SKIPPED, reason=reason)
                         self._check(held.run, await self.lifecycle.end_steps(at, [skip]))
-                        flow.statuses[index] = StepStatus.SKIPPED
+                        flow.end(index, StepStatus.SKIPPED)
                         skipped = True
                         continue
                 if step.worker_type == "external":
@@ -388,9 +388,9 @@ class Runner:
         """Write a step's success; True when that ended the run."""
         at, run = step.at, held.run
         flow.outputs[at.id] = output
-        flow.statuses[at.index] = StepStatus.SUCCEEDED
+        flow.end(at.index, StepStatus.SUCCEEDED)
         done = HeldStep(at.run, at.lease, at.template, at.index, flow.done - 1)
-        if not flow.finished or flow.ready:
+        if not flow.finished:
             handler = flow.next_handler
             self._check(
                 run,
@@ -438,9 +438,9 @@ class Runner:
                 for i in flow.to_skip(at.index)
             ]
             self._check(run, await self.lifecycle.end_steps(at, [failed, *skips]))
-            flow.statuses[at.index] = StepStatus.FAILED
+            flow.end(at.index, StepStatus.FAILED)
             for skip in skips:
-                flow.statuses[skip.index] = StepStatus.SKIPPED
+                flow.end(skip.index, StepStatus.SKIPPED)
             return walk.failure
         if walk.failure is None:
             return _Failure(step, error, retryable, retried)
