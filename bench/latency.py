@@ -108,6 +108,8 @@ async def open_loop(
 @dataclass
 class Bench(throughput.Bench):
     template: ClassVar[TemplateSpec] = TEMPLATE
+    # The step whose handler's start is timed (bench/flows.py times a flow's last step).
+    timed_step: ClassVar[str] = "only"
 
     def settings(self) -> Settings:
         return super().settings().model_copy(update={"handlers": [HANDLER_MODULE]})
@@ -136,10 +138,11 @@ class Bench(throughput.Bench):
             after = await Counters.read(backends, settings, self.procs)
             self.spent(LATENCY, before, after, count)
             latencies: dict[int, float] = {}
-            projection = {"payload": 1, "outputs.only.startedAt": 1}
+            step = self.timed_step
+            projection = {"payload": 1, f"outputs.{step}.startedAt": 1}
             async for doc in Collections.of(backends.store.db).runs.find({}, projection):
                 i = doc["payload"]["i"]
-                latencies[i] = 1000 * (doc["outputs"]["only"]["startedAt"] - doc["payload"]["t"])
+                latencies[i] = 1000 * (doc["outputs"][step]["startedAt"] - doc["payload"]["t"])
         if sorted(latencies) != list(range(count)):
             raise RuntimeError(f"{len(latencies)} runs found for {count} created")
         ms = [latencies[i] for i in range(warm, count)]

@@ -137,3 +137,18 @@ def test_only_a_write_refused_for_a_cancel_is_acknowledged() -> None:
     assert not cancel_asked(Lost("r1", "status", RunStatus.CANCELLED))
     assert not cancel_asked(Moved("r1", RunStatus.RUNNING, RunStatus.SUCCEEDED))
     assert not cancel_asked(None)
+
+
+def test_a_lost_lease_is_charged_to_the_policy_of_the_step_the_run_was_on() -> None:
+    t = template_with(
+        RetryPolicy(max_attempts=1),
+        {"id": "a", "handler": "h"},
+        {"id": "b", "handler": "h", "retryPolicy": {"maxAttempts": 3}},
+    )
+    on_b = run_in(RunStatus.RUNNING, 2, max_attempts=1).model_copy(
+        update={"phase": "b", "attempts": failed_at("b")}
+    )
+    assert lease_expired(on_b) == "reap_expire", "counted by the run alone: 2 of 1"
+    assert lease_expired(on_b, t) == "reap_requeue", "b's second of 3"
+    on_a = on_b.model_copy(update={"phase": "a"})
+    assert lease_expired(on_a, t) == "reap_expire", "a's first and only"

@@ -256,7 +256,10 @@ class Lifecycle:
             "reap_requeue": rows.reap_requeue,
             "reap_expire": rows.reap_expire,
         }
-        transition = lease_expired(run)
+        # Cached: a version never changes. Only a template whose steps have retry policies of
+        # their own tells more than the run's own count.
+        template = await self.store.templates.cached(run.template_type, run.template_version)
+        transition = lease_expired(run, template)
         reaped = await reaping[transition](run, "reaper")
         if isinstance(reaped, Moved) and reaped.to == RunStatus.QUEUED:
             await self.push([run])

@@ -65,17 +65,20 @@ def charged(run: Run, template: Template, step_id: str) -> tuple[RetryPolicy, in
     return template.retry_policy, 1 + ended
 
 
-def lease_expired(run: Run) -> LeaseExpiry:
+def lease_expired(run: Run, template: Template | None = None) -> LeaseExpiry:
     """What the reaper makes of a run whose lease ran out: a cancel asked is carried out; a run
     with attempts left is queued again (the lost lease spent an attempt, so a run that kills
-    its worker cannot loop forever); any other expires."""
+    its worker cannot loop forever); any other expires. The lost attempt is charged to the
+    policy of the step the run was on (its `phase`), as `template` says; without it, to the
+    run's own count."""
     if run.status == RunStatus.CANCEL_REQUESTED:
         return "reap_cancel"
-    return "reap_requeue" if _attempts_left(run) else "reap_expire"
-
-
-def _attempts_left(run: Run) -> bool:
-    return run.attempt < run.max_attempts
+    if template is None:
+        left = run.attempt < run.max_attempts
+    else:
+        policy, tries = charged(run, template, run.phase or "")
+        left = tries < policy.max_attempts
+    return "reap_requeue" if left else "reap_expire"
 
 
 def cancel_of(run: Run) -> Literal["cancel", "request_cancel"] | None:

@@ -533,8 +533,12 @@ class Runner:
         assert handler is not None, "an offered handler, as checked before the step began"
         start: asyncio.Future[Lost | None] | None = None
 
+        # The closures below end up on the step's context, which `running` holds: they must
+        # not hold `running` back, or every step would leave a cycle for the collector.
+        first = running.start
+
         async def write_start() -> Lost | None:
-            return await self.lifecycle.start_step(at, running.start)
+            return await self.lifecycle.start_step(at, first)
 
         def started() -> asyncio.Future[Lost | None]:
             # One start write per step, shared: every later write of the step waits for it.
