@@ -91,6 +91,18 @@ TEMPLATES = [
         "steps": [{"id": "render", "handler": "ui.nobody"}],
     },
     {
+        # A flow beyond a line: the run page draws it in layers.
+        "type": "ui_diamond",
+        "name": "Diamond",
+        "steps": [
+            {"id": "fetch", "handler": "builtin.noop"},
+            {"id": "left", "handler": "builtin.sleep", "needs": ["fetch"]},
+            {"id": "right", "handler": "builtin.noop", "needs": ["fetch"]},
+            {"id": "skip", "handler": "builtin.noop", "needs": ["fetch"], "when": "false"},
+            {"id": "join", "handler": "builtin.noop", "needs": ["left", "right", "skip"]},
+        ],
+    },
+    {
         "type": "ui_report",
         "name": "Report",
         "schedulable": True,

@@ -473,3 +473,26 @@ def test_every_page_renders_and_the_audit_exports_csv(
     expect(events).to_contain_text("api_key_created")
     expect(events).to_contain_text(key_id)
     expect(events.get_by_role("link", name=f"run {key_id}")).to_have_count(0)
+
+
+def test_a_flow_is_drawn_in_layers_and_a_line_is_not(
+    page: Page, stack: Stack, scope_id: str
+) -> None:
+    with stack.admin() as admin:
+        run_id = create_run(admin, "ui_diamond", scope_id, sleepSeconds=3)
+        line_id = create_run(admin, "ui_fail", scope_id, fatal=True)
+    sign_in(page, stack)
+    page.goto(f"{stack.dashboard}#/runs/{run_id}")
+    graph = page.get_by_role("group", name="Steps by what they need")
+    layers = graph.locator("[data-layer]")
+    expect(layers).to_have_count(3)
+    expect(layers.nth(1).locator("[data-node]")).to_have_count(3)
+    left = graph.locator('[data-node="left"]')
+    expect(left).to_have_attribute("title", "needs fetch")
+    expect(left.locator("[data-status]")).to_have_text("running", timeout=10_000)
+    expect(graph.locator('[data-node="skip"] [data-status]')).to_have_text("skipped")
+    expect(run_status(page)).to_have_text("succeeded", timeout=15_000)
+    expect(graph.locator('[data-node="join"] [data-status]')).to_have_text("succeeded")
+    page.goto(f"{stack.dashboard}#/runs/{line_id}")
+    expect(run_status(page)).to_have_text("failed", timeout=10_000)
+    expect(page.get_by_role("group", name="Steps by what they need")).to_have_count(0)

@@ -114,6 +114,7 @@ class RunView {
         step.error ? h("div", { class: "step-error" }, step.error) : null,
       ));
     }
+    const graph = stepGraph(steps, names);
     fill(this.summary,
       h("h2", {}, "Progress"),
       h("div", { class: "bar-row" },
@@ -121,6 +122,7 @@ class RunView {
         h("span", { class: "pct", id: "run-percentage" }, `${Math.round(run.progress.percentage)}%`)),
       run.progress.summary ? h("p", { class: "muted small" }, run.progress.summary) : null,
       run.waitingFor ? waitingNote(run) : null,
+      graph,
       list,
     );
   }
@@ -297,4 +299,32 @@ function tracebackDetails(error, summary) {
   const lines = tracebackLines(error);
   if (!lines.length) return null;
   return h("details", {}, h("summary", {}, `${summary} (${lines.length} lines)`), h("pre", { class: "block" }, error.traceback));
+}
+
+// The steps as boxes in layers by what they need (a step is one layer below the deepest step
+// it needs), coloured by status; drawn only when the steps are not a line.
+function stepGraph(steps, names) {
+  const needs = new Map(steps.map((s, i) => [s.id, s.needs ?? (i ? [steps[i - 1].id] : [])]));
+  const line = steps.every((s, i) => {
+    const wanted = needs.get(s.id);
+    return i === 0 ? wanted.length === 0 : wanted.length === 1 && wanted[0] === steps[i - 1].id;
+  });
+  if (line) return null;
+  const depth = new Map();
+  const depthOf = (id) => {
+    if (!depth.has(id)) {
+      depth.set(id, 0); // a cycle cannot be registered; this only guards the recursion
+      depth.set(id, Math.max(-1, ...needs.get(id).map(depthOf)) + 1);
+    }
+    return depth.get(id);
+  };
+  const layers = [];
+  for (const step of steps) (layers[depthOf(step.id)] ??= []).push(step);
+  return h("div", { class: "graph", "aria-label": "Steps by what they need", role: "group" },
+    ...layers.map((layer, i) => h("div", { class: "layer", "data-layer": String(i + 1) },
+      ...layer.map((step) => h("div", {
+        class: ["node", `s-${step.status}`],
+        "data-node": step.id,
+        title: needs.get(step.id).length ? `needs ${needs.get(step.id).join(", ")}` : "needs nothing",
+      }, h("span", { class: "node-name" }, names.get(step.id)?.name || step.id), " ", badge(step.status))))));
 }
