@@ -152,6 +152,8 @@ def screenshots(stack: Stack, out: Path, minutes: int) -> None:
         )
         started = time.monotonic()
         run(admin, "external_worker_task", "account:acme", {"document": "contract.pdf"})
+        # A flow beyond a line, its two renders side by side while the pictures are taken.
+        flow = run(admin, "diamond_report", "account:acme", {"csv": True, "sleepSeconds": 40})
         failed = admin.get("/v1/runs", params={"status": "failed", "limit": 1}).json()["items"]
     out.mkdir(parents=True, exist_ok=True)
     with sync_playwright() as driver:
@@ -164,6 +166,9 @@ def screenshots(stack: Stack, out: Path, minutes: int) -> None:
         # Its first step (8 s) done, the second under way.
         time.sleep(max(0.0, started + 11.5 - time.monotonic()))
         shoot(page, "run", out)
+        page.goto(stack.dashboard + f"#/runs/{flow}")
+        page.get_by_role("group", name="Steps by what they need").wait_for()
+        shoot(page, "run-graph", out)
         page.goto(stack.dashboard + "#/")
         page.get_by_role("heading", name="Runs per minute").wait_for()
         shoot(page, "overview", out)
