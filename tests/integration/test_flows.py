@@ -5,6 +5,7 @@ import signal
 from pathlib import Path
 from typing import Any
 
+import httpx
 from bson import ObjectId
 
 from jobplane.backends import Backends
@@ -204,3 +205,42 @@ async def test_a_worker_killed_in_a_branch_has_only_that_branch_run_again(
     finished = [e["metadata"]["step"] for e in await trail_of(backends, run.id, "step_finished")]
     assert sorted(finished) == ["a", "b", "c", "d"], "each success written once"
     assert [s.attempt for s in done.progress.steps] == [1, 2, 1, 1]
+
+
+async def test_the_api_shows_each_steps_needs_and_tries(
+    api: httpx.AsyncClient, register: Register
+) -> None:
+    await register("flow", steps=diamond())
+    line = await register("line", steps=[{"id": "x", "handler": "h"}, {"id": "y", "handler": "h"}])
+    assert line.graph.linear
+    body = {"templateType": "flow", "scope": "user", "scopeId": "u1", "payload": {}}
+    created = (await api.post("/v1/runs", json=body)).json()
+    shown = (await api.get(f"/v1/runs/{created['id']}")).json()["progress"]["steps"]
+    assert [(s["id"], s["needs"], s["attempt"]) for s in shown] == [
+        ("a", [], 0),
+        ("b", ["a"], 0),
+        ("c", ["a"], 0),
+        ("d", ["b", "c"], 0),
+    ]
+    body["templateType"] = "line"
+    made = (await api.post("/v1/runs", json=body)).json()
+    assert [s["needs"] for s in made["progress"]["steps"]] == [[], ["x"]]
+
+
+async def test_a_cancel_stops_every_running_branch(
+    backends: Backends, settings: Settings, register: Register, tmp_path: Path
+) -> None:
+    await register("flow", steps=diamond())
+    service = RunService(backends.store, backends.queue)
+    run, _ = await service.create(RunRequest("flow", "user", "u1", {"sleepSeconds": 20}), "user:t")
+
+    async def both_running() -> bool:
+        now = await backends.store.runs.get(run.id)
+        return now is not None and steps(now)["b"] == steps(now)["c"] == "running"
+
+    async with workers(settings, tmp_path, count=1, scheduler=False):
+        await until(both_running, within=30)
+        await service.cancel(run.id, "user:t", "enough")
+        [done] = await settled(backends.store, [run.id], within=30)
+    assert done.status == RunStatus.CANCELLED
+    assert steps(done) == {"a": "succeeded", "b": "cancelled", "c": "cancelled", "d": "skipped"}

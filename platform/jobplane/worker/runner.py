@@ -321,8 +321,14 @@ class Runner:
             return await self._succeeded(held, flow, step, output)
         except (CancelRequested, _Stopped, _Overdue) as exc:
             # What stops one step (or its write) stops the run: the steps beside it stop too,
-            # and their ends are the run's transition's to write.
-            walk.stopping = walk.stopping or exc
+            # and their ends are the run's transition's to write. A cancel that interrupted a
+            # step says so, even if it was first seen between steps.
+            if walk.stopping is None or (
+                isinstance(exc, CancelRequested)
+                and exc.interrupted
+                and isinstance(walk.stopping, CancelRequested)
+            ):
+                walk.stopping = exc
             if isinstance(exc, CancelRequested):
                 held.cancel.set()
             elif isinstance(exc, _Stopped) and held.stop is None:
