@@ -88,9 +88,10 @@ class ExternalSteps:
         step = await self._step(lease, step_id)
         await self._unless_cancelled(step)
         template = step.template
-        statuses = [s.status for s in step.run.progress.steps]
+        steps = step.run.progress.steps
+        statuses = [s.status for s in steps]
         statuses[step.index] = StepStatus.SUCCEEDED
-        if all(s in ENDED for s in statuses):
+        if all(s in ENDED or p.final for s, p in zip(statuses, steps, strict=True)):
             last = template.steps[-1].id
             result = output if step.id == last else step.run.outputs.get(last)
             moved = await self.lifecycle.complete(step, output, result=result)

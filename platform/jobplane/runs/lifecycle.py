@@ -36,12 +36,9 @@ class StepStart:
     attempt: int
 
 
-def _at(start: StepStart | None) -> tuple[datetime | None]:
-    return (start.at if start else None,)
-
-
-def _attempt(start: StepStart | None) -> int:
-    return start.attempt if start else 0
+def _unwritten(start: StepStart | None) -> dict[str, Any]:
+    """A step's start that goes with the write ending it, as the store's writes take it."""
+    return {"started_at": start.at, "attempt": start.attempt} if start else {}
 
 
 @dataclass(frozen=True)
@@ -118,9 +115,8 @@ class Lifecycle:
             step.id,
             output,
             step.percentage(),
-            *_at(start),
             next_handler=next_handler,
-            attempt=_attempt(start),
+            **_unwritten(start),
         )
         self.observe(step.run, finished)
         return finished
@@ -146,9 +142,8 @@ class Lifecycle:
             step.id,
             output,
             result,
-            *_at(start),
             spend_key=spend,
-            attempt=_attempt(start),
+            **_unwritten(start),
         )
         return await self._ended(step.run, completed, step.lease.actor)
 
@@ -180,7 +175,7 @@ class Lifecycle:
         if not_before is None:
             return await self.fail(run, lease, step.index, error, start)
         retried = await self.store.transitions.retry(
-            lease, step.index, error, not_before, *_at(start), _attempt(start)
+            lease, step.index, error, not_before, **_unwritten(start)
         )
         if isinstance(retried, Moved):
             metrics.RUN_RETRIES.labels(run.template_type).inc()
@@ -192,9 +187,7 @@ class Lifecycle:
     async def fail(
         self, run: Run, lease: Lease, index: int, error: RunError, start: StepStart | None = None
     ) -> Moved | Lost:
-        failed = await self.store.transitions.fail(
-            lease, index, error, *_at(start), _attempt(start)
-        )
+        failed = await self.store.transitions.fail(lease, index, error, **_unwritten(start))
         return await self._ended(run, failed, lease.actor)
 
     async def release(self, run: Run, lease: Lease, handler: str | None = None) -> Moved | Lost:
