@@ -92,13 +92,15 @@ def test_a_step_with_its_own_policy_is_charged_its_own_failures_the_rest_the_tem
         {"id": "b", "handler": "h", "retryPolicy": {"maxAttempts": 3, "backoffSeconds": [60]}},
     )
     # Attempt 4, after b failed twice and a once: b has its third and last try in progress,
-    # a its second and last.
-    run = run_in(RunStatus.RUNNING, 4).model_copy(update={"attempts": failed_at("b", "a", "b")})
-    assert charged(run, t, "b") == (t.steps[1].retry_policy, 3)
-    assert charged(run, t, "a") == (t.retry_policy, 2)
+    # a its second and last (the run's maxAttempts is the template's, as at creation).
+    run = run_in(RunStatus.RUNNING, 4, max_attempts=2)
+    run = run.model_copy(update={"attempts": failed_at("b", "a", "b")})
+    assert charged(run, t, "b") == (t.steps[1].retry_policy, 3, 3)
+    assert charged(run, t, "a") == (t.retry_policy, 2, 2)
     assert retry_at(run, t, "b", True, NOW) is None
     assert retry_at(run, t, "a", True, NOW) is None
-    once = run_in(RunStatus.RUNNING, 2).model_copy(update={"attempts": failed_at("a")})
+    once = run_in(RunStatus.RUNNING, 2, max_attempts=2)
+    once = once.model_copy(update={"attempts": failed_at("a")})
     assert retry_at(once, t, "b", True, NOW) == NOW + timedelta(seconds=60)
 
 

@@ -44,25 +44,26 @@ def retry_at(
     """When a run whose step `step_id` failed tries again, after the backoff of the step's
     policy; None when it fails for good: the error is not retryable, or the attempts its policy
     allows are spent."""
-    policy, tries = charged(run, template, step_id)
-    if not retryable or tries >= policy.max_attempts:
+    policy, tries, allowed = charged(run, template, step_id)
+    if not retryable or tries >= allowed:
         return None
     return now + timedelta(seconds=backoff_seconds(policy, tries))
 
 
-def charged(run: Run, template: Template, step_id: str) -> tuple[RetryPolicy, int]:
+def charged(run: Run, template: Template, step_id: str) -> tuple[RetryPolicy, int, int]:
     """The retry policy that governs step `step_id` (its own `retryPolicy`, else the
-    template's) and how many of the run's attempts are charged to it, the one in progress
-    included: a step with its own policy is charged the attempts that ended in its errors; the
-    template's policy, the rest. Without step policies that is every attempt of the run."""
+    template's), how many of the run's attempts are charged to it (the one in progress
+    included), and how many it allows. A step with its own policy is charged the attempts that
+    ended in its errors; the template's policy, the rest, and it allows the run's `maxAttempts`
+    (copied from it at creation). Without step policies that is every attempt of the run."""
     own = {s.id: s.retry_policy for s in template.steps if s.retry_policy is not None}
     if not own:
-        return template.retry_policy, run.attempt
-    if step_id in own:
+        return template.retry_policy, run.attempt, run.max_attempts
+    if (policy := own.get(step_id)) is not None:
         ended = sum(1 for a in run.attempts if a.error.step == step_id)
-        return own[step_id], 1 + ended
+        return policy, 1 + ended, policy.max_attempts
     ended = sum(1 for a in run.attempts if a.error.step not in own)
-    return template.retry_policy, 1 + ended
+    return template.retry_policy, 1 + ended, run.max_attempts
 
 
 def lease_expired(run: Run, template: Template | None = None) -> LeaseExpiry:
@@ -76,8 +77,8 @@ def lease_expired(run: Run, template: Template | None = None) -> LeaseExpiry:
     if template is None:
         left = run.attempt < run.max_attempts
     else:
-        policy, tries = charged(run, template, run.phase or "")
-        left = tries < policy.max_attempts
+        _, tries, allowed = charged(run, template, run.phase or "")
+        left = tries < allowed
     return "reap_requeue" if left else "reap_expire"
 
 
