@@ -158,7 +158,9 @@ async def test_a_lock_whose_holder_was_killed_is_free_within_a_lease_length(
         freed = asyncio.get_running_loop().time() - killed
     finally:
         terminate(proc)
-    assert freed <= settings.lease_seconds
+    # Gone a lease length after its last renewal at most, seen by `until` up to one look
+    # (50 ms) later.
+    assert freed <= settings.lease_seconds + 0.05
     # The reaper gives the run to another worker, which takes the lock again.
     quick = {**payload, "seconds": 0.1}
     await backends.store.runs.get(doomed.id)
