@@ -244,3 +244,18 @@ async def test_a_cancel_stops_every_running_branch(
         [done] = await settled(backends.store, [run.id], within=30)
     assert done.status == RunStatus.CANCELLED
     assert steps(done) == {"a": "succeeded", "b": "cancelled", "c": "cancelled", "d": "skipped"}
+
+
+async def test_steps_skipped_together_are_written_in_one_write(
+    backends: Backends, settings: Settings, register: Register, tmp_path: Path
+) -> None:
+    await register(
+        "flow",
+        steps=diamond(b={"when": "payload.sleepSeconds > 5"}, c={"when": "false"}),
+    )
+    run = await run_once(backends, settings, tmp_path, {"sleepSeconds": 1})
+    assert steps(run) == {"a": "succeeded", "b": "skipped", "c": "skipped", "d": "succeeded"}
+    skipped = await trail_of(backends, run.id, "step_skipped")
+    assert [e["metadata"]["step"] for e in skipped] == ["b", "c"]
+    assert skipped[0]["runVersion"] == skipped[1]["runVersion"], "one write"
+    assert run.progress.percentage == 100

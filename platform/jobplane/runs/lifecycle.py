@@ -123,9 +123,10 @@ class Lifecycle:
 
     async def end_steps(self, step: HeldStep, ends: Sequence[StepEnd]) -> Lost | None:
         """Record steps that ended without a result (skipped, failed with `onFailure:
-        continue`, or cancelled), the run going on; `step` is the last of them."""
-        done = step.percentage(0) + 100 * (len(ends) - 1) / len(step.template.steps)
-        written = await self.store.leases.end_steps(step.lease, ends, min(done, 100))
+        continue`, or cancelled), the run going on; `step.done` counts the steps ended before
+        them."""
+        done = 100 * min(1.0, (step.done + len(ends)) / len(step.template.steps))
+        written = await self.store.leases.end_steps(step.lease, ends, done)
         self.observe(step.run, written)
         return written
 

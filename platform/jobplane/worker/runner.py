@@ -13,7 +13,7 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from jobplane.clock import Clock
@@ -345,7 +345,8 @@ class Runner:
         starting: list[_Step] = []
         template = flow.template
         while True:
-            skipped = False
+            # A pass's false `when`s are written together, then the pass looks again.
+            skips: list[StepEnd] = []
             for index in flow.ready:
                 step = template.steps[index]
                 at = HeldStep(held.run, held.lease, template, index, flow.done)
@@ -358,17 +359,11 @@ class Runner:
                         failing.start_written = True  # it never started
                         self._cancel_all(walk.running)
                         walk.failure = _Failure(failing, error, retryable=False, retried=False)
-                        for prepared in starting:  # none of them starts now
-                            flow.running.discard(prepared.at.index)
-                            flow.tries[prepared.at.index] -= 1
-                            await self._let_go(held, prepared.locks)
+                        await self._unprepare(held, flow, starting)
                         return []
                     if not go:
                         reason = f"when {step.when!r} is false"
-                        skip = StepEnd(index, step.id, StepStatus.SKIPPED, reason=reason)
-                        self._check(held.run, await self.lifecycle.end_steps(at, [skip]))
-                        flow.end(index, StepStatus.SKIPPED)
-                        skipped = True
+                        skips.append(StepEnd(index, step.id, StepStatus.SKIPPED, reason=reason))
                         continue
                 if step.worker_type == "external":
                     walk.alone = walk.alone or _External(at)
@@ -385,10 +380,26 @@ class Runner:
                 start = StepStart(self.clock.now(), flow.tries[index])
                 starting.append(_Step(at, start, locks=taken))
                 flow.running.add(index)
-            if not skipped:
-                if walk.running or starting:
-                    walk.alone = None
-                return starting
+            if skips:
+                at = HeldStep(held.run, held.lease, template, skips[0].index, flow.done)
+                try:
+                    self._check(held.run, await self.lifecycle.end_steps(at, skips))
+                except BaseException:
+                    await self._unprepare(held, flow, starting)
+                    raise
+                for skip in skips:
+                    flow.end(skip.index, StepStatus.SKIPPED)
+                continue
+            if walk.running or starting:
+                walk.alone = None
+            return starting
+
+    async def _unprepare(self, held: Held, flow: Flow, starting: list[_Step]) -> None:
+        """Steps prepared to start that will not: their tries and locks are given back."""
+        for prepared in starting:
+            flow.running.discard(prepared.at.index)
+            flow.tries[prepared.at.index] -= 1
+            await self._let_go(held, prepared.locks)
 
     async def _succeeded(self, held: Held, flow: Flow, step: _Step, output: Any) -> bool:
         """Write a step's success; True when that ended the run."""
@@ -443,7 +454,8 @@ class Runner:
                 StepEnd(i, at.template.steps[i].id, StepStatus.SKIPPED, reason=reason)
                 for i in flow.to_skip(at.index)
             ]
-            self._check(run, await self.lifecycle.end_steps(at, [failed, *skips]))
+            now = replace(at, done=flow.done)  # steps beside it may have ended since it began
+            self._check(run, await self.lifecycle.end_steps(now, [failed, *skips]))
             flow.end(at.index, StepStatus.FAILED)
             for skip in skips:
                 flow.end(skip.index, StepStatus.SKIPPED)
