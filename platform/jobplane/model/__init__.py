@@ -1,6 +1,7 @@
 """The data model: documents, statuses and the transition table."""
 
 from jobplane.model.documents import (
+    MAX_MAP_ITEMS,
     ApiKey,
     ApiKeyPublic,
     Attempt,
@@ -9,6 +10,8 @@ from jobplane.model.documents import (
     Instant,
     LockSpec,
     LockWait,
+    MapProgress,
+    MapSpec,
     Progress,
     QueueState,
     RateLimit,
@@ -52,6 +55,7 @@ __all__ = [
     "ALLOWED",
     "CLAIMABLE",
     "LEASED",
+    "MAX_MAP_ITEMS",
     "TERMINAL",
     "TRANSITIONS",
     "ApiKey",
@@ -66,6 +70,8 @@ __all__ = [
     "LeaseChange",
     "LockSpec",
     "LockWait",
+    "MapProgress",
+    "MapSpec",
     "Progress",
     "QueueState",
     "RateLimit",

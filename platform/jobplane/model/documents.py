@@ -24,6 +24,7 @@ from pydantic import (
     ValidationError,
     ValidatorFunctionWrapHandler,
     WrapValidator,
+    model_validator,
 )
 from pydantic.alias_generators import to_camel
 from pydantic_core import PydanticCustomError
@@ -135,11 +136,34 @@ class RetryPolicy(Spec):
     jitter: Literal["full", "equal", "none"] = "full"
 
 
+# At most this many items in one map step's list (more fails the step, `MapTooLarge`).
+MAX_MAP_ITEMS = 10_000
+
+
+class MapSpec(Spec):
+    """A map step's fan-out: a child run of `template` for each item `items` gives."""
+
+    # A CEL expression over `payload`, `outputs` and `run` giving a list.
+    items: Annotated[str, Field(min_length=1, max_length=2000)]
+    # The children's template type: its latest version when the step starts.
+    template: Name
+    # A CEL expression over `item`, `index`, `payload` and `outputs` giving a child's
+    # payload; omitted, the item itself.
+    payload: Annotated[str, Field(min_length=1, max_length=2000)] | None = None
+    # How many of the step's children may be active (started, not ended) at once.
+    max_concurrency: Annotated[int, Field(ge=1, le=MAX_MAP_ITEMS)] | None = None
+    # A child that fails for good: `fail` fails the step and cancels the other children;
+    # `continue` records it in the step's output, and the step succeeds.
+    on_item_failure: Literal["fail", "continue"] = "fail"
+
+
 class StepSpec(Spec):
     id: StepId
     name: str = ""
-    handler: Annotated[str, Field(min_length=1, max_length=200)]
-    worker_type: Literal["inline", "external"] = "inline"
+    # Every step has one but a map step, whose work is its children's.
+    handler: Annotated[str, Field(min_length=1, max_length=200)] | None = None
+    worker_type: Literal["inline", "external", "map"] = "inline"
+    map: MapSpec | None = None
     timeout_seconds: PositiveSeconds | None = None
     cancelable: bool = True
     locks: list[LockSpec] = Field(default_factory=list)
@@ -153,6 +177,21 @@ class StepSpec(Spec):
     on_failure: Literal["fail_run", "continue"] = "fail_run"
     # Overrides the template's `retryPolicy` for this step.
     retry_policy: RetryPolicy | None = None
+
+    @model_validator(mode="after")
+    def _work(self) -> "StepSpec":
+        """A map step has `map` and no handler; every other step a handler and no `map`."""
+        if self.worker_type == "map":
+            if self.map is None:
+                raise ValueError("a step of workerType map needs `map`")
+            if self.handler is not None:
+                raise ValueError("a map step has no handler: its children do its work")
+        else:
+            if self.handler is None:
+                raise ValueError(f"a step of workerType {self.worker_type} needs a handler")
+            if self.map is not None:
+                raise ValueError("only a step of workerType map has `map`")
+        return self
 
 
 class CancelPolicy(Spec):
@@ -221,6 +260,11 @@ class Template(TemplateSpec):
         """The steps' graph; registration refused any template whose needs make none."""
         return Graph.of([(s.id, s.needs) for s in self.steps])
 
+    @cached_property
+    def maps(self) -> bool:
+        """It has map steps: its runs may have children."""
+        return any(s.worker_type == "map" for s in self.steps)
+
     def step_index(self, step_id: str) -> int:
         return next(i for i, s in enumerate(self.steps) if s.id == step_id)
 
@@ -235,6 +279,16 @@ class Template(TemplateSpec):
         any worker hands to an external one."""
         step = self.steps[index]
         return step.handler if step.worker_type == "inline" else None
+
+
+class MapProgress(Document):
+    """A map step's children: how many it made (the rest is counted from them when read)."""
+
+    total: int
+    succeeded: int | None = None
+    failed: int | None = None
+    # Started and not ended: what `maxConcurrency` caps.
+    active: int | None = None
 
 
 class StepProgress(Document):
@@ -253,6 +307,8 @@ class StepProgress(Document):
     percentage: float = 0
     message: str | None = None
     error: str | None = None
+    # A map step, once its children were made.
+    map: MapProgress | None = None
 
 
 class Progress(Document):
@@ -272,7 +328,7 @@ class RunError(Document):
 
 
 WaitingReason = Literal[
-    "queue_paused", "concurrency", "handler", "max_running", "lock", "rate_limit"
+    "queue_paused", "concurrency", "handler", "max_running", "lock", "rate_limit", "children"
 ]
 
 
@@ -283,7 +339,8 @@ class WaitingFor(Document):
     - `handler`: no live worker on its queue offers its current step's handler (the handler);
     - `max_running`: its template has `maxRunning` runs started;
     - `lock`: another run holds a lock its step needs (the lock);
-    - `rate_limit`: its `rateLimit` window is full (when it opens).
+    - `rate_limit`: its `rateLimit` window is full (when it opens);
+    - `children`: only map steps are left, and their child runs run (`<ended>/<total>`).
     """
 
     reason: WaitingReason
@@ -405,6 +462,17 @@ class Run(Document):
     schedule_id: str | None = None
     scheduled_for: datetime | None = None
     rerun_of: str | None = None
+    # A map step's child: its parent run and step, the first run of its family, and which of
+    # the step's items it is.
+    parent_run_id: str | None = None
+    parent_step_id: str | None = None
+    root_run_id: str | None = None
+    map_index: int | None = None
+    # Its place among the map step's active children, under `maxConcurrency` (`mapLimit`);
+    # `mapWait` while it waits for one, `pending`.
+    map_place: int | None = None
+    map_wait: bool | None = None
+    map_limit: int | None = None
     started_at: datetime | None = None
     completed_at: datetime | None = None
     create_at: datetime

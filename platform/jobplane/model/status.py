@@ -16,6 +16,8 @@ class RunStatus(StrEnum):
     QUEUED = "queued"
     RUNNING = "running"
     WAITING_WORKER = "waiting_worker"
+    # Only map steps are left, and their child runs run: no worker holds the run.
+    WAITING_CHILDREN = "waiting_children"
     CANCEL_REQUESTED = "cancel_requested"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
@@ -26,6 +28,8 @@ class RunStatus(StrEnum):
 class StepStatus(StrEnum):
     PENDING = "pending"
     RUNNING = "running"
+    # A map step whose child runs are under way.
+    WAITING = "waiting"
     SUCCEEDED = "succeeded"
     FAILED = "failed"
     SKIPPED = "skipped"
@@ -48,7 +52,8 @@ class Guard(StrEnum):
 
     # The writer holds the run's lease: its worker id and lease token (a fenced write).
     LEASE = "lease"
-    # The run waits for no dedupe key: a waiting run may be neither queued nor claimed.
+    # The run waits for no dedupe key, nor for a place among its map's children: a waiting
+    # run may be neither queued nor claimed.
     NOT_WAITING = "not_waiting"
     # The run has no limit to pass as it starts (`maxRunning`, `rateLimit`): those that have
     # are claimed by `claim_limited`, under their limits.
@@ -181,7 +186,18 @@ _ALL = [
         lease=LeaseChange.DROP,
         attempt=AttemptChange.HAND_BACK,
     ),
-    _t("cancel", {S.PENDING, S.QUEUED}, S.CANCELLED),
+    # A run whose steps left are map steps lets go while their children run; the end of the
+    # children it waits for queues it again, to go on with the same attempt.
+    _t(
+        "wait_children",
+        {S.RUNNING},
+        S.WAITING_CHILDREN,
+        G.LEASE,
+        lease=LeaseChange.DROP,
+        attempt=AttemptChange.HAND_BACK,
+    ),
+    _t("children_done", {S.WAITING_CHILDREN}, S.QUEUED),
+    _t("cancel", {S.PENDING, S.QUEUED, S.WAITING_CHILDREN}, S.CANCELLED),
     _t("request_cancel", _HELD, S.CANCEL_REQUESTED),
     _t("acknowledge_cancel", {S.CANCEL_REQUESTED}, S.CANCELLED, G.LEASE),
     # The reaper acts on runs whose lease ran out, as it read them: a heartbeat or a cancel
@@ -207,7 +223,13 @@ _ALL = [
     # A worker that does not converge within `cancelPolicy.graceSeconds` is overruled.
     _t("cancel_timeout", {S.CANCEL_REQUESTED}, S.CANCELLED, G.GRACE_PASSED),
     # The run's `deadline` (template `timeoutSeconds` from its first start) passed.
-    _t("deadline_expire", set(LEASED), S.EXPIRED, G.DEADLINE_PASSED, attempt=AttemptChange.FAIL),
+    _t(
+        "deadline_expire",
+        {*LEASED, S.WAITING_CHILDREN},
+        S.EXPIRED,
+        G.DEADLINE_PASSED,
+        attempt=AttemptChange.FAIL,
+    ),
 ]
 del S, G
 

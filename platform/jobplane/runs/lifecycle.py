@@ -8,6 +8,7 @@ transition up by itself. A follow-up that fails does not undo its write: MongoDB
 truth, and the scheduler's reconciler pushes and admits whatever was left undone.
 """
 
+import asyncio
 import contextlib
 import logging
 from collections.abc import Sequence
@@ -17,10 +18,11 @@ from typing import Any
 
 from jobplane import metrics
 from jobplane.clock import Clock
-from jobplane.model import LockWait, Run, RunError, RunStatus, Template
+from jobplane.model import TERMINAL, LockWait, Run, RunError, RunStatus, Template
 from jobplane.queue.connect import REDIS_DOWN
 from jobplane.queue.entry import QueueEntry
 from jobplane.queue.redis import RedisQueue
+from jobplane.runs import children
 from jobplane.runs.admission.starts import Starts
 from jobplane.runs.policy import cancel_grace, cancel_of, lease_expired, retry_at
 from jobplane.store import KeyHeld, Lease, Lost, Moved, StepEnd, Store
@@ -167,6 +169,63 @@ class Lifecycle:
         self.observe(step.run, waiting)
         return waiting
 
+    async def wait_step(self, step: HeldStep, start: StepStart, total: int) -> Lost | None:
+        """A map step made its `total` children and waits for them."""
+        waiting = await self.store.leases.wait_step(
+            step.lease, step.index, step.id, total, start.at, start.attempt
+        )
+        self.observe(step.run, waiting)
+        return waiting
+
+    async def wait_children(self, run: Run, lease: Lease) -> Moved | Lost:
+        """Only map steps are left: the holder lets go while their children run. Children that
+        ended before this write could not wake the run, so it looks once more after it."""
+        counts = await self.store.children.counts(run)
+        waiting = await self.store.transitions.wait_children(lease, children.detail(run, counts))
+        self.observe(run, waiting)
+        if isinstance(waiting, Moved):
+            await self._freed(run)
+            await self.wake(run.id, lease.actor)
+        return waiting
+
+    async def wake(self, run_id: str, actor: str) -> None:
+        """Queue a run waiting for its children if a waiting map step of it can go on."""
+        run = await self.store.runs.get(run_id)
+        if run is None or run.status != RunStatus.WAITING_CHILDREN:
+            return
+        template = await self.store.templates.cached(run.template_type, run.template_version)
+        counts = await self.store.children.counts(run)
+        if template is None or not children.resumes(run, template, counts):
+            return
+        done = await self.store.transitions.children_done(run, actor, children.detail(run, counts))
+        if isinstance(done, Moved):
+            await self.push([run])
+        self.observe(run, done)
+
+    async def admit_children(self, child: Run, actor: str) -> None:
+        """Give every free place of `child`'s map step to a waiting sibling, and queue it."""
+        while (admitted := await self.store.children.admit_next(child, actor)) is not None:
+            await self.enqueue(admitted, actor)
+
+    async def cancel_children(
+        self, parent: Run, actor: str, reason: str, step_id: str | None = None
+    ) -> None:
+        """Cancel the active children of `parent` (of its map step `step_id`), each naming the
+        parent. A child admitted to a place meanwhile moves on from what was read, so the
+        ones left are read again."""
+        for _ in range(3):
+            active = await self.store.children.active(parent, step_id)
+            if not active:
+                return
+            for batch in range(0, len(active), _CANCEL_BATCH):
+                await asyncio.gather(
+                    *(
+                        self.cancel(child, actor, reason, parent=parent.id)
+                        for child in active[batch : batch + _CANCEL_BATCH]
+                    ),
+                    return_exceptions=True,
+                )
+
     async def attempt_failed(
         self, step: HeldStep, error: RunError, retryable: bool, start: StepStart | None = None
     ) -> Moved | Lost:
@@ -265,17 +324,27 @@ class Lifecycle:
     # -- the API's ----------------------------------------------------------------------------
 
     async def cancel(
-        self, run: Run, actor: str, reason: str | None, displaced_by: str | None = None
+        self,
+        run: Run,
+        actor: str,
+        reason: str | None,
+        displaced_by: str | None = None,
+        parent: str | None = None,
     ) -> Moved | Lost | None:
         """Cancel `run` as the policy says: a run no worker holds ends at once and leaves the
         queue; a held one is asked to stop, and its worker signalled. None: it was asked already.
-        `displaced_by` (a newer run of a `cancel_previous` key) goes in the events.
+        `displaced_by` (a newer run of a `cancel_previous` key) or `parent` (whose cancel or
+        failure this is) goes in the events. A run with children has them cancelled too.
         """
         way = cancel_of(run)
         if way is None:
             return None
         scope = _scope(run)
-        metadata = {"displacedBy": displaced_by} if displaced_by else {}
+        metadata: dict[str, str] = {}
+        if displaced_by:
+            metadata["displacedBy"] = displaced_by
+        if parent:
+            metadata["parentRunId"] = parent
         if way == "request_cancel":
             grace = cancel_grace(run)
             asked = await self.store.transitions.request_cancel(
@@ -285,6 +354,7 @@ class Lifecycle:
                 # Heartbeats bring the cancel from MongoDB too, should the signal be lost.
                 with contextlib.suppress(*REDIS_DOWN):
                     await self.queue.signal_cancel(run.id)
+            await self._family(run, asked, actor, as_child=parent is None)
             return asked
         cancelled = await self.store.transitions.cancel(run.id, actor, reason, scope, metadata)
         if isinstance(cancelled, Moved):
@@ -296,6 +366,7 @@ class Lifecycle:
             if key := run.dedupe_key or run.dedupe_wait:
                 await self._admit_after_end(key, actor)
         self.observe(run, cancelled)
+        await self._family(run, cancelled, actor, as_child=parent is None)
         return cancelled
 
     # -- the scheduler's ----------------------------------------------------------------------
@@ -361,7 +432,34 @@ class Lifecycle:
             if run.dedupe_key is not None:
                 await self._admit_after_end(run.dedupe_key, actor)
             await self._freed(run)
+        await self._family(run, outcome, actor)
         return outcome
+
+    async def _family(
+        self, run: Run, outcome: Moved | Lost | None, actor: str, as_child: bool = True
+    ) -> None:
+        """What a run's end means for its family: an ended child lets the next waiting sibling
+        have its place and may let its parent go on (unless its parent is what ended it: a
+        child cancelled for its parent's sake wakes nobody); an ended parent's children are
+        cancelled, and a parent asked to stop asks its children. Should this fail, the
+        scheduler's tick repairs it."""
+        if not isinstance(outcome, Moved):
+            return
+        try:
+            if as_child and run.parent_run_id is not None and outcome.to in TERMINAL:
+                if run.map_limit is not None:
+                    await self.admit_children(run, actor)
+                if outcome.to != RunStatus.SUCCEEDED or not await self.store.children.any_left(run):
+                    await self.wake(run.parent_run_id, actor)
+            if outcome.to in TERMINAL or outcome.to == RunStatus.CANCEL_REQUESTED:
+                template = await self.store.templates.cached(
+                    run.template_type, run.template_version
+                )
+                if template is not None and template.maps:
+                    reason = f"parent run {run.id} was {_ending(outcome.to)}"
+                    await self.cancel_children(run, actor, reason)
+        except Exception:
+            log.exception("run %s: its family's follow-up failed; the scheduler will", run.id)
 
     async def _freed(self, run: Run) -> None:
         """A started run ended or went back to its queue: a run its template's `maxRunning`
@@ -385,6 +483,14 @@ def _reaped(run: Run, transition: str, outcome: Moved | Lost) -> Moved | Lost:
     if isinstance(outcome, Moved):
         metrics.reaped(run, transition)
     return outcome
+
+
+# How many children a cancel of their parent cancels at once.
+_CANCEL_BATCH = 50
+
+
+def _ending(status: RunStatus) -> str:
+    return "asked to cancel" if status == RunStatus.CANCEL_REQUESTED else status.value
 
 
 def _scope(run: Run) -> tuple[str, str]:

@@ -11,7 +11,7 @@ from datetime import datetime, timedelta
 from typing import Literal
 
 from jobplane.errors import ResourceInvalidState
-from jobplane.model import CLAIMABLE, TERMINAL, RetryPolicy, Run, RunStatus, Template
+from jobplane.model import TERMINAL, TRANSITIONS, RetryPolicy, Run, RunStatus, Template
 from jobplane.store import Lost, Moved
 
 # The reaper's transitions for a run whose lease ran out.
@@ -90,7 +90,8 @@ def cancel_of(run: Run) -> Literal["cancel", "request_cancel"] | None:
         raise ResourceInvalidState(f"run {run.id} is {run.status.value}")
     if run.status == RunStatus.CANCEL_REQUESTED:
         return None
-    return "cancel" if run.status in CLAIMABLE else "request_cancel"
+    # No worker holds a run the `cancel` transition moves: it ends at once.
+    return "cancel" if run.status in TRANSITIONS["cancel"].sources else "request_cancel"
 
 
 def cancel_grace(run: Run) -> float:

@@ -17,13 +17,14 @@ from jobplane.errors import (
     TemplateDisabled,
     ValidationFailed,
 )
-from jobplane.model import TERMINAL, Run, Template
+from jobplane.model import TERMINAL, Run, RunStatus, Template
 from jobplane.model.storable import unstorable
 from jobplane.queue.redis import RedisQueue
+from jobplane.runs import children
 from jobplane.runs.admission.concurrency import displaced, displaced_reason, places, when_full
 from jobplane.runs.admission.keys import dedupe_key, rate_key
 from jobplane.runs.lifecycle import Lifecycle
-from jobplane.store import DuplicateRun, KeyHeld, Moved, NewRun, Store
+from jobplane.store import ChildOf, DuplicateRun, KeyHeld, Moved, NewRun, Store
 
 
 @dataclass(frozen=True)
@@ -43,12 +44,14 @@ class RunRequest:
     # A schedule's `overlapPolicy: queue`: the run waits for the schedule's previous run, as
     # `queue_same_scope` makes runs wait for their dedupe key's holder.
     queue_behind: str | None = None
+    # A map step's child.
+    child: ChildOf | None = None
 
 
 class RunService:
-    def __init__(self, store: Store, queue: RedisQueue) -> None:
+    def __init__(self, store: Store, queue: RedisQueue, lifecycle: Lifecycle | None = None) -> None:
         self.store = store
-        self.lifecycle = Lifecycle(store, queue)
+        self.lifecycle = lifecycle or Lifecycle(store, queue)
 
     async def create(self, request: RunRequest, actor: str) -> tuple[Run, bool]:
         """Validate, write the run to MongoDB, then queue it in Redis.
@@ -113,7 +116,8 @@ class RunService:
                 fresh.append(result)
                 outcomes[i] = result, True
                 metrics.RUNS_CREATED.labels(template.type).inc()
-        await self.lifecycle.push(fresh)
+        # A child waiting for a place among its map's children is not queued yet.
+        await self.lifecycle.push([run for run in fresh if run.status == RunStatus.QUEUED])
 
         async def one(i: int, request: RunRequest) -> None:
             try:
@@ -153,6 +157,7 @@ class RunService:
             rerun_of=request.rerun_of,
             schedule_id=request.schedule_id,
             scheduled_for=request.scheduled_for,
+            child=request.child,
         )
         return template, new
 
@@ -175,7 +180,8 @@ class RunService:
                 # it.
                 await self.lifecycle.admit_next(held.key, actor)
                 return await self.get(run.id)
-            await self.lifecycle.push([run])
+            if run.status == RunStatus.QUEUED:  # not a child waiting for a place
+                await self.lifecycle.push([run])
             return run
         raise ResourceInvalidState("the run's dedupe key kept changing hands; try again")
 
@@ -189,6 +195,42 @@ class RunService:
         for run in displaced(active, newcomer.concurrency_limit or 1):
             with contextlib.suppress(ResourceInvalidState):  # it ended meanwhile
                 await self.cancel(run.id, actor, reason, displaced_by=newest)
+
+    async def create_children(
+        self,
+        parent: Run,
+        step_id: str,
+        template: Template,
+        payloads: Sequence[dict[str, Any]],
+        limit: int | None,
+        actor: str,
+    ) -> list[JobplaneError]:
+        """Make a map step's children in one batch: a run of `template` per payload, in the
+        parent's scope, the first `limit` holding the step's places and the rest waiting for
+        one. Each child's idempotency key names its parent, step and item, so making them
+        again (after a crash) makes none twice. Returns what refused any of them."""
+        root = parent.root_run_id or parent.id
+        requests = [
+            RunRequest(
+                template_type=template.type,
+                template_version=template.version,
+                scope=parent.scope,
+                scope_id=parent.scope_id,
+                payload=payload,
+                idempotency_key=children.idempotency_key(parent, step_id, index),
+                child=ChildOf(
+                    parent.id,
+                    step_id,
+                    root,
+                    index,
+                    limit,
+                    index if limit is not None and index < limit else None,
+                ),
+            )
+            for index, payload in enumerate(payloads)
+        ]
+        made = await self.create_many(requests, actor)
+        return [outcome for outcome in made if isinstance(outcome, JobplaneError)]
 
     async def rerun(self, run_id: str, actor: str) -> Run:
         """A new run of a finished one: same template version, scope, payload and priority."""

@@ -2,14 +2,15 @@
 hold it back (`runs/admission/`), in the order a run meets them.
 
 A paused queue starts nothing (`queue_paused`); a run may wait for a place of its dedupe key
-(`concurrency`), for a worker that offers its current step's handler (`handler`: workers
-claim only the lanes of the handlers they offer, `queue/keys.py`, so nothing fails or spins
-meanwhile), for a lock its step needs (`lock`), for a started run of its template to end
-(`max_running`), or for its rate window (`rate_limit`). The pauses (MongoDB) and the worker
-registry (Redis) are read at most once per `max_age` per process, so answering runs adds no
-round trip for them; whether a run is held back or sent back by its limits is one pipelined
-Redis read per answer that holds such runs. A fact that cannot be read leaves its reason out,
-never failing the answer.
+or among its map step's active children (`concurrency`), for a worker that offers its current
+step's handler (`handler`: workers claim only the lanes of the handlers they offer,
+`queue/keys.py`, so nothing fails or spins meanwhile), for a lock its step needs (`lock`), for
+a started run of its template to end (`max_running`), or for its rate window (`rate_limit`). A
+run whose steps left are map steps waits for its children (`children`), counted as it is
+answered. The pauses (MongoDB) and the worker registry (Redis) are read at most once per
+`max_age` per process, so answering runs adds no round trip for them; whether a run is held
+back or sent back by its limits is one pipelined Redis read per answer that holds such runs. A
+fact that cannot be read leaves its reason out, never failing the answer.
 """
 
 import logging
@@ -23,6 +24,7 @@ from jobplane.errors import JobplaneError
 from jobplane.model import CLAIMABLE, Run, WaitingFor
 from jobplane.queue.entry import QueueEntry
 from jobplane.queue.redis import RedisQueue
+from jobplane.runs import children
 from jobplane.runs.admission import concurrency, locks, pause, starts
 from jobplane.runs.admission.pause import Pauses
 from jobplane.store import Store
@@ -34,6 +36,7 @@ Lane = tuple[str, str]
 
 class Waiting:
     def __init__(self, store: Store, queue: RedisQueue, max_age: float = 1.0) -> None:
+        self.store = store
         self.queue = queue
         self.max_age = max_age
         self.pauses = Pauses(store, queue, max_age)
@@ -80,7 +83,18 @@ class Waiting:
                 facts.due = {r.id: d for r, d in zip(rated, due, strict=True) if d is not None}
         except Exception as exc:
             log.warning("runs held back unreadable: %s", exc or type(exc).__name__)
-        return [r.model_copy(update={"waiting_for": _reason(r, facts)}) for r in runs]
+        explained = [r.model_copy(update={"waiting_for": _reason(r, facts)}) for r in runs]
+        return [await self._counted(r) for r in explained]
+
+    async def _counted(self, run: Run) -> Run:
+        """A run with map steps that made children, with their counts read."""
+        if not any(s.map for s in run.progress.steps):
+            return run
+        try:
+            return children.counted(run, await self.store.children.counts(run))
+        except Exception as exc:
+            log.warning("children of run %s uncounted: %s", run.id, exc or type(exc).__name__)
+            return run
 
     async def explain_created(
         self, outcomes: Sequence[tuple[Run, bool] | JobplaneError]
@@ -108,6 +122,7 @@ def _reason(run: Run, facts: _Facts) -> WaitingFor | None:
     return (
         pause.waiting_for(run, facts.paused)
         or concurrency.waiting_for(run)
+        or children.place_wait(run)
         or _handler(run, facts.offered)
         or locks.waiting_for(run)
         or starts.held_back(run, facts.holding)

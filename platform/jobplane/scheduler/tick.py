@@ -148,6 +148,24 @@ class Scheduler:
         ]
         return sum(isinstance(o, Moved) for o in outcomes)
 
+    async def mend_families(self) -> None:
+        """Carry out what a process that died left undone between map steps and their
+        children: a parent whose children ended is queued, a free place goes to a waiting
+        child, and the children of an ended parent are cancelled."""
+        batch, actor = self.settings.reap_batch, "scheduler"
+        since = self.clock.now() - timedelta(seconds=self.settings.reconcile_seconds)
+        try:
+            for parent in await self.store.children.waiting_parents(batch):
+                if parent.update_at < since:  # a younger one is looked at by its own writer
+                    await self.lifecycle.wake(parent.id, actor)
+            for child in await self.store.children.waiting_children(batch):
+                await self.lifecycle.admit_children(child, actor)
+            for parent in await self.store.children.orphaned(batch):
+                reason = f"parent run {parent.id} ended {parent.status.value}"
+                await self.lifecycle.cancel_children(parent, actor, reason)
+        except Exception:  # the rest of the tick goes on; the next tick tries again
+            log.exception("mending map steps' families failed")
+
     async def reconcile(self) -> int:
         """Queue pending runs, re-push queued runs that Redis lost, and admit runs waiting for
         a dedupe key that is free (the process that freed it may have died before it could).
@@ -162,6 +180,7 @@ class Scheduler:
                 await self.lifecycle.admit_next(key, "scheduler")
             except Exception:  # one key's trouble must not hold up the rest of the tick
                 log.exception("admitting the next run for key %s failed", key)
+        await self.mend_families()
         # Workers promote delayed runs as they pop; this covers queues no worker is polling, so
         # their ready sets (and what they show) stay true.
         await self.queue.promote(await self.store.templates.queues(), self.clock.now())

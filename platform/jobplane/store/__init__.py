@@ -18,6 +18,7 @@ from jobplane.store.abc import (
 )
 from jobplane.store.mongo import MongoStore
 from jobplane.store.types import (
+    ChildOf,
     DuplicateRun,
     EventQuery,
     KeyHeld,
@@ -33,6 +34,7 @@ from jobplane.store.types import (
 )
 
 __all__ = [
+    "ChildOf",
     "DuplicateRun",
     "EventQuery",
     "GateStore",

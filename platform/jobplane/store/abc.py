@@ -15,6 +15,7 @@ from jobplane.model import (
     ApiKeyPublic,
     Event,
     LockWait,
+    MapProgress,
     QueueState,
     Run,
     RunError,
@@ -23,6 +24,7 @@ from jobplane.model import (
     Template,
     TemplateSpec,
 )
+from jobplane.store.children import ChildEnd
 from jobplane.store.overview import RunFigures
 from jobplane.store.types import (
     EventQuery,
@@ -119,6 +121,8 @@ class TransitionStore(Protocol):
     async def wait_worker(
         self, lease: Lease, index: int, step_id: str, worker_type: str
     ) -> Moved | Lost: ...
+    async def wait_children(self, lease: Lease, detail: str) -> Moved | Lost: ...
+    async def children_done(self, run: Run, actor: str, detail: str) -> Moved | Lost: ...
     async def resume(
         self, worker_type: str, worker_id: str, lease_seconds: float
     ) -> tuple[Run, Lease] | None: ...
@@ -187,6 +191,9 @@ class LeaseStore(Protocol):
     async def start_step(
         self, lease: Lease, index: int, step_id: str, at: datetime | None = None, attempt: int = 0
     ) -> Lost | None: ...
+    async def wait_step(
+        self, lease: Lease, index: int, step_id: str, total: int, at: datetime, attempt: int
+    ) -> Lost | None: ...
     async def finish_step(
         self,
         lease: Lease,
@@ -212,6 +219,19 @@ class LeaseStore(Protocol):
     ) -> Lost | None: ...
     async def lease_lost(self, lease: Lease, what: str) -> Lost: ...
     async def locks_taken(self, lease: Lease) -> Lost | None: ...
+
+
+class ChildStore(Protocol):
+    """A map step's children, as their parent sees them."""
+
+    async def counts(self, parent: Run) -> dict[str, MapProgress]: ...
+    async def ends(self, parent: Run, step_id: str) -> list[ChildEnd]: ...
+    async def active(self, parent: Run, step_id: str | None = None) -> list[Run]: ...
+    async def any_left(self, child: Run) -> bool: ...
+    async def admit_next(self, child: Run, actor: str) -> Run | None: ...
+    async def waiting_parents(self, limit: int) -> list[Run]: ...
+    async def waiting_children(self, limit: int) -> list[Run]: ...
+    async def orphaned(self, limit: int) -> list[Run]: ...
 
 
 class TrailStore(Protocol):
@@ -266,6 +286,7 @@ class Store(Protocol):
     locks: LockStore
     queues: QueueStore
     runs: RunStore
+    children: ChildStore
     transitions: TransitionStore
     leases: LeaseStore
     trail: TrailStore

@@ -122,6 +122,34 @@ def index_models() -> dict[str, list[IndexModel]]:
         ),
         # Runs handed back for a lock their step needs, for `/metrics`.
         _only_with("lockWait", [("lockWait", ASCENDING)], name="lock_waits"),
+        # A map step's children: counted by status, the next waiting one found, listed.
+        _only_with(
+            "parentRunId",
+            [
+                ("parentRunId", ASCENDING),
+                ("parentStepId", ASCENDING),
+                ("status", ASCENDING),
+                ("_id", ASCENDING),
+            ],
+            name="children",
+        ),
+        _only_with(
+            "parentRunId", [("parentRunId", ASCENDING), ("_id", DESCENDING)], name="child_list"
+        ),
+        # A map step's places under `maxConcurrency`, as a dedupe key's: a child is always in
+        # its parent's scope, so this is unique on (parentRunId, parentStepId, mapPlace).
+        _only_with(
+            "mapPlace",
+            [
+                ("scope", ASCENDING),
+                ("scopeId", ASCENDING),
+                ("parentRunId", ASCENDING),
+                ("parentStepId", ASCENDING),
+                ("mapPlace", ASCENDING),
+            ],
+            unique=True,
+            name="map_places",
+        ),
         # Runs waiting for a dedupe key, oldest first.
         _only_with("dedupeWait", [("dedupeWait", ASCENDING), ("_id", ASCENDING)]),
         # The sweep: runs written since its last pass.

@@ -78,6 +78,18 @@ class MongoLeaseStore:
         update = {**started, f"{s}.status": StepStatus.RUNNING, f"{s}.percentage": 0}
         return await self._fenced(lease, "start_step", {"$set": update}, events, now)
 
+    async def wait_step(
+        self, lease: Lease, index: int, step_id: str, total: int, at: datetime, attempt: int
+    ) -> Lost | None:
+        """A map step made its `total` children: it waits for them (its `attempt`-th try,
+        started `at`)."""
+        now = self._clock.now()
+        started, events = steps.unwritten_start(index, step_id, at, attempt)
+        s = f"progress.steps.{index}"
+        update = {**started, f"{s}.status": StepStatus.WAITING, f"{s}.map": {"total": total}}
+        events.append(("children_created", None, {"step": step_id, "total": total}))
+        return await self._fenced(lease, "wait_step", {"$set": update}, events, now)
+
     async def finish_step(
         self,
         lease: Lease,

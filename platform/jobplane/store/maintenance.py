@@ -11,10 +11,12 @@ from bson import ObjectId
 from pymongo import ReplaceOne
 
 from jobplane.clock import Clock
-from jobplane.model import CLAIMABLE, LEASED, TERMINAL, Run, RunStatus
+from jobplane.model import CLAIMABLE, LEASED, TERMINAL, TRANSITIONS, Run, RunStatus
 from jobplane.store import convert
 from jobplane.store.convert import NO_TRAIL, Doc, run_key
 from jobplane.store.database import Collections
+
+_DEADLINE = TRANSITIONS["deadline_expire"]
 
 
 def archivable(before: datetime) -> Doc:
@@ -41,7 +43,7 @@ class MongoMaintenanceStore:
     async def overdue(self, limit: int) -> tuple[list[Run], list[Run]]:
         """Runs past their deadline, and cancel-requested runs past their grace."""
         now = self._clock.now()
-        late = {"status": {"$in": sorted(LEASED)}, "deadline": {"$lt": now}}
+        late = {"status": {"$in": sorted(_DEADLINE.sources)}, "deadline": {"$lt": now}}
         slow = {"status": RunStatus.CANCEL_REQUESTED, "cancelDeadline": {"$lt": now}}
         return (
             [convert.run(d) async for d in self._db.runs.find(late, NO_TRAIL).limit(limit)],
@@ -56,6 +58,7 @@ class MongoMaintenanceStore:
             "status": {"$in": sorted(CLAIMABLE)},
             "updateAt": {"$lt": idle_since},
             "dedupeWait": {"$exists": False},
+            "mapWait": {"$exists": False},
         }
         if after:
             query["_id"] = {"$gt": ObjectId(after)}

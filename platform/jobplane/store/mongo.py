@@ -14,6 +14,7 @@ from pymongo.write_concern import WriteConcern
 
 from jobplane.clock import Clock, SystemClock
 from jobplane.store import abc, indexes
+from jobplane.store.children import MongoChildStore
 from jobplane.store.convert import Doc
 from jobplane.store.database import Collections
 from jobplane.store.gates import MongoGateStore
@@ -56,6 +57,7 @@ class MongoStore:
         self.queues: abc.QueueStore = MongoQueueStore(client, db, self.clock, trail)
         self.locks: abc.LockStore = MongoLockStore(db)
         self.runs: abc.RunStore = MongoRunStore(writes)
+        self.children: abc.ChildStore = MongoChildStore(writes)
         gates = MongoGateStore(db)
         self.gates: abc.GateStore = gates
         self.transitions: abc.TransitionStore = MongoTransitionStore(writes, gates)

@@ -48,6 +48,7 @@ def guarded(
                 query |= held_by(lease.worker_id, lease.token)
             case Guard.NOT_WAITING:
                 query["dedupeWait"] = {"$exists": False}
+                query["mapWait"] = {"$exists": False}
             case Guard.UNLIMITED:
                 query["maxRunning"] = {"$exists": False}
                 query["rate"] = {"$exists": False}
@@ -84,6 +85,9 @@ def entering(
         fields |= _lease(granted.worker_id, granted.token, until, now)
     if t.key is KeyChange.FREE or (t.key is KeyChange.SPEND and not spend_key):
         removed += ["dedupeKey", "dedupeSlot", "dedupeWait"]
+    if t.ends:
+        # An ended child lets go of its place among its map's children.
+        removed += ["mapPlace", "mapWait"]
     if t.attempt is AttemptChange.HAND_BACK:
         count["attempt"] = -1
     update: Doc = {"$set": fields, "$inc": count}

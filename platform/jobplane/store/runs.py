@@ -8,6 +8,7 @@ creates for one key exactly one wins; every later change to a run is a transitio
 from collections.abc import Sequence
 from dataclasses import replace
 from datetime import datetime
+from typing import Any
 
 from bson import ObjectId
 from pymongo.errors import BulkWriteError, DuplicateKeyError
@@ -27,7 +28,16 @@ from jobplane.model import (
 )
 from jobplane.store import convert
 from jobplane.store.convert import DUPLICATE_KEY, NO_TRAIL, Doc, listed, object_id, owner
-from jobplane.store.types import DuplicateRun, KeyHeld, Known, Lost, Moved, NewRun, RunQuery
+from jobplane.store.types import (
+    ChildOf,
+    DuplicateRun,
+    KeyHeld,
+    Known,
+    Lost,
+    Moved,
+    NewRun,
+    RunQuery,
+)
 from jobplane.store.writes import RunWrites
 
 
@@ -80,6 +90,7 @@ class MongoRunStore:
                 ("scope", query.scope),
                 ("scopeId", query.scope_id),
                 ("scheduleId", query.schedule_id),
+                ("parentRunId", query.parent_run_id),
             ),
             within,
         )
@@ -282,7 +293,7 @@ def _new_run(new: NewRun, actor: str, now: datetime) -> tuple[Run, Doc]:
         template_version=t.version,
         scope=new.scope,
         scope_id=new.scope_id,
-        status=RunStatus.PENDING if new.dedupe_wait else RunStatus.QUEUED,
+        status=RunStatus.PENDING if new.waits else RunStatus.QUEUED,
         payload=new.payload,
         priority=t.priority if new.priority is None else new.priority,
         queue=t.queue,
@@ -308,6 +319,7 @@ def _new_run(new: NewRun, actor: str, now: datetime) -> tuple[Run, Doc]:
         schedule_id=new.schedule_id,
         scheduled_for=new.scheduled_for,
         rerun_of=new.rerun_of,
+        **_child(new.child),
         create_at=now,
         update_at=now,
     )
@@ -319,6 +331,21 @@ def _new_run(new: NewRun, actor: str, now: datetime) -> tuple[Run, Doc]:
     )
     doc["trail"] = [created]
     return run, doc
+
+
+def _child(child: ChildOf | None) -> dict[str, Any]:
+    """A map step's child's fields."""
+    if child is None:
+        return {}
+    return {
+        "parent_run_id": child.parent_run_id,
+        "parent_step_id": child.parent_step_id,
+        "root_run_id": child.root_run_id,
+        "map_index": child.index,
+        "map_limit": child.limit,
+        "map_place": child.place,
+        "map_wait": True if child.waits else None,
+    }
 
 
 def _rate(t: Template, key: str | None) -> RunRate | None:

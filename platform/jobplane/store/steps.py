@@ -11,6 +11,9 @@ from jobplane.store.writes import TrailEntry
 # Array filters: the steps a worker was in, and steps that will not run now (a step that failed
 # in an earlier attempt is retried later, so it counts as not done).
 RUNNING_STEP = {"r.status": StepStatus.RUNNING}
+# A map step waiting for its children: a hand-back leaves it waiting (the children go on), and
+# an end of the run stops it with the step the run was in.
+WAITING_STEP = {"w.status": StepStatus.WAITING}
 UNDONE_STEP = {
     "p.status": {"$in": [StepStatus.PENDING, StepStatus.FAILED]},
     # A step that failed for good with `onFailure: continue` is done.

@@ -29,7 +29,7 @@ from jobplane.model import (
 from jobplane.store import convert, rows, steps
 from jobplane.store.convert import NO_TRAIL, OWNER_FIELDS, Doc, known_owner, merged, object_id
 from jobplane.store.gates import MongoGateStore
-from jobplane.store.steps import RUNNING_STEP, UNDONE_STEP
+from jobplane.store.steps import RUNNING_STEP, UNDONE_STEP, WAITING_STEP
 from jobplane.store.types import Admission, Known, Lease, Lost, Moved
 from jobplane.store.writes import RunWrites, TrailEntry, held_by, recorded
 
@@ -209,6 +209,29 @@ class MongoTransitionStore:
             },
         )
 
+    async def wait_children(self, lease: Lease, detail: str) -> Moved | Lost:
+        """Only map steps are left and their children run: the holder lets go of the run
+        (children may take longer than any lease), and the attempt goes on when it is queued
+        again (`children_done`)."""
+        return await self._apply(
+            "wait_children",
+            lease.run_id,
+            lease.actor,
+            lease=lease,
+            message=f"waits for its children ({detail} ended)",
+        )
+
+    async def children_done(self, run: Run, actor: str, detail: str) -> Moved | Lost:
+        """The children a waiting run waits for have ended (or one failed it): it is queued
+        to go on."""
+        return await self._apply(
+            "children_done",
+            run.id,
+            actor,
+            scope=(run.scope, run.scope_id),
+            message=f"its children ended ({detail})",
+        )
+
     async def resume(
         self, worker_type: str, worker_id: str, lease_seconds: float
     ) -> tuple[Run, Lease] | None:
@@ -340,9 +363,10 @@ class MongoTransitionStore:
             actor,
             set_={
                 **_cancel_asked(self._clock.now(), actor, reason),
+                "progress.steps.$[w].status": StepStatus.CANCELLED,
                 "progress.steps.$[p].status": StepStatus.SKIPPED,
             },
-            array_filters=[UNDONE_STEP],
+            array_filters=[WAITING_STEP, UNDONE_STEP],
             message=reason,
             metadata=metadata,
             scope=scope,
@@ -385,7 +409,7 @@ class MongoTransitionStore:
             lease.actor,
             lease=lease,
             set_=_stopped(self._clock.now(), stopped),
-            array_filters=[RUNNING_STEP, UNDONE_STEP],
+            array_filters=[RUNNING_STEP, WAITING_STEP, UNDONE_STEP],
         )
 
     async def reap_requeue(self, run: Run, actor: str) -> Moved | Lost:
@@ -409,7 +433,7 @@ class MongoTransitionStore:
             actor,
             read=run,
             set_=_stopped(self._clock.now(), StepStatus.CANCELLED),
-            array_filters=[RUNNING_STEP, UNDONE_STEP],
+            array_filters=[RUNNING_STEP, WAITING_STEP, UNDONE_STEP],
             message=f"cancel not acknowledged within {grace}s",
             also=[("cancel_timeout", None, {"graceSeconds": grace})],
         )
@@ -429,7 +453,7 @@ class MongoTransitionStore:
             read=run,
             error=error,
             set_=_stopped(self._clock.now(), StepStatus.FAILED),
-            array_filters=[RUNNING_STEP, UNDONE_STEP],
+            array_filters=[RUNNING_STEP, WAITING_STEP, UNDONE_STEP],
             message=error.message,
         )
 
@@ -469,14 +493,19 @@ class MongoTransitionStore:
             step=run.phase,
         )
         lost = ("lease_expired", f"lease of {run.locked_by} expired", {"attempt": run.attempt})
+        set_: Doc = {"progress.steps.$[r].status": step}
+        filters = [RUNNING_STEP]
+        if TRANSITIONS[name].ends:  # a map step waiting stops with the run; requeued, it waits on
+            set_["progress.steps.$[w].status"] = step
+            filters.append(WAITING_STEP)
         return await self._apply(
             name,
             run.id,
             actor,
             read=run,
             error=error if fails else None,
-            set_={"progress.steps.$[r].status": step},
-            array_filters=[RUNNING_STEP],
+            set_=set_,
+            array_filters=filters,
             also=[lost],
         )
 
@@ -580,10 +609,12 @@ def _cancel_asked(now: datetime, actor: str, reason: str | None) -> Doc:
 
 
 def _stopped(now: datetime, step: StepStatus) -> Doc:
-    """The steps of a run stopped before it ended them itself: the one it was in becomes
-    `step`, the ones not done are skipped."""
+    """The steps of a run stopped before it ended them itself: the ones it was in (a map step
+    waiting included) become `step`, the ones not done are skipped."""
     return {
         "progress.steps.$[r].status": step,
         "progress.steps.$[r].completedAt": now,
+        "progress.steps.$[w].status": step,
+        "progress.steps.$[w].completedAt": now,
         "progress.steps.$[p].status": StepStatus.SKIPPED,
     }

@@ -123,6 +123,31 @@ class NewRun:
     schedule_id: str | None = None
     scheduled_for: datetime | None = None
     rerun_of: str | None = None
+    child: "ChildOf | None" = None
+
+    @property
+    def waits(self) -> bool:
+        """It is written `pending`: it waits for its dedupe key or for a place among its
+        map's children."""
+        return self.dedupe_wait is not None or (self.child is not None and self.child.waits)
+
+
+@dataclass(frozen=True)
+class ChildOf:
+    """A map step's child run: its parent run and step, its family's first run, which item it
+    is, and its place among the step's active children when `maxConcurrency` (`limit`) caps
+    them: None waits for one."""
+
+    parent_run_id: str
+    parent_step_id: str
+    root_run_id: str
+    index: int
+    limit: int | None = None
+    place: int | None = None
+
+    @property
+    def waits(self) -> bool:
+        return self.limit is not None and self.place is None
 
 
 @dataclass(frozen=True)
@@ -134,6 +159,7 @@ class RunQuery:
     scope: str | None = None
     scope_id: str | None = None
     schedule_id: str | None = None
+    parent_run_id: str | None = None
     before: str | None = None
 
 

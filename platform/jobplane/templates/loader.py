@@ -15,10 +15,10 @@ from jsonschema.exceptions import SchemaError
 from pydantic import ValidationError
 
 from jobplane.errors import ValidationFailed
-from jobplane.model import TemplateSpec
+from jobplane.model import StepSpec, TemplateSpec
 from jobplane.model.graph import Graph, GraphError
 from jobplane.model.storable import unstorable
-from jobplane.templates.expressions import WHEN_NAMES, ExpressionError, check
+from jobplane.templates.expressions import ITEM_NAMES, WHEN_NAMES, ExpressionError, check
 
 MAX_TEMPLATE_BYTES = 1 << 20
 # Values in a template once its aliases are expanded; a 1 MiB template without aliases has fewer.
@@ -89,6 +89,22 @@ def nonsense(spec: TemplateSpec) -> list[dict[str, Any]]:
                 check(step.when, WHEN_NAMES)
             except ExpressionError as exc:
                 refuse(f"/steps/{i}/when", str(exc))
+        if step.map is not None:
+            for field, source, seen in (
+                ("items", step.map.items, WHEN_NAMES),
+                ("payload", step.map.payload, ITEM_NAMES),
+            ):
+                if source is None:
+                    continue
+                try:
+                    check(source, seen)
+                except ExpressionError as exc:
+                    refuse(f"/steps/{i}/map/{field}", str(exc))
+            # Its children have their own; a map step itself waits and retries nothing.
+            for field in ("locks", "timeout_seconds", "retry_policy"):
+                if field in step.model_fields_set:
+                    name = StepSpec.model_fields[field].alias or field
+                    refuse(f"/steps/{i}/{name}", f"a map step has no {name}: its children do")
         names = [lock.name for lock in step.locks]
         for j, name in enumerate(names):
             if name in names[:j]:

@@ -86,6 +86,7 @@ class ExternalWorker:
         template = Template.model_validate(claimed["template"])
         index = template.step_index(claimed["stepId"])
         step = template.steps[index]
+        assert step.handler is not None, "an external step has a handler (registration)"
         base = f"/v1/runs/{run.id}/steps/{step.id}"
         lease = {"workerId": self.worker_id, "leaseToken": claimed["leaseToken"]}
         cancel = asyncio.Event()

@@ -25,19 +25,23 @@ class Flow:
     running: set[int] = field(default_factory=set)
     # How many steps have ended: kept as they end, since every step's end asks.
     done: int = field(init=False)
+    # The map steps that made their children already, with how many.
+    made: dict[int, int] = field(init=False)
 
     def __post_init__(self) -> None:
         steps = self.run.progress.steps
         # A step that was running, or failed and is retried with the run, runs again; one that
-        # failed for good with `onFailure: continue` stays failed.
+        # failed for good with `onFailure: continue` stays failed. A map step waiting is ready
+        # again, to look at its children.
         self.statuses = [
             StepStatus.FAILED
             if s.final
             else StepStatus.PENDING
-            if s.status in (StepStatus.RUNNING, StepStatus.FAILED)
+            if s.status in (StepStatus.RUNNING, StepStatus.FAILED, StepStatus.WAITING)
             else s.status
             for s in steps
         ]
+        self.made = {i: s.map.total for i, s in enumerate(steps) if s.map is not None}
         self.outputs = dict(self.run.outputs)
         self.tries = [s.attempt for s in steps]
         self.done = sum(1 for s in self.statuses if _ended(s))
@@ -46,6 +50,14 @@ class Flow:
         """Step `index` ended: succeeded, skipped, or failed for good."""
         self.statuses[index] = status
         self.done += 1
+
+    def wait(self, index: int) -> None:
+        """Map step `index` waits for its children."""
+        self.statuses[index] = StepStatus.WAITING
+
+    @property
+    def waiting(self) -> list[int]:
+        return [i for i, s in enumerate(self.statuses) if s == StepStatus.WAITING]
 
     @property
     def ready(self) -> list[int]:

@@ -24,6 +24,7 @@ from jobplane.runs.admission.keys import lock_id, lock_named
 from jobplane.runs.admission.locks import Locks, holder
 from jobplane.runs.lifecycle import HeldStep, Lifecycle, StepStart
 from jobplane.runs.policy import cancel_asked, retry_at
+from jobplane.runs.service import RunService
 from jobplane.store import Lease, Lost, Moved, StepEnd, Store
 from jobplane.templates.expressions import ExpressionError, evaluate_when
 from jobplane.worker.context import (
@@ -34,6 +35,7 @@ from jobplane.worker.context import (
     StepTimeout,
     step_failure,
 )
+from jobplane.worker.fanout import ChildrenActive, Fanout
 from jobplane.worker.flow import Flow
 from jobplane.worker.handlers import HandlerRegistry
 
@@ -146,6 +148,10 @@ class _External(Exception):
         self.at = at
 
 
+class _WaitChildren(Exception):
+    """Only map steps waiting for their children are left."""
+
+
 class _LockHeld(Exception):
     """A lock the next step needs is held by another run."""
 
@@ -179,8 +185,14 @@ class Runner:
     renew: Callable[[list[Held]], Awaitable[None]]
     # The locks steps hold and handlers take.
     locks: Locks
+    # Makes map steps' children.
+    service: RunService
     # Versions are immutable, so a template cached never goes stale.
     _templates: dict[tuple[str, int], Template] = field(default_factory=dict, init=False)
+    _fanout: Fanout = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._fanout = Fanout(self.store, self.service, self._stop_if_lost)
 
     async def run(self, held: Held) -> None:
         """Run `held` from its first step not done until it ends, or until it must stop; what
@@ -205,6 +217,16 @@ class Runner:
             except _External as external:
                 # The run waits for an external worker's callback; this worker lets go of it.
                 self._check(held.run, await self.lifecycle.wait_worker(external.at))
+            except _WaitChildren:
+                # Only map steps are left: this worker lets go while their children run.
+                waiting = await self.lifecycle.wait_children(held.run, held.lease)
+                if cancel_asked(waiting):
+                    acked = await self.lifecycle.acknowledge_cancel(
+                        held.run, held.lease, interrupted=False
+                    )
+                    self._finished(held.run, acked)
+                else:
+                    self._stop_if_lost(waiting)
         except _Stopped as stopped:
             if stopped.reason == "lost":
                 log.warning("run %s: lease lost, stopped without writing", held.run.id)
@@ -266,7 +288,7 @@ class Runner:
                     done = asyncio.get_running_loop().create_future()
                     try:
                         with log_context(step=step.at.id):
-                            done.set_result(await self._call(held, step, flow.outputs))
+                            done.set_result(await self._work(held, step, flow))
                     except Exception as exc:
                         done.set_exception(exc)
                     if await self._step_ended(held, flow, walk, step, done):
@@ -274,7 +296,7 @@ class Runner:
                     continue
                 for step in starting:
                     with log_context(step=step.at.id):  # the task copies the context
-                        task = asyncio.ensure_future(self._call(held, step, flow.outputs))
+                        task = asyncio.ensure_future(self._work(held, step, flow))
                     walk.running[task] = step
             if not walk.running:
                 break
@@ -285,6 +307,13 @@ class Runner:
         if walk.stopping is not None:
             raise walk.stopping
         if (failure := walk.failure) is not None:
+            if not failure.retried:
+                # The run ends: its waiting map steps stop with it (their children are
+                # cancelled as it ends).
+                walk.ended += [
+                    StepEnd(i, flow.template.steps[i].id, StepStatus.CANCELLED)
+                    for i in flow.waiting
+                ]
             if walk.ended:
                 self._check(run, await self.lifecycle.end_steps(failure.step.at, walk.ended))
             moved = await self.lifecycle.attempt_failed(
@@ -294,6 +323,8 @@ class Runner:
             return
         if walk.alone is not None:
             raise walk.alone
+        if flow.waiting:
+            raise _WaitChildren
         if flow.finished:
             await self._complete_ended(held, flow)
             return
@@ -308,6 +339,10 @@ class Runner:
         try:
             try:
                 output = future.result()
+            except ChildrenActive:
+                step.start_written = True  # with its children's number
+                flow.wait(step.at.index)
+                return False
             except (CancelRequested, _Stopped, _Overdue):
                 if not self._asked_aside(held, future, step):
                     raise
@@ -368,8 +403,16 @@ class Runner:
                 if step.worker_type == "external":
                     walk.alone = walk.alone or _External(at)
                     continue
-                if step.handler not in self.offered:
-                    walk.alone = walk.alone or _HandOff(step.handler)
+                if step.worker_type == "map":
+                    # Ready again after its children ended, it reads them: not a new try.
+                    made = index in flow.made
+                    flow.tries[index] += 0 if made else 1
+                    start = StepStart(self.clock.now(), flow.tries[index])
+                    starting.append(_Step(at, start, start_written=made))
+                    flow.running.add(index)
+                    continue
+                if step.handler is None or step.handler not in self.offered:
+                    walk.alone = walk.alone or _HandOff(step.handler or "")
                     continue
                 try:
                     taken = await self._take_locks(held, at)
@@ -543,10 +586,19 @@ class Runner:
         except Exception as exc:
             log.warning("run %s: locks %s not let go, they expire: %s", held.run.id, lock_ids, exc)
 
+    async def _work(self, held: Held, running: _Step, flow: Flow) -> Any:
+        """Do a step's work: a map step's fan-out, or its handler's call."""
+        at = running.at
+        if at.template.steps[at.index].worker_type == "map":
+            made = flow.made.get(at.index)
+            return await self._fanout.run(at, running.start, flow.activation(), made)
+        return await self._call(held, running, flow.outputs)
+
     async def _call(self, held: Held, running: _Step, outputs: dict[str, Any]) -> Any:
         at = running.at
         template, index = at.template, at.index
         step = template.steps[index]
+        assert step.handler is not None, "a step with a handler, as checked before it began"
         handler = self.handlers.resolve(step.handler)
         assert handler is not None, "an offered handler, as checked before the step began"
         start: asyncio.Future[Lost | None] | None = None

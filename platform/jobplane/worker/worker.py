@@ -24,6 +24,7 @@ from jobplane.queue.redis import RedisQueue
 from jobplane.runs.admission.locks import Locks, holder
 from jobplane.runs.admission.pause import Pauses
 from jobplane.runs.lifecycle import Lifecycle
+from jobplane.runs.service import RunService
 from jobplane.settings import Settings
 from jobplane.store import Store
 from jobplane.worker.handlers import HandlerRegistry, registry
@@ -77,6 +78,7 @@ class Worker:
             self._threads,
             self._renew,
             self.locks,
+            RunService(store, queue, self.lifecycle),
         )
 
     # -- lifecycle -----------------------------------------------------------------------------

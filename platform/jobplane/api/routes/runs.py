@@ -140,6 +140,7 @@ async def list_runs(
     scope: Literal["user", "account", "system"] | None = None,
     scope_id: Annotated[str | None, Query(alias="scopeId")] = None,
     schedule_id: Annotated[str | None, Query(alias="scheduleId")] = None,
+    parent_run_id: Annotated[str | None, Query(alias="parentRunId")] = None,
     limit: Limit = 50,
     cursor: Cursor = None,
 ) -> Page[Run]:
@@ -147,7 +148,7 @@ async def list_runs(
     if scope is not None and scope_id is not None:
         caller.may_act_in(scope, scope_id)
     before = pages.after_run(cursor) if cursor else None
-    query = RunQuery(status, template_type, scope, scope_id, schedule_id, before)
+    query = RunQuery(status, template_type, scope, scope_id, schedule_id, parent_run_id, before)
     found = await store.runs.page(query, caller.within, limit + 1)
     more = len(found) > limit
     items = await waiting.explain(found[:limit])

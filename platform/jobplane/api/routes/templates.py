@@ -77,7 +77,7 @@ async def _unserved(template: Template, waiting: Waiting) -> list[str]:
     offered = await waiting.offered()
     if offered is None:
         return ["the worker registry in Redis could not be read: handlers were not checked"]
-    needed = sorted({s.handler for s in template.steps if s.worker_type == "inline"})
+    needed = sorted({s.handler for s in template.steps if s.handler and s.worker_type == "inline"})
     return [
         f"no live worker offers handler {h!r} on queue {template.queue!r}: its runs wait "
         "until one does"
