@@ -122,6 +122,8 @@ def test_a_cancel_is_carried_out_as_the_status_allows(status: RunStatus) -> None
         RunStatus.QUEUED: "cancel",
         RunStatus.RUNNING: "request_cancel",
         RunStatus.WAITING_WORKER: "request_cancel",
+        # Nobody holds a run waiting for its children: it ends at once.
+        RunStatus.WAITING_CHILDREN: "cancel",
         RunStatus.CANCEL_REQUESTED: None,
     }
     assert cancel_of(run) == expected[status]

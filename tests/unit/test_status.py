@@ -1,4 +1,5 @@
-"""The transition table is SPEC.md's status graph, exactly."""
+"""The transition table is SPEC.md's status graph, exactly, with the moves of map steps (a
+parent waiting for its children, `docs/contract.md`)."""
 
 from jobplane.model import ACTIVE, ALLOWED, LEASED, TERMINAL, TRANSITIONS, RunStatus
 
@@ -28,6 +29,12 @@ SPEC_EDGES = {
     (S.CANCEL_REQUESTED, S.EXPIRED),
     (S.RUNNING, S.CANCELLED),
     (S.WAITING_WORKER, S.CANCELLED),
+    # Map steps: the parent lets go while its children run, and is queued when they end; it
+    # is cancelled at once, and expires at its deadline.
+    (S.RUNNING, S.WAITING_CHILDREN),
+    (S.WAITING_CHILDREN, S.QUEUED),
+    (S.WAITING_CHILDREN, S.CANCELLED),
+    (S.WAITING_CHILDREN, S.EXPIRED),
 }
 
 
@@ -45,7 +52,7 @@ def test_terminal_statuses_have_no_way_out() -> None:
 
 def test_worker_transitions_are_fenced() -> None:
     worker_writes = {"complete", "fail", "retry", "release", "acknowledge_cancel"}
-    for name in worker_writes | {"wait_worker"}:
+    for name in worker_writes | {"wait_worker", "wait_children"}:
         assert TRANSITIONS[name].fenced, name
     # `resume` is an external worker's claim: it issues a lease rather than proving one.
     for name in ("enqueue", "claim", "resume", "cancel", "request_cancel", "reap_requeue"):
@@ -53,5 +60,7 @@ def test_worker_transitions_are_fenced() -> None:
 
 
 def test_reaper_acts_only_on_leased_runs() -> None:
-    for name in ("reap_requeue", "reap_expire", "reap_cancel", "cancel_timeout", "deadline_expire"):
+    for name in ("reap_requeue", "reap_expire", "reap_cancel", "cancel_timeout"):
         assert TRANSITIONS[name].sources <= LEASED
+    # A deadline passes for a run waiting for its children too, which nobody holds.
+    assert TRANSITIONS["deadline_expire"].sources == LEASED | {S.WAITING_CHILDREN}

@@ -7,16 +7,18 @@ parent, step, place) decides every race, so no two children ever hold one place,
 process admits them.
 """
 
+import random
 from dataclasses import dataclass
+from datetime import datetime
 from typing import Any
 
 from bson import ObjectId
+from pymongo import ReturnDocument
 from pymongo.errors import DuplicateKeyError
 
-from jobplane.model import CLAIMABLE, LEASED, TERMINAL, MapProgress, Run, RunStatus
+from jobplane.model import LEASED, TERMINAL, MapProgress, Run, RunStatus
 from jobplane.store import convert
 from jobplane.store.convert import NO_TRAIL, Doc, owner
-from jobplane.store.types import Known
 from jobplane.store.writes import RunWrites
 
 # A child that ended any other way than succeeded counts as failed for its map step.
@@ -107,29 +109,39 @@ class MongoChildStore:
     async def admit_next(self, child: Run, actor: str) -> Run | None:
         """Give a free place of `child`'s map step to its next waiting sibling (about item
         order), which stays `pending`, ready to queue; None if no place is free or no sibling
-        waits. The unique index decides between admitters."""
+        waits. The sibling is picked and given the place in one write, so admitters never
+        lose a race for the same sibling; the unique index decides between them for a place."""
         assert child.parent_run_id is not None and child.map_limit is not None
         siblings = {
             **owner(child.scope, child.scope_id),
             "parentRunId": child.parent_run_id,
             "parentStepId": child.parent_step_id,
         }
-        for _ in range(5):
-            held = self._db.runs.find({**siblings, "mapPlace": {"$exists": True}}, {"mapPlace": 1})
+        for _ in range(child.map_limit + 1):
+            # Hinted: the planner may otherwise walk every sibling under `children`.
+            held = self._db.runs.find(
+                {**siblings, "mapPlace": {"$exists": True}}, {"mapPlace": 1}, hint="map_places"
+            )
             taken = {d["mapPlace"] async for d in held}
-            place = next((p for p in range(child.map_limit) if p not in taken), None)
-            if place is None:
+            free = [p for p in range(child.map_limit) if p not in taken]
+            if not free:
                 return None
-            waiting = {**siblings, "status": RunStatus.PENDING, "mapWait": True}
-            doc = await self._db.runs.find_one(waiting, NO_TRAIL, sort=[("_id", 1)])
-            if doc is None:
-                return None
+            # Children ending together admit together: each tries a place of its own.
+            place = random.choice(free)
             try:
-                admitted = await self._take_place(convert.run(doc), place, actor)
+                doc = await self._db.runs.find_one_and_update(
+                    {**siblings, "status": RunStatus.PENDING, "mapWait": True},
+                    _taking(place, actor, self._clock.now()),
+                    {"trail": {"$slice": -1}},
+                    sort=[("_id", 1)],
+                    return_document=ReturnDocument.AFTER,
+                )
             except DuplicateKeyError:
                 continue  # another admitter took this place first: look again
-            if admitted is not None:
-                return admitted
+            if doc is None:
+                return None
+            await self._trail.hand(doc["trail"])
+            return convert.run(doc)
         return None
 
     # -- the scheduler's repairs: each finds what a process that died left undone -------------
@@ -172,36 +184,29 @@ class MongoChildStore:
         ended = {"_id": {"$in": ids}, "status": {"$in": sorted(TERMINAL)}}
         return [convert.run(d) async for d in self._db.runs.find(ended, NO_TRAIL).limit(limit)]
 
-    async def _take_place(self, run: Run, place: int, actor: str) -> Run | None:
-        query = {
-            "_id": ObjectId(run.id),
-            **owner(run.scope, run.scope_id),
-            "status": RunStatus.PENDING,
-            "mapWait": True,
-        }
-        now = self._clock.now()
-        update: Doc = {
-            "$set": {"mapPlace": place, "updateAt": now},
-            "$unset": {"mapWait": ""},
-            "$inc": {"version": 1},
-        }
 
-        def events(state: Known) -> list[Doc]:
-            return [
-                convert.event(
-                    run.id,
-                    "map_place_taken",
-                    actor,
-                    state.scope,
-                    state.scope_id,
-                    state.version + 1,
-                    metadata={"place": place},
-                    now=now,
-                )
-            ]
-
-        written = await self._writes.write(query, lambda _: update, None, CLAIMABLE, None, events)
-        if written is None:
-            return None  # cancelled meanwhile, or another admitter took it
-        await self._trail.hand(written[1])
-        return run.model_copy(update={"map_place": place, "map_wait": None})
+def _taking(place: int, actor: str, now: datetime) -> list[Doc]:
+    """A waiting child takes `place`, with its `map_place_taken` event, built from the run as
+    the write finds it (as a claim's event is)."""
+    event = {
+        "_id": ObjectId(),
+        "jobId": {"$toString": "$_id"},
+        "type": "map_place_taken",
+        "actor": {"$literal": actor},
+        "scope": "$scope",
+        "scopeId": "$scopeId",
+        "metadata": {"place": {"$literal": place}},
+        "runVersion": {"$add": ["$version", 1]},
+        "createAt": now,
+    }
+    return [
+        {
+            "$set": {
+                "mapPlace": {"$literal": place},
+                "updateAt": now,
+                "version": {"$add": ["$version", 1]},
+                "trail": {"$concatArrays": [{"$ifNull": ["$trail", []]}, [event]]},
+            }
+        },
+        {"$unset": "mapWait"},
+    ]
