@@ -39,7 +39,7 @@ def mongo_url(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         yield url
         return
     root = tmp_path_factory.mktemp("mongo")
-    server = MongoServer(root / "db", free_port(), root / "mongod.log")
+    server = MongoServer(root / "db", free_port(), root / "mongod.log", test_commands=True)
     server.start()
     try:
         yield server.url

@@ -2,10 +2,14 @@
 ordinary runs in their parent's scope; the parent waits for them holding no lease, and goes on
 when they end."""
 
+import asyncio
+import signal
 from pathlib import Path
 from typing import Any
 
+import pytest
 from bson import ObjectId
+from pymongo.errors import OperationFailure
 
 from jobplane.backends import Backends
 from jobplane.model import LEASED, Run, RunStatus
@@ -14,6 +18,7 @@ from jobplane.settings import Settings
 from tests.integration.conftest import Client, Register
 from tests.integration.db import raw
 from tests.integration.flow import sampled, until, workers
+from tests.integration.processes import spawn
 from tests.integration.workers import settled
 
 ADMIN = "test-admin-key"
@@ -204,6 +209,79 @@ async def test_cancelling_a_parent_cancels_every_active_child(
     [parent] = await settled(backends.store, [run.id])
     assert parent.cancel_requested_by == "user:admin"
     assert parent.progress.steps[0].status == "cancelled"
+
+
+async def test_a_worker_killed_while_making_children_leaves_each_child_made_once(
+    backends: Backends, settings: Settings, register: Register, tmp_path: Path
+) -> None:
+    """Once the first worker claimed the parent, MongoDB holds its every insert and update
+    (`failCommand`, by the worker's app name): it stalls while making the children (they have
+    dedupe keys of their own, so it makes them one by one) or before it records them, and is
+    SIGKILLed there. The reaper queues the parent again, and the next worker makes what is
+    missing: 1,000 children in all, each once."""
+    admin = raw(backends.store).runs.database.client.admin
+    hold = {
+        "configureFailPoint": "failCommand",
+        "mode": "alwaysOn",
+        "data": {
+            "failCommands": ["insert", "update"],
+            "appName": "maker",
+            "blockConnection": True,
+            "blockTimeMS": 20_000,
+        },
+    }
+    off = {"configureFailPoint": "failCommand", "mode": "off"}
+    try:
+        await admin.command(off)
+    except OperationFailure as exc:
+        pytest.skip(f"this MongoDB has no test commands: {exc}")
+    # The first worker may start some children too: they are reaped and run again.
+    again = {"maxAttempts": 2, "backoffSeconds": [0]}
+    await register(
+        "child",
+        steps=[{"id": "work", "handler": "builtin.noop"}],
+        concurrencyPolicy="queue_same_scope",
+        dedupeKeys=["payload.n"],
+        retryPolicy=again,
+    )
+    await register(
+        "parent", steps=[fan(items="payload.items", payload="{'n': item}")], retryPolicy=again
+    )
+    run = await start(backends, {"items": list(range(1000))})
+    url = settings.mongodb_url + ("&" if "?" in settings.mongodb_url else "?") + "appName=maker"
+
+    async def claimed() -> bool:
+        now = await backends.store.runs.get(run.id)
+        return now is not None and now.status == RunStatus.RUNNING
+
+    try:
+        async with workers(settings, tmp_path, count=0):  # the scheduler, which reaps
+            first = spawn(
+                settings,
+                "worker",
+                tmp_path / "first.log",
+                JOBPLANE_WORKER_ID="first",
+                JOBPLANE_MONGODB_URL=url,
+            )
+            try:
+                await until(claimed, within=30)
+                await admin.command(hold)
+                await asyncio.sleep(0.5)  # whatever it still had on its way lands, then it stalls
+                first.send_signal(signal.SIGKILL)
+            finally:
+                first.wait()
+            await admin.command(off)
+            killed = await backends.store.runs.get(run.id)
+            assert killed is not None and killed.progress.steps[0].map is None, "not recorded"
+            async with workers(settings, tmp_path, count=1, scheduler=False):
+                [done] = await settled(backends.store, [run.id], within=120)
+    finally:
+        await admin.command(off)
+    assert done.status == RunStatus.SUCCEEDED, done.error
+    assert [a.error.code for a in done.attempts] == ["lease_expired"]
+    kids = await children_of(backends, run.id)
+    assert sorted(k["mapIndex"] for k in kids) == list(range(1000)), "each item's child once"
+    assert done.result == [None] * 1000
 
 
 async def test_a_run_list_filters_by_parent(

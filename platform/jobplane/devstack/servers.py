@@ -223,10 +223,19 @@ class MongoServer(_ServerProcess):
 
     name = "mongod"
 
-    def __init__(self, dbpath: Path, port: int, log_path: Path, replset: str = _REPLSET) -> None:
+    def __init__(
+        self,
+        dbpath: Path,
+        port: int,
+        log_path: Path,
+        replset: str = _REPLSET,
+        test_commands: bool = False,
+    ) -> None:
         super().__init__(port, log_path)
         self.dbpath = dbpath
         self.replset = replset
+        # Tests' servers only: `failCommand` holds a write at a chosen moment.
+        self.test_commands = test_commands
 
     @property
     def url(self) -> str:
@@ -275,6 +284,7 @@ class MongoServer(_ServerProcess):
                 "log=(prealloc=false,file_max=10MB)",
                 "--setParameter",
                 "diagnosticDataCollectionEnabled=false",
+                *(["--setParameter", "enableTestCommands=1"] if self.test_commands else []),
             ]
         )
         deadline = time.monotonic() + timeout

@@ -35,7 +35,7 @@ from jobplane.worker.context import (
     StepTimeout,
     step_failure,
 )
-from jobplane.worker.fanout import ChildrenActive, Fanout
+from jobplane.worker.fanout import ChildrenActive, Fanout, MapFailed
 from jobplane.worker.flow import Flow
 from jobplane.worker.handlers import HandlerRegistry
 
@@ -487,6 +487,8 @@ class Runner:
         is; a later one is written with it), and the run is tried again or fails."""
         at = step.at
         error, retryable = step_failure(exc, at.id), not isinstance(exc, FatalError)
+        if isinstance(exc, MapFailed):  # the platform's own words, not a handler's exception
+            error = RunError(code=exc.code, message=str(exc), step=at.id)
         run = held.run
         retried = retry_at(run, at.template, at.id, retryable, self.clock.now()) is not None
         spec = at.template.steps[at.index]
