@@ -94,6 +94,25 @@ TEMPLATES: list[Doc] = [
             {"id": "last", "handler": "builtin.echo", "needs": ["left", "right", "never"]},
         ],
     },
+    # A map step: a child per part, two at a time, between two steps of its own.
+    {
+        "type": "chaos_map",
+        "steps": [
+            {"id": "first", "handler": "builtin.echo"},
+            {
+                "id": "parts",
+                "workerType": "map",
+                "map": {
+                    "items": "payload.parts",
+                    "template": "chaos_part",
+                    "payload": "{'napSeconds': payload.napSeconds, 'part': item}",
+                    "maxConcurrency": 2,
+                },
+            },
+            {"id": "last", "handler": "builtin.echo"},
+        ],
+    },
+    {"type": "chaos_part", "steps": [{"id": "nap", "handler": "chaos.nap"}]},
     # Its second step holds a lock per partner (three of them), whatever the run's account.
     {
         "type": "chaos_locked",
@@ -109,9 +128,10 @@ TEMPLATES: list[Doc] = [
 ]
 # The share of each template in a load, out of 100.
 MIX = [
-    ("chaos_quick", 25),
+    ("chaos_quick", 20),
     ("chaos_steps", 20),
     ("chaos_diamond", 10),
+    ("chaos_map", 5),
     ("chaos_flaky", 10),
     ("chaos_fatal", 5),
     ("chaos_once", 10),
@@ -241,8 +261,10 @@ class Load:
     def request(self, i: int) -> Doc:
         [kind] = self.rng.choices([k for k, _ in self.mix], [w for _, w in self.mix])
         payload: Doc = {}
-        if kind in ("chaos_steps", "chaos_once", "chaos_diamond"):
+        if kind in ("chaos_steps", "chaos_once", "chaos_diamond", "chaos_map"):
             payload["napSeconds"] = round(self.rng.uniform(*self.nap), 3)
+        if kind == "chaos_map":
+            payload["parts"] = list(range(self.rng.randrange(1, 6)))
         if kind == "chaos_flaky":
             payload["failTimes"] = 1
         if kind == "chaos_fatal":

@@ -41,6 +41,8 @@ STEP_EVENTS = frozenset({"step_started", "step_finished", "step_skipped"})
 TAKE_TO_START = timedelta(seconds=1)
 ENDED = frozenset(s.value for s in TERMINAL)
 STARTED = frozenset(s.value for s in LEASED)
+# What a map step's `maxConcurrency` counts: children started and not ended.
+ACTIVE_CHILD = STARTED | {RunStatus.WAITING_CHILDREN.value}
 
 
 @dataclass
@@ -107,6 +109,7 @@ async def audit(
     found.violations += over_max_running(trailed)
     found.started_peak = {t: peak(spans) for t, spans in started_spans(trailed).items()}
     found.violations += lock_overlaps(trailed, templates, locks_lost)
+    found.violations += map_families(trailed, templates)
     return found
 
 
@@ -381,6 +384,74 @@ def over_max_running(trailed: Iterable[Trailed]) -> list[str]:
                 f"(maxRunning {span.limit}): {sorted(s.run for s in open_)}"
             )
     return bad
+
+
+def map_families(trailed: Sequence[Trailed], templates: Templates) -> list[str]:
+    """Every map step made each item's child once, in its own scope; a map step that
+    succeeded under `onItemFailure: fail` has only succeeded children; and no map step ever had
+    more children active (started, not ended) than its `maxConcurrency`.
+
+    A child takes its place after the end of the child it replaced was written (it reads the
+    places held first, `store/children.py`), and is claimed after it took it, so its start is
+    stamped after that end."""
+    runs = {str(run["_id"]): run for run, _ in trailed}
+    made: defaultdict[tuple[str, str], list[Doc]] = defaultdict(list)
+    spans: defaultdict[tuple[str, str], list[Span]] = defaultdict(list)
+    bad: list[str] = []
+    for run, events in trailed:
+        if (parent_id := run.get("parentRunId")) is None:
+            continue
+        step = (parent_id, run["parentStepId"])
+        made[step].append(run)
+        parent = runs.get(parent_id)
+        if parent is None:
+            bad.append(f"child {run['_id']}: its parent {parent_id} is not stored")
+        elif (parent["scope"], parent["scopeId"]) != (run["scope"], run["scopeId"]):
+            bad.append(f"child {run['_id']}: not in its parent's scope")
+        if (limit := run.get("mapLimit")) is not None:
+            spans[step] += _active_spans(str(run["_id"]), events, limit)
+    for (parent_id, step_id), children in made.items():
+        items = sorted(c["mapIndex"] for c in children)
+        if len(set(items)) != len(items):
+            bad.append(f"map step {step_id} of {parent_id}: an item has two children")
+        parent = runs.get(parent_id)
+        if parent is None:
+            continue
+        [progress] = [s for s in parent["progress"]["steps"] if s["id"] == step_id]
+        total = (progress.get("map") or {}).get("total")
+        if total is not None and items != list(range(total)):
+            bad.append(f"map step {step_id} of {parent_id}: made {len(items)} of {total}")
+        template = templates.get((parent["templateType"], parent["templateVersion"]))
+        [spec] = [s for s in (template or {}).get("steps", []) if s["id"] == step_id] or [{}]
+        fails = spec.get("map", {}).get("onItemFailure", "fail") == "fail"
+        ended_badly = [c["_id"] for c in children if c["status"] != RunStatus.SUCCEEDED]
+        if progress["status"] == "succeeded" and fails and ended_badly:
+            bad.append(f"map step {step_id} of {parent_id} succeeded; {ended_badly} did not")
+    for (parent_id, step_id), active in spans.items():
+        if found := next(crowded(active), None):
+            span, open_ = found
+            bad.append(
+                f"map step {step_id} of {parent_id}: {len(open_)} children active at "
+                f"{span.start} (maxConcurrency {span.limit}): {sorted(s.run for s in open_)}"
+            )
+    return bad
+
+
+def _active_spans(run_id: str, events: list[Doc], limit: int) -> list[Span]:
+    """The stretches of a child's trail when it was active: started, not ended."""
+    found: list[Span] = []
+    start: datetime | None = None
+    for event in events:
+        if "to" not in event:
+            continue
+        if event["to"] in ACTIVE_CHILD and start is None:
+            start = event["createAt"]
+        elif event["to"] not in ACTIVE_CHILD and start is not None:
+            found.append(Span(run_id, start, event["createAt"], limit))
+            start = None
+    if start is not None:
+        found.append(Span(run_id, start, None, limit))
+    return found
 
 
 def started_spans(trailed: Iterable[Trailed]) -> dict[str, list[Span]]:

@@ -380,10 +380,12 @@ async def cancel_storm(where: Where, scale: Scale) -> Outcome:
     began, rng = time.monotonic(), random.Random(6)
     # Limited runs waiting for a place or a start, and locked ones for their lock, are
     # cancelled while they wait too.
-    # Both branches of a diamond must have stopped before its cancel is acknowledged.
+    # Both branches of a diamond must have stopped before its cancel is acknowledged; a map's
+    # children are cancelled with it.
     mix = [
-        ("chaos_steps", 45),
+        ("chaos_steps", 35),
         ("chaos_diamond", 15),
+        ("chaos_map", 10),
         ("chaos_quick", 10),
         ("chaos_limited", 15),
         ("chaos_locked", 15),

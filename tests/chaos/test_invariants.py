@@ -15,6 +15,7 @@ from tests.chaos.invariants import (
     _shared_keys,
     check_run,
     lock_overlaps,
+    map_families,
     over_concurrency_limit,
     over_max_running,
     peak,
@@ -444,3 +445,46 @@ def test_a_skipped_step_needs_no_recorded_run_but_a_missing_one_does() -> None:
     assert check_run(run(version=9), diamond(c="skip"), DIAMOND, NOW, DIAMOND_NEEDS) == [
         "succeeded without a recorded run of step c"
     ]
+
+
+def _family(
+    children: list[tuple[int, str, list[tuple[int, int]]]], parent_step: str = "succeeded"
+) -> tuple[list[Trailed], Templates]:
+    """A parent whose map step `fan` (maxConcurrency 2) made `children`: (item, status, the
+    seconds each stretch of it was active)."""
+    parent: Doc = {
+        "_id": "p",
+        "scope": "account",
+        "scopeId": "a",
+        "templateType": "parent",
+        "templateVersion": 1,
+        "status": "succeeded",
+        "progress": {"steps": [{"id": "fan", "status": parent_step, "map": {"total": 3}}]},
+    }
+    template = {"steps": [{"id": "fan", "workerType": "map", "map": {"maxConcurrency": 2}}]}
+    trailed: list[Trailed] = [(parent, [])]
+    for n, (item, status, active) in enumerate(children):
+        child: Doc = {"_id": f"c{n}", "scope": "account", "scopeId": "a", "status": status}
+        child |= {"parentRunId": "p", "parentStepId": "fan", "mapIndex": item, "mapLimit": 2}
+        events = []
+        for start, end in active:
+            events.append({"to": "running", "createAt": NOW + timedelta(seconds=start)})
+            events.append({"to": status, "createAt": NOW + timedelta(seconds=end)})
+        trailed.append((child, events))
+    return trailed, {("parent", 1): template}
+
+
+def test_a_map_step_makes_each_items_child_once_and_within_its_cap() -> None:
+    fine = [(0, "succeeded", [(0, 2)]), (1, "succeeded", [(1, 3)]), (2, "succeeded", [(2, 4)])]
+    assert map_families(*_family(fine)) == []
+    twice = [*fine[:2], (1, "succeeded", [(5, 6)])]
+    assert any("two children" in v for v in map_families(*_family(twice)))
+    assert any("made 2 of 3" in v for v in map_families(*_family(fine[:2])))
+    crowded_ = [(0, "succeeded", [(0, 3)]), (1, "succeeded", [(1, 3)]), (2, "succeeded", [(2, 4)])]
+    assert any("3 children active" in v for v in map_families(*_family(crowded_)))
+
+
+def test_a_map_step_that_succeeded_under_fail_has_only_succeeded_children() -> None:
+    failed = [(0, "succeeded", [(0, 1)]), (1, "failed", [(1, 2)]), (2, "succeeded", [(2, 3)])]
+    assert any("did not" in v for v in map_families(*_family(failed)))
+    assert map_families(*_family(failed, parent_step="failed")) == []
