@@ -102,6 +102,25 @@ TEMPLATES = [
             {"id": "join", "handler": "builtin.noop", "needs": ["left", "right", "skip"]},
         ],
     },
+    # A map step (a child run of `ui_part` per part) beside a plain step, then a summary.
+    {
+        "type": "ui_map",
+        "name": "Map",
+        "steps": [
+            {
+                "id": "parts",
+                "workerType": "map",
+                "map": {
+                    "items": "payload.parts",
+                    "template": "ui_part",
+                    "payload": "{'sleepSeconds': payload.sleepSeconds}",
+                },
+            },
+            {"id": "note", "handler": "builtin.noop", "needs": []},
+            {"id": "sum", "handler": "builtin.noop", "needs": ["parts", "note"]},
+        ],
+    },
+    {"type": "ui_part", "name": "Part", "steps": [{"id": "nap", "handler": "builtin.sleep"}]},
     {
         "type": "ui_report",
         "name": "Report",

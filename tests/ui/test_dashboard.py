@@ -496,3 +496,23 @@ def test_a_flow_is_drawn_in_layers_and_a_line_is_not(
     page.goto(f"{stack.dashboard}#/runs/{line_id}")
     expect(run_status(page)).to_have_text("failed", timeout=10_000)
     expect(page.get_by_role("group", name="Steps by what they need")).to_have_count(0)
+
+
+def test_a_map_step_counts_its_children_and_links_to_their_list(
+    page: Page, stack: Stack, scope_id: str
+) -> None:
+    with stack.admin() as admin:
+        run_id = create_run(admin, "ui_map", scope_id, parts=[1, 2, 3], sleepSeconds=2)
+    sign_in(page, stack)
+    page.goto(f"{stack.dashboard}#/runs/{run_id}")
+    expect(run_status(page)).to_have_text("waiting children", timeout=10_000)
+    graph = page.get_by_role("group", name="Steps by what they need")
+    expect(graph.locator('[data-node="parts"] [data-status]')).to_have_text("waiting")
+    children = page.locator('[data-children="parts"]')
+    expect(children).to_contain_text("children 0/3")
+    expect(run_status(page)).to_have_text("succeeded", timeout=20_000)
+    expect(children).to_contain_text("children 3/3: 3 succeeded, 0 failed, 0 active")
+    children.get_by_role("link", name="list them").click()
+    expect(page).to_have_url(re.compile(f"parentRunId={run_id}"))
+    listed = page.get_by_role("region", name="Runs")
+    expect(listed.get_by_role("link", name=re.compile(r"^run "))).to_have_count(3)

@@ -3,7 +3,7 @@
 from datetime import UTC, datetime
 
 from jobplane.cli.render import bar, render
-from jobplane.model import Run, RunStatus
+from jobplane.model import MapProgress, Run, RunStatus, StepStatus
 from jobplane.model.documents import Progress, StepProgress
 
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
@@ -36,3 +36,21 @@ def test_a_label_never_runs_into_its_bar() -> None:
         f"  overall      {bar(50)}  ",
         f"    transform  {bar(50)}  ",
     ]
+
+
+def test_a_waiting_map_step_counts_its_children() -> None:
+    made = MapProgress(total=40, succeeded=10, failed=2, active=5)
+    step = StepProgress(id="fan", status=StepStatus.WAITING, map=made)
+    run = Run(
+        id="r1",
+        template_type="t",
+        template_version=1,
+        scope="system",
+        scope_id="cli",
+        status=RunStatus.WAITING_CHILDREN,
+        progress=Progress(percentage=30, steps=[step]),
+        create_at=NOW,
+        update_at=NOW,
+    )
+    [_, _, line] = render(run)
+    assert line == f"  ~ fan    {bar(30)}  children 12/40: 10 succeeded, 2 failed, 5 active"

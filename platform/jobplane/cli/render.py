@@ -10,6 +10,7 @@ from jobplane.model import ApiKeyPublic, Event, Run, Schedule, StepStatus, Templ
 _MARK = {
     StepStatus.PENDING: " ",
     StepStatus.RUNNING: ">",
+    StepStatus.WAITING: "~",
     StepStatus.SUCCEEDED: "+",
     StepStatus.FAILED: "x",
     StepStatus.SKIPPED: "-",
@@ -33,7 +34,14 @@ def render(run: Run) -> list[str]:
     for step in run.progress.steps:
         note = step.message or step.error or ""
         label = f"{_MARK[step.status]} {step.id:<{width}}"
-        lines.append(f"  {label}  {bar(step.percentage)}  {note}")
+        done = step.percentage
+        if (made := step.map) is not None and made.succeeded is not None:
+            # A map step: a bar of its children's ends, and a count of each kind.
+            ended = made.succeeded + (made.failed or 0)
+            done = 100 * ended / made.total if step.status == StepStatus.WAITING else done
+            counts = f"{made.succeeded} succeeded, {made.failed} failed, {made.active} active"
+            note = "; ".join(filter(None, [f"children {ended}/{made.total}: {counts}", note]))
+        lines.append(f"  {label}  {bar(done)}  {note}")
     # The attempt the run ended with, if it ended in an error, is its `error`, last.
     for attempt in run.attempts:
         if run.error is None or attempt.attempt != run.error.attempt:

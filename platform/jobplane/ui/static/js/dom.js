@@ -101,7 +101,7 @@ export function ago(iso) {
 // -- statuses and small parts -----------------------------------------------------------------
 
 export const RUN_STATUSES = [
-  "pending", "queued", "running", "waiting_worker", "cancel_requested",
+  "pending", "queued", "running", "waiting_worker", "waiting_children", "cancel_requested",
   "succeeded", "failed", "cancelled", "expired",
 ];
 export const TERMINAL = new Set(["succeeded", "failed", "cancelled", "expired"]);

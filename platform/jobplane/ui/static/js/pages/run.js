@@ -104,12 +104,13 @@ class RunView {
         { "data-step": step.id },
         h("div", {},
           h("div", { class: "step-name" }, label, " ", spec?.name ? h("span", { class: "mono" }, step.id) : null),
-          h("div", { class: "step-meta" }, spec ? `${spec.handler}${spec.workerType === "external" ? " (external)" : ""}` : "")),
+          h("div", { class: "step-meta" }, spec ? stepWork(spec) : "")),
         h("div", {},
           h("div", { class: "bar-row" },
             progressBar(step.percentage, { label: `Step ${label}`, status: step.status }),
             h("span", { class: "pct" }, `${Math.round(step.percentage)}%`)),
-          step.message ? h("div", { class: "step-meta" }, step.message) : null),
+          step.message ? h("div", { class: "step-meta" }, step.message) : null,
+          step.map ? childrenNote(run, step) : null),
         h("div", { class: "right" }, badge(step.status), took ? h("div", { class: "step-meta" }, took) : null),
         step.error ? h("div", { class: "step-error" }, step.error) : null,
       ));
@@ -301,6 +302,21 @@ function tracebackDetails(error, summary) {
   return h("details", {}, h("summary", {}, `${summary} (${lines.length} lines)`), h("pre", { class: "block" }, error.traceback));
 }
 
+// What does a step's work: its handler, an external worker's, or a map's children.
+function stepWork(spec) {
+  if (spec.workerType === "map") return `map over ${spec.map.items} → ${spec.map.template}`;
+  return `${spec.handler}${spec.workerType === "external" ? " (external)" : ""}`;
+}
+
+// A map step's children: how many ended which way, and a link to their list.
+function childrenNote(run, step) {
+  const m = step.map;
+  const ended = (m.succeeded ?? 0) + (m.failed ?? 0);
+  return h("div", { class: "step-meta", "data-children": step.id },
+    `children ${ended}/${m.total}: ${m.succeeded ?? 0} succeeded, ${m.failed ?? 0} failed, ${m.active ?? 0} active · `,
+    h("a", { href: `#/runs?parentRunId=${encodeURIComponent(run.id)}` }, "list them"));
+}
+
 // The steps as boxes in layers by what they need (a step is one layer below the deepest step
 // it needs), coloured by status; drawn only when the steps are not a line.
 function stepGraph(steps, names) {
@@ -326,5 +342,7 @@ function stepGraph(steps, names) {
         class: ["node", `s-${step.status}`],
         "data-node": step.id,
         title: needs.get(step.id).length ? `needs ${needs.get(step.id).join(", ")}` : "needs nothing",
-      }, h("span", { class: "node-name" }, names.get(step.id)?.name || step.id), " ", badge(step.status))))));
+      }, h("span", { class: "node-name" }, names.get(step.id)?.name || step.id), " ",
+        step.map ? h("span", { class: "node-count" }, `${(step.map.succeeded ?? 0) + (step.map.failed ?? 0)}/${step.map.total}`) : null,
+        badge(step.status))))));
 }

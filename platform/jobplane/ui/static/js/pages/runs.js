@@ -1,11 +1,11 @@
-// Runs: GET /v1/runs with its filters (status, template, scope, scope id, schedule), newest
+// Runs: GET /v1/runs with its filters (status, template, scope, scope id, schedule, parent), newest
 // first, a page at a time. The filters and the page live in the address (#/runs?status=...).
 
 import { cached, get, session } from "../api.js";
 import { badge, field, fill, h, pageHead, progressBar, RUN_STATUSES, runLink, select, table, time } from "../dom.js";
 
 const PAGE_SIZE = 25;
-const FILTERS = ["status", "templateType", "scope", "scopeId", "scheduleId"];
+const FILTERS = ["status", "templateType", "scope", "scopeId", "scheduleId", "parentRunId"];
 // The cursors of the pages before this one, per filter set, for "Newer".
 const previous = new Map();
 
@@ -68,6 +68,7 @@ function filterForm(filters, templates) {
     field("Scope", select("f-scope", ["user", "account", "system"], { value: filters.scope })),
     text("scopeId", "Scope id", "e.g. user_123"),
     text("scheduleId", "Schedule id", ""),
+    text("parentRunId", "Parent run id", "a map step's children"),
     h("div", { class: "form-actions" },
       h("button", { type: "submit", class: "btn primary" }, "Apply"),
       h("a", { class: "btn", href: "#/runs" }, "Clear")),
