@@ -15,6 +15,7 @@ from jobplane.backends import Backends
 from jobplane.model import LEASED, Run, RunStatus
 from jobplane.runs import RunRequest, RunService
 from jobplane.settings import Settings
+from jobplane.templates.loader import load_file
 from tests.integration.conftest import Client, Register
 from tests.integration.db import raw
 from tests.integration.flow import sampled, until, workers
@@ -291,3 +292,21 @@ async def test_a_run_list_filters_by_parent(
     api = client_for(ADMIN)
     response = await api.get("/v1/runs", params={"parentRunId": "nope"})
     assert response.status_code == 200 and response.json()["items"] == []
+
+
+async def test_the_shipped_map_template_reports_on_each_account_then_sums_up(
+    backends: Backends, settings: Settings, tmp_path: Path
+) -> None:
+    shipped = Path(__file__).parents[2] / "templates"
+    for name in ("account_report.yaml", "monthly_reports.yaml"):
+        await backends.store.templates.register(load_file(shipped / name))
+    service = RunService(backends.store, backends.queue)
+    payload = {"accounts": ["acme", "globex", "initech"], "sleepSeconds": 0}
+    run, _ = await service.create(RunRequest("monthly_reports", "account", "acme", payload), "t")
+    async with workers(settings, tmp_path, count=1, scheduler=False):
+        [done] = await settled(backends.store, [run.id], within=60)
+    assert done.status == RunStatus.SUCCEEDED, done.error
+    assert done.outputs["reports"] == [
+        {"status": "succeeded", "result": {"account": a, "sleepSeconds": 0}}
+        for a in payload["accounts"]
+    ]
