@@ -28,7 +28,17 @@ from bson import ObjectId
 from jobplane import metrics
 from jobplane.api.auth import mint_key
 from jobplane.errors import ConcurrencyConflict, ResourceInvalidState
-from jobplane.model import TERMINAL, Run, RunError, RunStatus, Schedule, ScheduleSpec, Template
+from jobplane.model import (
+    TERMINAL,
+    MapProgress,
+    Progress,
+    Run,
+    RunError,
+    RunStatus,
+    Schedule,
+    ScheduleSpec,
+    Template,
+)
 from jobplane.queue.redis import RedisQueue
 from jobplane.runs import RunRequest, RunService
 from jobplane.scheduler import Scheduler
@@ -620,6 +630,43 @@ async def test_creating_reading_and_cancelling_runs_never_scan(
             assert await store.trail.events_of(run_id)
         assert await store.runs.get(str(ObjectId())) is None
     await assert_no_scans(profile, {"job_runs", "job_events", "job_templates"})
+
+
+async def test_a_map_steps_children_never_scan(
+    store: MongoStore, queue: RedisQueue, settings: Settings, seeded: Seeded
+) -> None:
+    """Made, counted, admitted to places, read back, listed, cancelled with their parent, and
+    mended by the tick: each read and write of a map step's children uses an index."""
+    service = RunService(store, queue)
+    parent, _ = await service.create(RunRequest(seeded.plain.type, "account", "acme"), "user:qp")
+    payloads = [{"n": n} for n in range(60)]
+    async with Profiler(store) as profile:
+        refused = await service.create_children(
+            parent, "first", seeded.plain, payloads, 5, "worker:qp"
+        )
+        assert refused == []
+        kids = await store.runs.page(RunQuery(parent_run_id=parent.id), None, 100)
+        assert len(kids) == 60
+        first = next(k for k in kids if k.map_place is not None)
+        await store.transitions.cancel(first.id, "user:qp", "done", (first.scope, first.scope_id))
+        assert await store.children.admit_next(first, "user:qp") is not None
+        assert await store.children.any_left(first)
+        await store.children.counts(parent.model_copy(update={"progress": _made(parent, 60)}))
+        assert len(await store.children.ends(parent, "first")) == 1
+        await store.children.waiting_parents(100)
+        assert await store.children.waiting_children(100)
+        await store.children.orphaned(100)
+        await service.lifecycle.cancel_children(parent, "user:qp", "enough")
+        assert await store.children.active(parent) == []
+        scheduler = Scheduler(store, queue, settings)
+        await scheduler.mend_families()
+    await assert_no_scans(profile, {"job_runs"})
+
+
+def _made(run: Run, total: int) -> Progress:
+    """`run`'s progress as its first step made `total` children."""
+    steps = [s.model_copy(update={"map": MapProgress(total=total)}) for s in run.progress.steps]
+    return run.progress.model_copy(update={"steps": steps})
 
 
 def filter_sets(filters: dict[str, Any]) -> Iterator[dict[str, Any]]:

@@ -285,6 +285,7 @@ def _runs_list(args: argparse.Namespace, client: APIClient) -> None:
         scope=args.scope,
         scopeId=args.scope_id,
         scheduleId=args.schedule_id,
+        parentRunId=args.parent,
         limit=args.limit,
     )
     _print_pages(client, "/v1/runs", params, args.all, Run, run_row, header=RUN_HEADER)
@@ -555,6 +556,7 @@ def _parser() -> argparse.ArgumentParser:
     listing.add_argument("--scope", choices=scopes)
     listing.add_argument("--scope-id")
     listing.add_argument("--schedule-id")
+    listing.add_argument("--parent", metavar="RUN_ID", help="a map step's children of this run")
     listing.add_argument("--limit", type=int, help="runs per page")
     listing.add_argument("--all", action="store_true", help="every page, not just the first")
     cancel = client_command(rsub, "cancel", _runs_cancel, "cancel a run")

@@ -71,6 +71,7 @@ class Lifecycle:
         self.queue = queue
         self.clock = clock or store.clock
         self.starts = Starts(store, queue, self.clock)
+        self._with_maps: dict[tuple[str, int], bool] = {}
 
     # -- the lease holder's writes: an inline worker's, or an external one's through the API --
 
@@ -452,10 +453,7 @@ class Lifecycle:
                 if outcome.to != RunStatus.SUCCEEDED or not await self.store.children.any_left(run):
                     await self.wake(run.parent_run_id, actor)
             if outcome.to in TERMINAL or outcome.to == RunStatus.CANCEL_REQUESTED:
-                template = await self.store.templates.cached(
-                    run.template_type, run.template_version
-                )
-                if template is not None and template.maps:
+                if await self._maps(run):
                     reason = f"parent run {run.id} was {_ending(outcome.to)}"
                     await self.cancel_children(run, actor, reason)
         except Exception:
@@ -468,6 +466,16 @@ class Lifecycle:
             await self.starts.freed(run)
         except REDIS_DOWN as exc:
             log.warning("run %s ended; a held run waits for the scheduler: %s", run.id, exc)
+
+    async def _maps(self, run: Run) -> bool:
+        """Whether `run`'s template version has map steps. A version never changes, so each is
+        read once per process: every run's end asks, and a cache that expires would have many
+        ends read it again at once."""
+        key = (run.template_type, run.template_version)
+        if key not in self._with_maps:
+            template = await self.store.templates.get(*key)
+            self._with_maps[key] = template is not None and template.maps
+        return self._with_maps[key]
 
     async def _admit_after_end(self, key: str, actor: str) -> None:
         """Admit the next run for a key a run's end freed. The end is written whatever happens
