@@ -406,13 +406,15 @@ class Runner:
                 if step.worker_type == "map":
                     # Ready again after its children ended, it reads them: not a new try.
                     made = index in flow.made
-                    flow.tries[index] += 0 if made else 1
+                    if not made:
+                        flow.tries[index] += 1
                     start = StepStart(self.clock.now(), flow.tries[index])
                     starting.append(_Step(at, start, start_written=made))
                     flow.running.add(index)
                     continue
-                if step.handler is None or step.handler not in self.offered:
-                    walk.alone = walk.alone or _HandOff(step.handler or "")
+                assert step.handler is not None, "every step but a map step has a handler"
+                if step.handler not in self.offered:
+                    walk.alone = walk.alone or _HandOff(step.handler)
                     continue
                 try:
                     taken = await self._take_locks(held, at)
