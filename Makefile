@@ -80,6 +80,8 @@ bench: $(STAMP)
 	$(BIN)/python bench/durable_write.py
 	$(BIN)/python bench/cancel_latency.py
 	$(BIN)/python bench/fire_precision.py
+	$(BIN)/python bench/flows.py --repeat 2 --runs 2000 --rate 30
+	$(BIN)/python bench/maps.py --repeat 3
 	$(BIN)/python bench/memory.py
 	$(BIN)/python bench/scale.py
 	$(BIN)/python bench/peers/run.py
