@@ -310,3 +310,60 @@ async def test_the_shipped_map_template_reports_on_each_account_then_sums_up(
         {"status": "succeeded", "result": {"account": a, "sleepSeconds": 0}}
         for a in payload["accounts"]
     ]
+
+
+async def test_a_parent_cancelled_while_a_step_runs_beside_its_map_cancels_the_children(
+    backends: Backends, settings: Settings, register: Register, tmp_path: Path
+) -> None:
+    """The map waits while a sleeping step beside it holds the run: the cancel is asked of
+    the worker, and the children are cancelled at once."""
+    await register("child", steps=[{"id": "work", "handler": "builtin.sleep"}])
+    await register(
+        "parent",
+        steps=[
+            {**fan(items="[1, 2, 3]", payload="{'sleepSeconds': 60}"), "needs": []},
+            {"id": "beside", "handler": "builtin.sleep", "needs": []},
+        ],
+    )
+    run = await start(backends, {"sleepSeconds": 60})
+    service = RunService(backends.store, backends.queue)
+
+    async def both() -> bool:
+        now = await backends.store.runs.get(run.id)
+        assert now is not None
+        return [s.status for s in now.progress.steps] == ["waiting", "running"]
+
+    async with workers(settings, tmp_path, count=1, scheduler=False):
+        await until(both, within=30)
+        asked = await service.cancel(run.id, "user:t", "enough")
+        assert asked.status == RunStatus.CANCEL_REQUESTED
+        [done] = await settled(backends.store, [run.id], within=30)
+        ids = [str(k["_id"]) for k in await children_of(backends, run.id)]
+        kids = await settled(backends.store, ids, within=30)
+    assert done.status == RunStatus.CANCELLED
+    assert {s.id: s.status for s in done.progress.steps} == {
+        "fan": "cancelled",
+        "beside": "cancelled",
+    }
+    assert len(kids) == 3 and {k.status for k in kids} == {RunStatus.CANCELLED}
+    assert {k.cancel_reason for k in kids} == {f"parent run {run.id} was asked to cancel"}
+
+
+async def test_a_parent_past_its_deadline_while_waiting_expires_and_cancels_its_children(
+    backends: Backends, settings: Settings, register: Register, tmp_path: Path
+) -> None:
+    await register("child", steps=[{"id": "work", "handler": "builtin.sleep"}])
+    await register(
+        "parent",
+        steps=[fan(items="[1, 2]", payload="{'sleepSeconds': 60}")],
+        timeoutSeconds=2,
+    )
+    run = await start(backends, {})
+    async with workers(settings, tmp_path, count=1):  # and the scheduler, whose reaper expires
+        [done] = await settled(backends.store, [run.id], within=30)
+        ids = [str(k["_id"]) for k in await children_of(backends, run.id)]
+        kids = await settled(backends.store, ids, within=30)
+    assert done.status == RunStatus.EXPIRED
+    assert done.error is not None and done.error.code == "deadline_exceeded"
+    assert done.progress.steps[0].status == "failed"
+    assert {k.status for k in kids} == {RunStatus.CANCELLED}

@@ -84,6 +84,7 @@ async def test_a_user_key_counts_only_its_own_scopes(
         "queued",
         "running",
         "waiting_worker",
+        "waiting_children",
         "cancel_requested",
     ]
     assert len(runs["perMinute"]) == 60

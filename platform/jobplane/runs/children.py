@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from jobplane.model import MapProgress, MapSpec, Run, RunStatus, StepStatus, Template, WaitingFor
+from jobplane.model.graph import ENDED
 from jobplane.store.children import ChildEnd
 
 
@@ -60,7 +61,7 @@ def counted(run: Run, counts: Mapping[str, MapProgress]) -> Run:
         for s in run.progress.steps
     ]
     waiting = [s.map for s in steps if s.status == StepStatus.WAITING and s.map]
-    done = sum(1 for s in steps if s.status in _DONE) + sum(ended(m) / m.total for m in waiting)
+    done = sum(1 for s in steps if s.status in ENDED) + sum(ended(m) / m.total for m in waiting)
     percentage = max(run.progress.percentage, round(100 * done / max(1, len(steps)), 2))
     progress = run.progress.model_copy(update={"steps": steps, "percentage": percentage})
     update: dict[str, Any] = {"progress": progress}
@@ -75,9 +76,6 @@ def place_wait(run: Run) -> WaitingFor | None:
         return None
     where = f"map step {run.parent_step_id!r} of run {run.parent_run_id}"
     return WaitingFor(reason="concurrency", detail=f"{where}: maxConcurrency {run.map_limit}")
-
-
-_DONE = frozenset({StepStatus.SUCCEEDED, StepStatus.SKIPPED, StepStatus.CANCELLED})
 
 
 @dataclass(frozen=True)

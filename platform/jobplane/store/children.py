@@ -45,7 +45,7 @@ def _of(parent: Run, step_id: str | None = None) -> Doc:
 
 class MongoChildStore:
     def __init__(self, writes: RunWrites) -> None:
-        self._writes = writes
+        # The runs' collections, clock and trail, shared with every other writer of runs.
         self._db, self._clock, self._trail = writes.db, writes.clock, writes.trail
 
     async def counts(self, parent: Run) -> dict[str, MapProgress]:
