@@ -643,3 +643,16 @@ def test_templates_validate_prints_the_layers_or_each_problem_without_a_server(
         f"error: ValidationFailed: {bad}: invalid template",
     ]
     failed(invoke(["templates", "validate", str(tmp_path / "none.yaml")]), "InvalidArgument")
+    # A map step names the template its children run; its expressions are checked too.
+    fans = ok(invoke(["templates", "validate", str(TEMPLATES / "monthly_reports.yaml")]))
+    assert fans.lines[1:] == ["  1. reports (map → account_report)", "  2. summary"]
+    bad.write_text(
+        "type: bad\n"
+        "steps:\n"
+        "  - {id: a, workerType: map, map: {items: 'item', template: t}, timeoutSeconds: 5}\n"
+    )
+    refused = invoke(["templates", "validate", str(bad)])
+    assert refused.err.splitlines()[:2] == [
+        f"{bad}: /steps/0/map/items: unknown name item (it may use outputs, payload, run)",
+        f"{bad}: /steps/0/timeoutSeconds: a map step has no timeoutSeconds: its children do",
+    ]

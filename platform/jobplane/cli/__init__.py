@@ -235,8 +235,10 @@ def _templates_validate(args: argparse.Namespace) -> None:
         raise CLIError("ValidationFailed", f"{path}: {exc.message}") from exc
     layers = Graph.of([(s.id, s.needs) for s in spec.steps]).layers
     print(f"{path}: {spec.type}, {len(spec.steps)} steps in {len(layers)} layers")
+    # A map step says which template its children run.
+    fans = {s.id: f" (map → {s.map.template})" for s in spec.steps if s.map is not None}
     for depth, layer in enumerate(layers, 1):
-        print(f"  {depth}. {', '.join(layer)}")
+        print(f"  {depth}. {', '.join(step + fans.get(step, '') for step in layer)}")
 
 
 def _templates_list(args: argparse.Namespace, client: APIClient) -> None:
