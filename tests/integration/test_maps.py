@@ -336,7 +336,8 @@ async def test_a_parent_cancelled_while_a_step_runs_beside_its_map_cancels_the_c
     async with workers(settings, tmp_path, count=1, scheduler=False):
         await until(both, within=30)
         asked = await service.cancel(run.id, "user:t", "enough")
-        assert asked.status == RunStatus.CANCEL_REQUESTED
+        # Asked of its worker, which may have stopped it by the time the answer is read.
+        assert asked.status in (RunStatus.CANCEL_REQUESTED, RunStatus.CANCELLED)
         [done] = await settled(backends.store, [run.id], within=30)
         ids = [str(k["_id"]) for k in await children_of(backends, run.id)]
         kids = await settled(backends.store, ids, within=30)
@@ -346,7 +347,9 @@ async def test_a_parent_cancelled_while_a_step_runs_beside_its_map_cancels_the_c
         "beside": "cancelled",
     }
     assert len(kids) == 3 and {k.status for k in kids} == {RunStatus.CANCELLED}
-    assert {k.cancel_reason for k in kids} == {f"parent run {run.id} was asked to cancel"}
+    # By the cancel's follow-up, or by the worker's acknowledgement if it came first.
+    reasons = {f"parent run {run.id} was asked to cancel", f"parent run {run.id} was cancelled"}
+    assert {k.cancel_reason for k in kids} <= reasons
 
 
 async def test_a_parent_past_its_deadline_while_waiting_expires_and_cancels_its_children(

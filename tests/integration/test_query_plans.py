@@ -655,7 +655,7 @@ async def test_a_map_steps_children_never_scan(
         assert len(await store.children.ends(parent, "first")) == 1
         await store.children.waiting_parents(100)
         assert await store.children.waiting_children(100)
-        await store.children.orphaned(100)
+        await store.children.orphaned(100, store.clock.now())
         await service.lifecycle.cancel_children(parent, "user:qp", "enough")
         assert await store.children.active(parent) == []
         scheduler = Scheduler(store, queue, settings)

@@ -33,6 +33,8 @@ log = logging.getLogger("jobplane.scheduler")
 # back over the writers' clock skew too (30 s), so at every tick (5 s) it read each run's events
 # seven times over: at 250 runs/s that was most of MongoDB's work.
 SWEEP_SECONDS = 60.0
+# How long an ended parent's own process has to cancel its children before the tick does.
+ORPHANED_AFTER = timedelta(seconds=30)
 
 
 class Scheduler:
@@ -160,7 +162,10 @@ class Scheduler:
                     await self.lifecycle.wake(parent.id, actor)
             for child in await self.store.children.waiting_children(batch):
                 await self.lifecycle.admit_children(child, actor)
-            for parent in await self.store.children.orphaned(batch):
+            # A parent's own end carries its cancel to its children; the tick steps in only
+            # once that has had time to, or it would race it (and name itself the canceller).
+            ended = self.clock.now() - ORPHANED_AFTER
+            for parent in await self.store.children.orphaned(batch, ended):
                 reason = f"parent run {parent.id} ended {parent.status.value}"
                 await self.lifecycle.cancel_children(parent, actor, reason)
         except Exception:  # the rest of the tick goes on; the next tick tries again

@@ -164,8 +164,9 @@ class MongoChildStore:
         )
         return [convert.run(row["doc"]) async for row in cursor]
 
-    async def orphaned(self, limit: int) -> list[Run]:
-        """Ended runs that still have children not ended (their end was not carried to them)."""
+    async def orphaned(self, limit: int, ended_before: datetime) -> list[Run]:
+        """Runs that ended before `ended_before` and still have children not ended (their end
+        was not carried to them)."""
         cursor = await self._db.runs.aggregate(
             [
                 {
@@ -181,7 +182,11 @@ class MongoChildStore:
         ids = [ObjectId(row["_id"]) async for row in cursor]
         if not ids:
             return []
-        ended = {"_id": {"$in": ids}, "status": {"$in": sorted(TERMINAL)}}
+        ended = {
+            "_id": {"$in": ids},
+            "status": {"$in": sorted(TERMINAL)},
+            "completedAt": {"$lt": ended_before},
+        }
         return [convert.run(d) async for d in self._db.runs.find(ended, NO_TRAIL).limit(limit)]
 
 
