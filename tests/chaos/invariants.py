@@ -409,7 +409,7 @@ def map_families(trailed: Sequence[Trailed], templates: Templates) -> list[str]:
         elif (parent["scope"], parent["scopeId"]) != (run["scope"], run["scopeId"]):
             bad.append(f"child {run['_id']}: not in its parent's scope")
         if (limit := run.get("mapLimit")) is not None:
-            spans[step] += _active_spans(str(run["_id"]), events, limit)
+            spans[step] += _spans_in(str(run["_id"]), events, ACTIVE_CHILD, limit)
     for (parent_id, step_id), children in made.items():
         items = sorted(c["mapIndex"] for c in children)
         if len(set(items)) != len(items):
@@ -437,43 +437,31 @@ def map_families(trailed: Sequence[Trailed], templates: Templates) -> list[str]:
     return bad
 
 
-def _active_spans(run_id: str, events: list[Doc], limit: int) -> list[Span]:
-    """The stretches of a child's trail when it was active: started, not ended."""
-    found: list[Span] = []
-    start: datetime | None = None
-    for event in events:
-        if "to" not in event:
-            continue
-        if event["to"] in ACTIVE_CHILD and start is None:
-            start = event["createAt"]
-        elif event["to"] not in ACTIVE_CHILD and start is not None:
-            found.append(Span(run_id, start, event["createAt"], limit))
-            start = None
-    if start is not None:
-        found.append(Span(run_id, start, None, limit))
-    return found
-
-
 def started_spans(trailed: Iterable[Trailed]) -> dict[str, list[Span]]:
     """By template, each stretch of its capped runs' trails from a move into the started
     statuses to the move out of them, each limited by its run's `maxRunning`."""
     templates: defaultdict[str, list[Span]] = defaultdict(list)
     for run, events in trailed:
-        if (cap := run.get("maxRunning")) is None:
-            continue
-        spans = templates[run["templateType"]]
-        start: datetime | None = None
-        for event in events:
-            if "to" not in event:
-                continue
-            if event["to"] in STARTED and start is None:
-                start = event["createAt"]
-            elif event["to"] not in STARTED and start is not None:
-                spans.append(Span(str(run["_id"]), start, event["createAt"], cap))
-                start = None
-        if start is not None:
-            spans.append(Span(str(run["_id"]), start, None, cap))
+        if (cap := run.get("maxRunning")) is not None:
+            templates[run["templateType"]] += _spans_in(str(run["_id"]), events, STARTED, cap)
     return templates
+
+
+def _spans_in(run_id: str, events: list[Doc], statuses: frozenset[str], limit: int) -> list[Span]:
+    """The stretches of a run's trail from a move into `statuses` to the move out of them."""
+    found: list[Span] = []
+    start: datetime | None = None
+    for event in events:
+        if "to" not in event:
+            continue
+        if event["to"] in statuses and start is None:
+            start = event["createAt"]
+        elif event["to"] not in statuses and start is not None:
+            found.append(Span(run_id, start, event["createAt"], limit))
+            start = None
+    if start is not None:
+        found.append(Span(run_id, start, None, limit))
+    return found
 
 
 def peak(spans: list[Span]) -> int:

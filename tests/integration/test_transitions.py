@@ -44,7 +44,7 @@ ARGS: dict[str, Args] = {
     "claim_limited": lambda s, r, le: ([limited(r)], "w2", 5, s.clock.now()),
     "wait_worker": lambda s, r, le: (le, 0, "only", "external"),
     "resume": lambda s, r, le: ("external", "x2", 5),
-    "wait_children": lambda s, r, le: (le, "0/3"),
+    "wait_children": lambda s, r, le: (le,),
     "children_done": lambda s, r, le: (r, "scheduler", "3/3"),
     "complete": lambda s, r, le: (le, 0, "only", 1, 1),
     "fail": lambda s, r, le: (le, 0, ERROR),

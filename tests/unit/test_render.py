@@ -9,20 +9,23 @@ from jobplane.model.documents import Progress, StepProgress
 NOW = datetime(2026, 1, 1, tzinfo=UTC)
 
 
-def drawn(*step_ids: str) -> list[str]:
-    steps = [StepProgress(id=step_id, percentage=50) for step_id in step_ids]
-    run = Run(
+def run_of(status: RunStatus, progress: Progress) -> Run:
+    return Run(
         id="r1",
         template_type="t",
         template_version=1,
         scope="system",
         scope_id="cli",
-        status=RunStatus.RUNNING,
-        progress=Progress(percentage=50, steps=steps),
+        status=status,
+        progress=progress,
         create_at=NOW,
         update_at=NOW,
     )
-    return render(run)[1:]
+
+
+def drawn(*step_ids: str) -> list[str]:
+    steps = [StepProgress(id=step_id, percentage=50) for step_id in step_ids]
+    return render(run_of(RunStatus.RUNNING, Progress(percentage=50, steps=steps)))[1:]
 
 
 def test_a_label_never_runs_into_its_bar() -> None:
@@ -41,16 +44,6 @@ def test_a_label_never_runs_into_its_bar() -> None:
 def test_a_waiting_map_step_counts_its_children() -> None:
     made = MapProgress(total=40, succeeded=10, failed=2, active=5)
     step = StepProgress(id="fan", status=StepStatus.WAITING, map=made)
-    run = Run(
-        id="r1",
-        template_type="t",
-        template_version=1,
-        scope="system",
-        scope_id="cli",
-        status=RunStatus.WAITING_CHILDREN,
-        progress=Progress(percentage=30, steps=[step]),
-        create_at=NOW,
-        update_at=NOW,
-    )
+    run = run_of(RunStatus.WAITING_CHILDREN, Progress(percentage=30, steps=[step]))
     [_, _, line] = render(run)
     assert line == f"  ~ fan    {bar(30)}  children 12/40: 10 succeeded, 2 failed, 5 active"

@@ -181,8 +181,7 @@ class Lifecycle:
     async def wait_children(self, run: Run, lease: Lease) -> Moved | Lost:
         """Only map steps are left: the holder lets go while their children run. Children that
         ended before this write could not wake the run, so it looks once more after it."""
-        counts = await self.store.children.counts(run)
-        waiting = await self.store.transitions.wait_children(lease, children.detail(run, counts))
+        waiting = await self.store.transitions.wait_children(lease)
         self.observe(run, waiting)
         if isinstance(waiting, Moved):
             await self._freed(run)

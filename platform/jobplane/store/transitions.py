@@ -209,7 +209,7 @@ class MongoTransitionStore:
             },
         )
 
-    async def wait_children(self, lease: Lease, detail: str) -> Moved | Lost:
+    async def wait_children(self, lease: Lease) -> Moved | Lost:
         """Only map steps are left and their children run: the holder lets go of the run
         (children may take longer than any lease), and the attempt goes on when it is queued
         again (`children_done`)."""
@@ -218,7 +218,7 @@ class MongoTransitionStore:
             lease.run_id,
             lease.actor,
             lease=lease,
-            message=f"waits for its children ({detail} ended)",
+            message="waits for its children",
         )
 
     async def children_done(self, run: Run, actor: str, detail: str) -> Moved | Lost:
