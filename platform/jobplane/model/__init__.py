@@ -26,6 +26,8 @@ from jobplane.model.documents import (
     ScopeId,
     ScopeRef,
     StartLimits,
+    StepLease,
+    StepOutcome,
     StepProgress,
     StepSpec,
     Template,
@@ -39,6 +41,7 @@ from jobplane.model.status import (
     ALLOWED,
     CLAIMABLE,
     LEASED,
+    STEP_MOVES,
     TERMINAL,
     TRANSITIONS,
     AttemptChange,
@@ -46,8 +49,11 @@ from jobplane.model.status import (
     KeyChange,
     LeaseChange,
     RunStatus,
+    StepLeaseState,
+    StepMove,
     StepStatus,
     Transition,
+    Writer,
 )
 
 __all__ = [
@@ -56,6 +62,7 @@ __all__ = [
     "CLAIMABLE",
     "LEASED",
     "MAX_MAP_ITEMS",
+    "STEP_MOVES",
     "TERMINAL",
     "TRANSITIONS",
     "ApiKey",
@@ -87,6 +94,10 @@ __all__ = [
     "ScopeId",
     "ScopeRef",
     "StartLimits",
+    "StepLease",
+    "StepLeaseState",
+    "StepMove",
+    "StepOutcome",
     "StepProgress",
     "StepSpec",
     "StepStatus",
@@ -96,4 +107,5 @@ __all__ = [
     "Version",
     "WaitingFor",
     "WaitingReason",
+    "Writer",
 ]

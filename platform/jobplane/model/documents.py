@@ -281,6 +281,47 @@ class Template(TemplateSpec):
         return step.handler if step.worker_type == "inline" else None
 
 
+class RunError(Document):
+    code: str
+    message: str
+    step: str | None = None
+    # Set by the store, from the attempt the error ended.
+    attempt: int = 0
+    # The last frames of the exception, for the person reading a dead letter.
+    traceback: str | None = None
+
+
+class StepOutcome(Document):
+    """How a lent step ended, as the worker it was lent to reports it: the run's holder
+    writes the step's end from it, as it would for a step of its own."""
+
+    status: Literal[StepStatus.SUCCEEDED, StepStatus.FAILED, StepStatus.CANCELLED]
+    output: Any = None
+    error: RunError | None = None
+    # A failure the step's retry policy may try again (not a `FatalError`).
+    retryable: bool = False
+    started_at: datetime
+    # The borrower wrote the step's start (it ran for more than a moment).
+    start_written: bool = False
+
+
+class StepLease(Document):
+    """A step its run's holder lent to a worker offering the handler it lacks
+    (docs/contract.md, "Lent steps"): the step's own lease, fenced like the run's. Claimed,
+    it names the worker, its token and when it runs out."""
+
+    handler: str
+    # The step's try it was lent for (`progress.steps[i].attempt` once it starts).
+    attempt: int
+    lent_at: datetime
+    worker_id: str | None = None
+    token: str | None = None
+    until: datetime | None = None
+    # The holder asked the borrower to stop (a step beside it failed the run).
+    stop: bool | None = None
+    outcome: StepOutcome | None = None
+
+
 class MapProgress(Document):
     """A map step's children: how many it made (the rest is counted from them when read)."""
 
@@ -309,22 +350,14 @@ class StepProgress(Document):
     error: str | None = None
     # A map step, once its children were made.
     map: MapProgress | None = None
+    # While the step is lent to another worker.
+    lease: StepLease | None = None
 
 
 class Progress(Document):
     summary: str = ""
     percentage: float = 0
     steps: list[StepProgress] = Field(default_factory=list)
-
-
-class RunError(Document):
-    code: str
-    message: str
-    step: str | None = None
-    # Set by the store, from the attempt the error ended.
-    attempt: int = 0
-    # The last frames of the exception, for the person reading a dead letter.
-    traceback: str | None = None
 
 
 WaitingReason = Literal[

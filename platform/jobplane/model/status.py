@@ -239,3 +239,58 @@ TRANSITIONS: dict[str, Transition] = {t.name: t for t in _ALL}
 ALLOWED: dict[RunStatus, frozenset[RunStatus]] = {
     status: frozenset(t.target for t in _ALL if status in t.sources) for status in RunStatus
 }
+
+
+class StepLeaseState(StrEnum):
+    """Where a step's own lease stands (`progress.steps[i].lease`): a step the run's holder
+    cannot run (its handler is offered elsewhere) is lent while the run's other steps run."""
+
+    # Not lent: the run's holder runs the step, or will.
+    NONE = "none"
+    # Lent, and waiting in its handler's lane for a worker to claim it.
+    LENT = "lent"
+    # A borrower holds it: its worker id, token and expiry, renewed by its heartbeat.
+    CLAIMED = "claimed"
+    # The borrower reported how the step ended; the run's holder writes that end.
+    REPORTED = "reported"
+
+
+class Writer(StrEnum):
+    """Who makes a step lease move, and so which lease fences it."""
+
+    # The run's lease holder: fenced by the run's lease.
+    HOLDER = "holder"
+    # A worker the step is lent to: its claim needs the run running and the step lent;
+    # its later moves are fenced by the step's lease.
+    BORROWER = "borrower"
+
+
+@dataclass(frozen=True)
+class StepMove:
+    """A step-level lease move: from any of `sources` to `target`, by `by`. None changes the
+    run's status: the run stays its holder's, and every run transition above stays whole."""
+
+    name: str
+    sources: frozenset[StepLeaseState]
+    target: StepLeaseState
+    by: Writer
+
+
+L = StepLeaseState
+STEP_MOVES: dict[str, StepMove] = {
+    m.name: m
+    for m in [
+        StepMove("lend", frozenset({L.NONE}), L.LENT, Writer.HOLDER),
+        # The step-level claim: a new token and expiry, and the step's try starts.
+        StepMove("claim_step", frozenset({L.LENT}), L.CLAIMED, Writer.BORROWER),
+        # The borrower shuts down before the step ends: lent again, to another worker.
+        StepMove("give_back", frozenset({L.CLAIMED}), L.LENT, Writer.BORROWER),
+        StepMove("report_step", frozenset({L.CLAIMED}), L.REPORTED, Writer.BORROWER),
+        # Nobody claimed it in time, or its borrower's lease ran out (a claimed step only
+        # then): the holder takes it back, to run elsewhere or to fail its try.
+        StepMove("take_back", frozenset({L.LENT, L.CLAIMED}), L.NONE, Writer.HOLDER),
+        # The holder writes the reported end as it would its own step's: the lease goes.
+        StepMove("settle", frozenset({L.REPORTED}), L.NONE, Writer.HOLDER),
+    ]
+}
+del L

@@ -6,6 +6,7 @@ from dataclasses import dataclass
 from datetime import datetime
 
 from jobplane.model import Run, StartLimits
+from jobplane.store.types import step_key
 
 
 @dataclass(frozen=True)
@@ -27,6 +28,12 @@ class QueueEntry:
         group = f"{run.scope}:{run.scope_id}" if run.fairness == "round_robin" else None
         limits = run.start_limits
         return cls(run.id, run.queue, run.priority, run.not_before, run.handler, group, limits)
+
+    @classmethod
+    def lent(cls, run: Run, index: int, handler: str) -> "QueueEntry":
+        """A step of `run` lent to a worker offering `handler`: in that handler's lane, with
+        its run's priority; no limit applies, the run has started."""
+        return cls(step_key(run.id, index), run.queue, run.priority, handler=handler)
 
     @property
     def capped(self) -> str | None:

@@ -21,6 +21,8 @@ from jobplane.model import (
     RunError,
     Schedule,
     StartLimits,
+    StepOutcome,
+    StepProgress,
     Template,
     TemplateSpec,
 )
@@ -221,6 +223,28 @@ class LeaseStore(Protocol):
     async def locks_taken(self, lease: Lease) -> Lost | None: ...
 
 
+class LendingStore(Protocol):
+    """Lent steps: the holder's lend, take-back and stop; a borrower's claim, renewal,
+    give-back and report (`model/status.py`, `STEP_MOVES`)."""
+
+    async def lend(
+        self, lease: Lease, index: int, step_id: str, handler: str, attempt: int
+    ) -> Lost | None: ...
+    async def claim(
+        self, run_id: str, index: int, worker_id: str, lease_seconds: float
+    ) -> tuple[Run, Lease] | None: ...
+    async def give_back(self, lease: Lease, step_id: str) -> Lost | None: ...
+    async def report(self, lease: Lease, outcome: StepOutcome) -> Lost | None: ...
+    async def take_back(
+        self, lease: Lease, index: int, step_id: str, token: str | None, reason: str
+    ) -> Lost | None: ...
+    async def ask_stop(self, lease: Lease, index: int) -> Lost | None: ...
+    async def steps(self, lease: Lease) -> list[StepProgress] | None: ...
+    async def heartbeat(
+        self, leases: Sequence[Lease], lease_seconds: float
+    ) -> tuple[set[str], set[str]]: ...
+
+
 class ChildStore(Protocol):
     """A map step's children, as their parent sees them."""
 
@@ -289,6 +313,7 @@ class Store(Protocol):
     children: ChildStore
     transitions: TransitionStore
     leases: LeaseStore
+    lending: LendingStore
     trail: TrailStore
     gates: GateStore
     maintenance: MaintenanceStore

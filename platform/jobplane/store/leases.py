@@ -1,9 +1,9 @@
 """What a lease holder writes besides its transitions: renewals, its steps' starts and ends,
-and progress. Each write is fenced by the lease (`writes.held_by`) and changes no status.
+and progress. Each write is fenced by the lease (`writes.fence`: the run's, or a lent step's
+for its borrower's start and progress) and changes no status.
 """
 
 from collections.abc import Sequence
-from dataclasses import replace
 from datetime import datetime, timedelta
 from typing import Any
 
@@ -12,8 +12,8 @@ from bson import ObjectId
 from jobplane.model import LEASED, RunStatus, StepStatus
 from jobplane.store import convert, steps
 from jobplane.store.convert import STATE_FIELDS, Doc, known_owner, owner
-from jobplane.store.types import Known, Lease, Lost, StepEnd
-from jobplane.store.writes import RunWrites, TrailEntry, held_by, recorded
+from jobplane.store.types import Lease, Lost, StepEnd
+from jobplane.store.writes import RunWrites, TrailEntry
 
 
 class MongoLeaseStore:
@@ -74,9 +74,11 @@ class MongoLeaseStore:
         are not over at once."""
         now = self._clock.now()
         started, events = steps.unwritten_start(index, step_id, at or now, attempt)
+        if lease.step is not None:
+            del started["phase"]  # the run's phase is its holder's: a lent step runs beside it
         s = f"progress.steps.{index}"
         update = {**started, f"{s}.status": StepStatus.RUNNING, f"{s}.percentage": 0}
-        return await self._fenced(lease, "start_step", {"$set": update}, events, now)
+        return await self._writes.fenced(lease, "start_step", {"$set": update}, events, now)
 
     async def wait_step(
         self, lease: Lease, index: int, step_id: str, total: int, at: datetime, attempt: int
@@ -88,7 +90,7 @@ class MongoLeaseStore:
         s = f"progress.steps.{index}"
         update = {**started, f"{s}.status": StepStatus.WAITING, f"{s}.map": {"total": total}}
         events.append(("children_created", None, {"step": step_id, "total": total}))
-        return await self._fenced(lease, "wait_step", {"$set": update}, events, now)
+        return await self._writes.fenced(lease, "wait_step", {"$set": update}, events, now)
 
     async def finish_step(
         self,
@@ -111,12 +113,12 @@ class MongoLeaseStore:
             "progress.percentage": percentage,
         }
         events.append(("step_finished", None, {"step": step_id}))
-        write: Doc = {"$set": update}
+        write: Doc = {"$set": update, "$unset": steps.unlent([index])}
         if next_handler is None:
-            write["$unset"] = {"handler": ""}
+            write["$unset"]["handler"] = ""
         else:
             update["handler"] = next_handler
-        return await self._fenced(lease, "finish_step", write, events, now)
+        return await self._writes.fenced(lease, "finish_step", write, events, now)
 
     async def end_steps(
         self, lease: Lease, ends: Sequence[StepEnd], percentage: float
@@ -129,8 +131,12 @@ class MongoLeaseStore:
             fields, entries = steps.ended(end, now)
             update |= fields
             events += entries
-        write = {"$set": update, "$max": {"progress.percentage": percentage}}
-        return await self._fenced(lease, "end_steps", write, events, now)
+        write = {
+            "$set": update,
+            "$max": {"progress.percentage": percentage},
+            "$unset": steps.unlent([end.index for end in ends]),
+        }
+        return await self._writes.fenced(lease, "end_steps", write, events, now)
 
     async def report_progress(
         self,
@@ -147,50 +153,13 @@ class MongoLeaseStore:
             update["progress.summary"] = message
         # $max: the run's progress never goes back, whatever order writes land in.
         write = {"$set": update, "$max": {"progress.percentage": percentage}}
-        return await self._fenced(lease, "progress", write, [], self._clock.now())
+        return await self._writes.fenced(lease, "progress", write, [], self._clock.now())
 
     async def locks_taken(self, lease: Lease) -> Lost | None:
         """The run took the locks it was handed back for: it waits for none now."""
         write = {"$set": {}, "$unset": {"lockWait": ""}}
-        return await self._fenced(lease, "locks_taken", write, [], self._clock.now())
+        return await self._writes.fenced(lease, "locks_taken", write, [], self._clock.now())
 
     async def lease_lost(self, lease: Lease, what: str) -> Lost:
         """Record why `lease` no longer holds its run (for a loss the worker found itself)."""
         return await self._writes.lost(lease.run_id, lease, what, known_owner(lease.known))
-
-    async def _fenced(
-        self, lease: Lease, what: str, update: Doc, events: Sequence[TrailEntry], now: datetime
-    ) -> Lost | None:
-        """A lease holder's write that changes no status, allowed while the lease is held."""
-        run_owner = known_owner(lease.known)
-        query = {
-            "_id": ObjectId(lease.run_id),
-            **run_owner,
-            "status": {"$in": sorted(LEASED)},
-            **held_by(lease.worker_id, lease.token),
-        }
-        update["$set"]["updateAt"] = now
-        update["$inc"] = {"version": 1}
-        if not events:
-            # Without events the write names no state it moves the run from, so the lease is
-            # its whole condition: a heartbeat that moved the version cannot make it miss.
-            if not await self._writes.guarded(query, update):
-                return await self._writes.lost(lease.run_id, lease, what, run_owner)
-            if lease.known is not None:
-                # Exact unless another write landed meanwhile; then the next write that needs
-                # the version misses once and reads it.
-                lease.known = replace(lease.known, version=lease.known.version + 1)
-            return None
-
-        def trail(state: Known) -> list[Doc]:
-            return recorded(lease.run_id, lease.actor, state, now, events)
-
-        written = await self._writes.write(
-            query, lambda _: update, lease.known, LEASED, None, trail
-        )
-        if written is None:
-            return await self._writes.lost(lease.run_id, lease, what, run_owner)
-        state, appended = written
-        lease.known = replace(state, version=state.version + 1)
-        await self._trail.hand(appended)
-        return None

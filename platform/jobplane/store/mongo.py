@@ -20,6 +20,7 @@ from jobplane.store.database import Collections
 from jobplane.store.gates import MongoGateStore
 from jobplane.store.keys import MongoKeyStore
 from jobplane.store.leases import MongoLeaseStore
+from jobplane.store.lending import MongoLendingStore
 from jobplane.store.locks import MongoLockStore
 from jobplane.store.maintenance import MongoMaintenanceStore
 from jobplane.store.overview import MongoOverviewStore
@@ -62,6 +63,7 @@ class MongoStore:
         self.gates: abc.GateStore = gates
         self.transitions: abc.TransitionStore = MongoTransitionStore(writes, gates)
         self.leases: abc.LeaseStore = MongoLeaseStore(writes)
+        self.lending: abc.LendingStore = MongoLendingStore(writes)
         self.maintenance: abc.MaintenanceStore = MongoMaintenanceStore(db, self.clock)
         self.overview: abc.OverviewStore = MongoOverviewStore(db)
 

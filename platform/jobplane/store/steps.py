@@ -11,6 +11,9 @@ from jobplane.store.writes import TrailEntry
 # Array filters: the steps a worker was in, and steps that will not run now (a step that failed
 # in an earlier attempt is retried later, so it counts as not done).
 RUNNING_STEP = {"r.status": StepStatus.RUNNING}
+# The steps the run's holder was in, which a hand-back makes pending again; a step lent to
+# another worker runs on under its own lease, and the run's next holder waits for its end.
+HELD_STEP: Doc = {"r.status": StepStatus.RUNNING, "r.lease": {"$exists": False}}
 # A map step waiting for its children: a hand-back leaves it waiting (the children go on), and
 # an end of the run stops it with the step the run was in.
 WAITING_STEP = {"w.status": StepStatus.WAITING}
@@ -19,6 +22,12 @@ UNDONE_STEP = {
     # A step that failed for good with `onFailure: continue` is done.
     "p.final": {"$ne": True},
 }
+
+
+def unlent(indexes: list[int]) -> Doc:
+    """The `$unset` of ended steps' leases: a lent step's end, written by its run's holder
+    from the borrower's report, settles the lease (`STEP_MOVES["settle"]`)."""
+    return {f"progress.steps.{i}.lease": "" for i in indexes}
 
 
 def unwritten_start(

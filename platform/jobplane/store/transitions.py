@@ -29,7 +29,7 @@ from jobplane.model import (
 from jobplane.store import convert, rows, steps
 from jobplane.store.convert import NO_TRAIL, OWNER_FIELDS, Doc, known_owner, merged, object_id
 from jobplane.store.gates import MongoGateStore
-from jobplane.store.steps import RUNNING_STEP, UNDONE_STEP, WAITING_STEP
+from jobplane.store.steps import HELD_STEP, RUNNING_STEP, UNDONE_STEP, WAITING_STEP
 from jobplane.store.types import Admission, Known, Lease, Lost, Moved
 from jobplane.store.writes import RunWrites, TrailEntry, held_by, recorded
 
@@ -292,6 +292,7 @@ class MongoTransitionStore:
             lease=lease,
             spend_key=spend_key,
             set_=set_,
+            unset=list(steps.unlent([index])) if index is not None else (),
             before=before,
         )
 
@@ -343,7 +344,7 @@ class MongoTransitionStore:
             lease.actor,
             lease=lease,
             set_=set_,
-            array_filters=[RUNNING_STEP],
+            array_filters=[HELD_STEP],
             message=message,
         )
 
@@ -478,6 +479,7 @@ class MongoTransitionStore:
             lease=lease,
             error=error,
             set_={**started, **failed, **(more or {})},
+            unset=list(steps.unlent([index])),
             before=before,
             message=error.message,
             also=also,
@@ -494,10 +496,11 @@ class MongoTransitionStore:
         )
         lost = ("lease_expired", f"lease of {run.locked_by} expired", {"attempt": run.attempt})
         set_: Doc = {"progress.steps.$[r].status": step}
-        filters = [RUNNING_STEP]
-        if TRANSITIONS[name].ends:  # a map step waiting stops with the run; requeued, it waits on
+        # Requeued, a map step waits on and a lent step runs on; an end stops both.
+        filters: list[Doc] = [HELD_STEP]
+        if TRANSITIONS[name].ends:
             set_["progress.steps.$[w].status"] = step
-            filters.append(WAITING_STEP)
+            filters = [RUNNING_STEP, WAITING_STEP]
         return await self._apply(
             name,
             run.id,

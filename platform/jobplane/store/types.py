@@ -73,10 +73,33 @@ class Lease:
     token: str
     # Kept up to date by the store after each write made with this lease.
     known: Known | None = field(default=None, compare=False, repr=False)
+    # A step lease: the worker holds step `step` of the run, lent to it, not the run; its
+    # writes are fenced by the step's lease (`progress.steps[step].lease`).
+    step: int | None = None
 
     @property
     def actor(self) -> str:
         return worker_actor(self.worker_id)
+
+    @property
+    def key(self) -> str:
+        """What the lease holds: the run's id, or a lent step's queue entry id."""
+        return self.run_id if self.step is None else step_key(self.run_id, self.step)
+
+
+# What separates a run's id from a lent step's index in the step's queue entry id.
+STEP_MARK = "#"
+
+
+def step_key(run_id: str, index: int) -> str:
+    """A lent step's queue entry id: its run's id and its index."""
+    return f"{run_id}{STEP_MARK}{index}"
+
+
+def step_of(key: str) -> tuple[str, int] | None:
+    """The run id and step index of a lent step's queue entry id; None for a run's."""
+    run_id, mark, index = key.partition(STEP_MARK)
+    return (run_id, int(index)) if mark else None
 
 
 @dataclass(frozen=True)

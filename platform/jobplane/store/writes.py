@@ -10,7 +10,7 @@ matches nothing is a lost race, reported as `Lost`.
 """
 
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from datetime import datetime
 from typing import Any
 
@@ -20,9 +20,16 @@ from pymongo.errors import BulkWriteError, DuplicateKeyError, WriteError
 
 from jobplane.clock import Clock
 from jobplane.groupcommit import GroupCommit
-from jobplane.model import RunStatus
+from jobplane.model import LEASED, RunStatus
 from jobplane.store import convert
-from jobplane.store.convert import DUPLICATE_KEY, STATE_FIELDS, Doc, identity, merged
+from jobplane.store.convert import (
+    DUPLICATE_KEY,
+    STATE_FIELDS,
+    Doc,
+    identity,
+    known_owner,
+    merged,
+)
 from jobplane.store.database import Collections
 from jobplane.store.trail import MongoTrailStore
 from jobplane.store.types import Known, Lease, Lost
@@ -35,6 +42,18 @@ def held_by(worker_id: str, token: str) -> Doc:
     """The fence of a lease holder's write: the run is still leased to this worker under this
     token. A lease once lost never comes back, so a write it lets through was the holder's."""
     return {"lockedBy": worker_id, "leaseToken": token}
+
+
+# What `lost` reads to tell a step lease's loss from its run's.
+_WITH_STEP_LEASES = {**STATE_FIELDS, "progress.steps.lease": 1}
+
+
+def fence(lease: Lease) -> Doc:
+    """The fence of `lease`'s writes: the run's lease, or for a step lease the step's."""
+    if lease.step is None:
+        return held_by(lease.worker_id, lease.token)
+    s = f"progress.steps.{lease.step}.lease"
+    return {f"{s}.workerId": lease.worker_id, f"{s}.token": lease.token}
 
 
 def recorded(
@@ -132,6 +151,49 @@ class RunWrites:
                 return state, trail
             state = None
 
+    async def fenced(
+        self,
+        lease: Lease,
+        what: str,
+        update: Doc,
+        events: Sequence[TrailEntry],
+        now: datetime,
+        where: Doc | None = None,
+    ) -> Lost | None:
+        """A lease holder's write that changes no status, allowed while the lease is held
+        (and `where` holds: a lent step's lease state, for a step lease move)."""
+        run_owner = known_owner(lease.known)
+        query = {
+            "_id": ObjectId(lease.run_id),
+            **run_owner,
+            "status": {"$in": sorted(LEASED)},
+            **fence(lease),
+            **(where or {}),
+        }
+        update["$set"]["updateAt"] = now
+        update["$inc"] = {"version": 1}
+        if not events:
+            # Without events the write names no state it moves the run from, so the lease is
+            # its whole condition: a heartbeat that moved the version cannot make it miss.
+            if not await self.guarded(query, update):
+                return await self.lost(lease.run_id, lease, what, run_owner)
+            if lease.known is not None:
+                # Exact unless another write landed meanwhile; then the next write that needs
+                # the version misses once and reads it.
+                lease.known = replace(lease.known, version=lease.known.version + 1)
+            return None
+
+        def trail(state: Known) -> list[Doc]:
+            return recorded(lease.run_id, lease.actor, state, now, events)
+
+        written = await self.write(query, lambda _: update, lease.known, LEASED, None, trail)
+        if written is None:
+            return await self.lost(lease.run_id, lease, what, run_owner)
+        state, appended = written
+        lease.known = replace(state, version=state.version + 1)
+        await self.trail.hand(appended)
+        return None
+
     async def guarded(self, query: Doc, update: Doc) -> bool:
         """A write with no events, filtered on `query` alone (a lease holder's progress);
         whether it applied."""
@@ -143,11 +205,16 @@ class RunWrites:
         oid = convert.object_id(run_id)
         if oid is None:
             return Lost(run_id, "missing")
-        doc = await self.db.runs.find_one({"_id": oid, **owner}, STATE_FIELDS)
+        fields = STATE_FIELDS if lease is None or lease.step is None else _WITH_STEP_LEASES
+        doc = await self.db.runs.find_one({"_id": oid, **owner}, fields)
         if doc is None:
             return Lost(run_id, "missing")
         status = RunStatus(doc["status"])
         holder = (doc.get("lockedBy"), doc.get("leaseToken"))
+        if lease is not None and lease.step is not None:
+            steps = doc.get("progress", {}).get("steps", [])
+            step = steps[lease.step].get("lease") or {} if lease.step < len(steps) else {}
+            holder = (step.get("workerId"), step.get("token"))
         if lease is not None and holder != (lease.worker_id, lease.token):
             meta = {"write": what, "lease": lease.token[:8], "worker": lease.worker_id}
             # No run write to ride on: the event is inserted on its own.

@@ -7,7 +7,7 @@ Decisions only; the runner (`worker/runner.py`) runs the steps and writes their 
 from dataclasses import dataclass, field
 from typing import Any
 
-from jobplane.model import Run, StepStatus, Template
+from jobplane.model import Run, StepLease, StepStatus, Template
 from jobplane.model.graph import ENDED
 
 
@@ -27,6 +27,8 @@ class Flow:
     done: int = field(init=False)
     # The map steps that made their children already, with how many.
     made: dict[int, int] = field(init=False)
+    # The steps an earlier holder lent to other workers that have not ended: watched, not run.
+    lent: dict[int, StepLease] = field(init=False)
 
     def __post_init__(self) -> None:
         steps = self.run.progress.steps
@@ -44,6 +46,13 @@ class Flow:
         self.made = {i: s.map.total for i, s in enumerate(steps) if s.map is not None}
         self.outputs = dict(self.run.outputs)
         self.tries = [s.attempt for s in steps]
+        self.lent = {
+            i: s.lease
+            for i, s in enumerate(steps)
+            if s.lease is not None and s.status in (StepStatus.PENDING, StepStatus.RUNNING)
+        }
+        for i, lent in self.lent.items():
+            self.tries[i] = max(self.tries[i], lent.attempt)
         self.done = sum(1 for s in self.statuses if _ended(s))
 
     def end(self, index: int, status: StepStatus) -> None:

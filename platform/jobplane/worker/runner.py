@@ -17,7 +17,8 @@ from dataclasses import dataclass, field, replace
 from typing import Any, Literal
 
 from jobplane.clock import Clock
-from jobplane.model import TERMINAL, Run, RunError, StepStatus, Template
+from jobplane.model import TERMINAL, Run, RunError, StepOutcome, StepStatus, Template
+from jobplane.model.graph import ENDED
 from jobplane.process import log_context
 from jobplane.queue.locks import Blocked
 from jobplane.runs.admission.keys import lock_id, lock_named
@@ -38,6 +39,7 @@ from jobplane.worker.context import (
 from jobplane.worker.fanout import ChildrenActive, Fanout, MapFailed
 from jobplane.worker.flow import Flow
 from jobplane.worker.handlers import HandlerRegistry
+from jobplane.worker.lending import HolderLost, Lending, LentFailed, TakenBack
 
 log = logging.getLogger("jobplane.worker")
 
@@ -97,6 +99,10 @@ class _Step:
     ctx: StepContext | None = None
     # The locks taken for it, let go once its end is written.
     locks: list[str] = field(default_factory=list)
+    # Lent to a worker offering this handler, which this one lacks (`worker/lending.py`).
+    lent: str | None = None
+    # A step beside it failed the run: it is asked to stop.
+    stop_asked: bool = False
 
     @property
     def unwritten_start(self) -> StepStart | None:
@@ -187,6 +193,8 @@ class Runner:
     locks: Locks
     # Makes map steps' children.
     service: RunService
+    # Lends steps whose handler this worker lacks to workers that offer it.
+    lending: Lending
     # Versions are immutable, so a template cached never goes stale.
     _templates: dict[tuple[str, int], Template] = field(default_factory=dict, init=False)
     _fanout: Fanout = field(init=False)
@@ -240,6 +248,47 @@ class Runner:
         except Exception:
             log.exception("run %s: worker error", held.run.id)
 
+    async def run_lent(self, held: Held) -> None:
+        """Run the step lent to this worker (`held.lease.step`) and report how it ended: its
+        run's holder writes that end. Raises nothing: an error is logged, and the step's
+        lease expires."""
+        run, lease = held.run, held.lease
+        assert lease.step is not None, "a step lease"
+        lent = run.progress.steps[lease.step].lease
+        try:
+            template = await self._template(run)
+            if template is None or lent is None:
+                raise RuntimeError(f"run {run.id}: step {lease.step} lent, but not to be found")
+            done = sum(1 for s in run.progress.steps if s.status in ENDED)
+            at = HeldStep(run, lease, template, lease.step, done)
+            step = _Step(at, StepStart(self.clock.now(), lent.attempt))
+            status, output, error, retryable = StepStatus.SUCCEEDED, None, None, False
+            try:
+                output = await self._call(held, step, dict(run.outputs))
+            except CancelRequested:
+                status = StepStatus.CANCELLED
+            except _Overdue:
+                return  # the run's deadline passed: its holder, or the reaper, ends it
+            except _Stopped as stopped:
+                if stopped.reason != "lost":
+                    await self.lending.give_back(at, lent.handler)
+                return
+            except Exception as exc:
+                status, error = StepStatus.FAILED, step_failure(exc, at.id)
+                retryable = not isinstance(exc, FatalError)
+            outcome = StepOutcome(
+                status=status,
+                output=output,
+                error=error,
+                retryable=retryable,
+                started_at=step.start.at,
+                start_written=step.start_written,
+            )
+            if isinstance(await self.store.lending.report(lease, outcome), Lost):
+                log.warning("run %s: step %s ended, but its lease was lost first", run.id, at.id)
+        except Exception:
+            log.exception("run %s: lent step %s: worker error", run.id, lease.step)
+
     async def _wait_for_lock(self, held: Held, blocked: Blocked) -> None:
         """Hand the run back to wait for a lock its step found held, or finish a cancel."""
         wait, until = self.locks.wait(held.run, blocked, self.clock.now())
@@ -275,6 +324,12 @@ class Runner:
             await self._complete_ended(held, flow)
             return
         walk = _Walk()
+        for index, lent in flow.lent.items():  # lent by an earlier holder, and not ended yet
+            at = HeldStep(run, lease, template, index, flow.done)
+            start = StepStart(lent.lent_at, lent.attempt)
+            step = _Step(at, start, start_written=True, lent=lent.handler)
+            flow.running.add(index)
+            walk.running[asyncio.ensure_future(self._watch(held, step, walk))] = step
         while True:
             if walk.stopping is None and walk.failure is None:
                 try:
@@ -288,7 +343,7 @@ class Runner:
                     done = asyncio.get_running_loop().create_future()
                     try:
                         with log_context(step=step.at.id):
-                            done.set_result(await self._work(held, step, flow))
+                            done.set_result(await self._work(held, step, flow, walk))
                     except Exception as exc:
                         done.set_exception(exc)
                     if await self._step_ended(held, flow, walk, step, done):
@@ -296,7 +351,7 @@ class Runner:
                     continue
                 for step in starting:
                     with log_context(step=step.at.id):  # the task copies the context
-                        task = asyncio.ensure_future(self._work(held, step, flow))
+                        task = asyncio.ensure_future(self._work(held, step, flow, walk))
                     walk.running[task] = step
             if not walk.running:
                 break
@@ -343,6 +398,9 @@ class Runner:
                 step.start_written = True  # with its children's number
                 flow.wait(step.at.index)
                 return False
+            except TakenBack:
+                flow.tries[step.at.index] -= 1  # never tried: ready again, to be handed on
+                return False
             except (CancelRequested, _Stopped, _Overdue):
                 if not self._asked_aside(held, future, step):
                     raise
@@ -382,6 +440,8 @@ class Runner:
         while True:
             # A pass's false `when`s are written together, then the pass looks again.
             skips: list[StepEnd] = []
+            # Ready steps whose handler only other workers offer.
+            elsewhere: list[tuple[HeldStep, str]] = []
             for index in flow.ready:
                 step = template.steps[index]
                 at = HeldStep(held.run, held.lease, template, index, flow.done)
@@ -414,7 +474,10 @@ class Runner:
                     continue
                 assert step.handler is not None, "every step but a map step has a handler"
                 if step.handler not in self.offered:
-                    walk.alone = walk.alone or _HandOff(step.handler)
+                    if step.locks:  # a step's own locks are its run holder's to take
+                        walk.alone = walk.alone or _HandOff(step.handler)
+                    else:
+                        elsewhere.append((at, step.handler))
                     continue
                 try:
                     taken = await self._take_locks(held, at)
@@ -435,12 +498,64 @@ class Runner:
                 for skip in skips:
                     flow.end(skip.index, StepStatus.SKIPPED)
                 continue
+            if elsewhere and (walk.running or starting):
+                # Others run here meanwhile: lent, to run beside them on another worker.
+                for at, handler in elsewhere:
+                    try:
+                        starting.append(await self._lend(held, flow, at, handler))
+                    except BaseException:
+                        await self._unprepare(held, flow, starting)
+                        raise
+            elif elsewhere:
+                walk.alone = walk.alone or _HandOff(elsewhere[0][1])
             if walk.running or starting:
                 walk.alone = None
             return starting
 
+    async def _lend(self, held: Held, flow: Flow, at: HeldStep, handler: str) -> _Step:
+        """Lend step `at` to a worker offering `handler`: a step of the walk, watched."""
+        try_ = flow.tries[at.index] + 1
+        self._check(held.run, await self.lending.lend(at, handler, try_))
+        flow.tries[at.index] = try_
+        flow.running.add(at.index)
+        log.info("run %s: step %s lent to a worker offering %r", held.run.id, at.id, handler)
+        return _Step(at, StepStart(self.clock.now(), try_), lent=handler)
+
+    async def _watch(self, held: Held, step: _Step, walk: _Walk) -> Any:
+        """Wait for a lent step's end, as its borrower reports it: its output, or what it
+        raised, as if it had run here."""
+
+        def check() -> None:
+            if held.stop is not None:
+                raise _Stopped(held.stop)
+            if self._time_left(held.run) == 0:
+                raise _Overdue
+
+        def idle() -> bool:
+            return all(s.lent is not None for s in walk.running.values())
+
+        assert step.lent is not None
+        try:
+            outcome = await self.lending.watch(
+                step.at, step.lent, check, lambda: step.stop_asked, idle
+            )
+        except HolderLost:
+            raise _Stopped("lost") from None
+        except LentFailed:
+            step.start_written = True  # its borrower's, if it wrote one
+            raise
+        step.start = StepStart(outcome.started_at, step.start.attempt)
+        step.start_written = outcome.start_written
+        if outcome.status == StepStatus.CANCELLED:
+            raise CancelRequested(held.run.id, interrupted=True)
+        if outcome.status == StepStatus.FAILED:
+            assert outcome.error is not None, "a failure reported with its error"
+            raise LentFailed(outcome.error, outcome.retryable)
+        return outcome.output
+
     async def _unprepare(self, held: Held, flow: Flow, starting: list[_Step]) -> None:
-        """Steps prepared to start that will not: their tries and locks are given back."""
+        """Steps prepared to start that will not: their tries and locks are given back (a
+        step lent meanwhile is taken back by the run's next holder, or ends with the run)."""
         for prepared in starting:
             flow.running.discard(prepared.at.index)
             flow.tries[prepared.at.index] -= 1
@@ -489,6 +604,8 @@ class Runner:
         is; a later one is written with it), and the run is tried again or fails."""
         at = step.at
         error, retryable = step_failure(exc, at.id), not isinstance(exc, FatalError)
+        if isinstance(exc, LentFailed):  # its borrower's error, as it reported it
+            error, retryable = exc.error, exc.retryable
         if isinstance(exc, MapFailed):  # the platform's own words, not a handler's exception
             error = RunError(code=exc.code, message=str(exc), step=at.id)
         run = held.run
@@ -537,7 +654,7 @@ class Runner:
     @staticmethod
     def _asked_aside(held: Held, future: asyncio.Future[Any], step: _Step) -> bool:
         """The step stopped because a step beside it failed the run, not for a cancel."""
-        asked = step.ctx is not None and step.ctx.cancel_asked
+        asked = step.stop_asked or (step.ctx is not None and step.ctx.cancel_asked)
         return (
             asked and isinstance(future.exception(), CancelRequested) and not held.cancel.is_set()
         )
@@ -553,8 +670,10 @@ class Runner:
 
     @staticmethod
     def _cancel_all(running: dict[asyncio.Future[Any], _Step]) -> None:
-        """A step failed the run: the steps beside it are asked to stop."""
+        """A step failed the run: the steps beside it are asked to stop (a lent step's
+        watch tells its borrower)."""
         for step in running.values():
+            step.stop_asked = True
             if step.ctx is not None:
                 step.ctx.cancel_asked = True
 
@@ -590,9 +709,12 @@ class Runner:
         except Exception as exc:
             log.warning("run %s: locks %s not let go, they expire: %s", held.run.id, lock_ids, exc)
 
-    async def _work(self, held: Held, running: _Step, flow: Flow) -> Any:
-        """Do a step's work: a map step's fan-out, or its handler's call."""
+    async def _work(self, held: Held, running: _Step, flow: Flow, walk: _Walk) -> Any:
+        """Do a step's work: a map step's fan-out, a lent step's watch, or its handler's
+        call."""
         at = running.at
+        if running.lent is not None:
+            return await self._watch(held, running, walk)
         if at.template.steps[at.index].worker_type == "map":
             made = flow.made.get(at.index)
             return await self._fanout.run(at, running.start, flow.activation(), made)

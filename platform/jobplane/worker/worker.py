@@ -27,7 +27,9 @@ from jobplane.runs.lifecycle import Lifecycle
 from jobplane.runs.service import RunService
 from jobplane.settings import Settings
 from jobplane.store import Store
+from jobplane.store.types import step_of
 from jobplane.worker.handlers import HandlerRegistry, registry
+from jobplane.worker.lending import Lending
 from jobplane.worker.runner import Held, Runner
 
 log = logging.getLogger("jobplane.worker")
@@ -69,6 +71,8 @@ class Worker:
         # Sync handlers get a thread each, up to the concurrency: none waits for a free thread.
         self._threads = ThreadPoolExecutor(settings.worker_concurrency, "jobplane-step")
         self.locks = Locks(store, queue, settings.lease_seconds)
+        # The steps lent to this worker that it runs now, by queue entry id (`Lease.key`).
+        self.borrowed: dict[str, Held] = {}
         self.runner = Runner(
             store,
             self.lifecycle,
@@ -79,6 +83,7 @@ class Worker:
             self._renew,
             self.locks,
             RunService(store, queue, self.lifecycle),
+            Lending(store, queue, self.clock, settings.lease_seconds),
         )
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -112,8 +117,8 @@ class Worker:
             # The loops end on `_closing`. Cancellation is only a backstop: a cancel that lands
             # inside a driver's network call can be absorbed there and never reach the loop.
             self._closing.set()
-            for held in list(self.held.values()):
-                held.interrupt("shutdown")  # each run then releases itself
+            for held in self._holding():
+                held.interrupt("shutdown")  # each run then releases itself, each step gives back
             ending = [*self._tasks(), *loops]
             _, late = await asyncio.wait(ending, timeout=self.settings.close_seconds)
             if late:
@@ -138,11 +143,15 @@ class Worker:
         # would otherwise wait for the reconciler). A claim MongoDB does not answer is cut
         # short: a lease it may have granted expires.
         await finish_within(claiming, max(seconds, self.settings.poll_seconds), "the claim loop")
-        if self.held:
+        if self._tasks():
             await asyncio.wait(self._tasks(), timeout=max(0.0, drained - loop.time()))
 
+    def _holding(self) -> list[Held]:
+        """The runs this worker holds and the steps lent to it."""
+        return [*self.held.values(), *self.borrowed.values()]
+
     def _tasks(self) -> list[asyncio.Task[None]]:
-        return [h.task for h in self.held.values() if h.task]
+        return [h.task for h in self._holding() if h.task]
 
     # -- claiming ------------------------------------------------------------------------------
 
@@ -160,7 +169,7 @@ class Worker:
         # The queues paused at the last pop, whose lanes a blocking pop does not wait on.
         paused: frozenset[str] = frozenset()
         while not stop.is_set():
-            free = concurrency - len(self.held)
+            free = concurrency - len(self.held) - len(self.borrowed)
             if free <= 0 or (backlog and free < concurrency // 4 and gathered < CLAIM_GATHER):
                 self._slot_free.clear()
                 waited = time.monotonic()
@@ -184,8 +193,12 @@ class Worker:
                 paused = popped.paused
                 due = popped.next_due or now + timedelta(seconds=self.settings.poll_seconds)
                 backlog = len(popped.run_ids) == free
-                if popped.run_ids:
-                    await self.claim(popped.run_ids, popped.limits)
+                lent = [key for key in popped.run_ids if step_of(key) is not None]
+                if lent:
+                    await self.borrow(lent)
+                if len(lent) < len(popped.run_ids):
+                    runs = [key for key in popped.run_ids if step_of(key) is None]
+                    await self.claim(runs, popped.limits)
             except Exception:
                 # MongoDB or Redis unreachable: back off, the runs wait safely where they are.
                 log.exception("claim failed; retrying")
@@ -209,6 +222,21 @@ class Worker:
                 with log_context(run_id=run.id, lease_token=lease.token):
                     held.task = asyncio.create_task(self._execute(held))
 
+    async def borrow(self, keys: list[str]) -> None:
+        """Claim the steps lent among `keys` (their queue entry ids) that are lent still, and
+        run them."""
+        for key in keys:
+            step = step_of(key)
+            assert step is not None, key
+            claimed = await self.store.lending.claim(*step, self.id, self.settings.lease_seconds)
+            if claimed is None:
+                continue
+            run, lease = claimed
+            held = Held(run, lease)
+            self.borrowed[key] = held
+            with log_context(run_id=run.id, lease_token=lease.token):
+                held.task = asyncio.create_task(self._execute_lent(held))
+
     # -- executing -----------------------------------------------------------------------------
 
     async def _execute(self, held: Held) -> None:
@@ -216,6 +244,13 @@ class Worker:
             await self.runner.run(held)
         finally:
             self.held.pop(held.run.id, None)
+            self._slot_free.set()
+
+    async def _execute_lent(self, held: Held) -> None:
+        try:
+            await self.runner.run_lent(held)
+        finally:
+            self.borrowed.pop(held.lease.key, None)
             self._slot_free.set()
 
     # -- leases and signals --------------------------------------------------------------------
@@ -233,11 +268,11 @@ class Worker:
         beat = time.monotonic()
         while True:
             try:
-                await self._renew(list(self.held.values()))
+                await self._renew(self._holding())
                 await self.queue.mark_alive(
                     self.id,
                     3 * self.settings.heartbeat_seconds,
-                    len(self.held),
+                    len(self.held) + len(self.borrowed),
                     self.settings.queues,
                     self.offered,
                 )
@@ -246,7 +281,7 @@ class Worker:
             # Unrenewed past the lease length (MongoDB unreachable, the process stalled): the
             # reaper may have given the run to another worker, so stop working on it.
             deadline = time.monotonic() - self.settings.lease_seconds
-            for held in list(self.held.values()):
+            for held in self._holding():
                 if held.renewed < deadline and held.busy and held.stop is None:
                     log.warning(
                         "run %s: lease not renewed in time; stopping",
@@ -266,12 +301,17 @@ class Worker:
             return
         ttl = self.settings.lease_seconds
         asked = time.monotonic()
-        kept, cancel = await self.store.leases.heartbeat(self.id, [h.lease for h in helds], ttl)
-        await self._renew_locks([h for h in helds if h.run.id in kept and h.locks])
+        runs = [h.lease for h in helds if h.lease.step is None]
+        steps = [h.lease for h in helds if h.lease.step is not None]
+        kept, cancel = await self.store.leases.heartbeat(self.id, runs, ttl)
+        if steps:
+            kept_steps, stop_steps = await self.store.lending.heartbeat(steps, ttl)
+            kept, cancel = kept | kept_steps, cancel | stop_steps
+        await self._renew_locks([h for h in helds if h.lease.key in kept and h.locks])
         for held in helds:
-            if held.run.id in kept:
+            if held.lease.key in kept:
                 held.renewed = asked
-                if held.run.id in cancel:
+                if held.lease.key in cancel:
                     held.cancel.set()
             else:
                 # Not renewed means lost only while a handler runs: then no write of the worker's
@@ -307,9 +347,14 @@ class Worker:
     async def _cancel_listener(self) -> None:
         while not self._closing.is_set():
             try:
-                async for run_id in self.queue.cancel_signals(until=self._closing):
-                    if run_id in self.held:
-                        self.held[run_id].cancel.set()
+                async for key in self.queue.cancel_signals(until=self._closing):
+                    # A run's id (its holder, and the steps of it lent here), or a lent
+                    # step's key (its holder asks it to stop).
+                    if key in self.held:
+                        self.held[key].cancel.set()
+                    for lent in self.borrowed.values():
+                        if key in (lent.run.id, lent.lease.key):
+                            lent.cancel.set()
             except Exception:
                 # Heartbeats also carry cancels from MongoDB, so a gap here only adds latency.
                 log.warning("cancel listener lost Redis; reconnecting")
