@@ -84,7 +84,8 @@ TEMPLATES: list[Doc] = [
         "steps": [
             {"id": "first", "handler": "builtin.echo"},
             {"id": "left", "handler": "chaos.nap", "needs": ["first"]},
-            {"id": "right", "handler": "chaos.nap", "needs": ["first"]},
+            # Offered by some workers only: the others lend it.
+            {"id": "right", "handler": "chaos.far", "needs": ["first"]},
             {
                 "id": "never",
                 "handler": "builtin.echo",
@@ -176,23 +177,28 @@ class Cluster:
         self.schedulers: list[subprocess.Popen[bytes]] = []
         # Processes a fault ended on purpose; reaped at close.
         self.dead: list[subprocess.Popen[bytes]] = []
+        # The workers that offer `chaos.far` (every other one).
+        self.far: list[subprocess.Popen[bytes]] = []
         self._spawned = 0
 
-    def spawn(self, command: str) -> subprocess.Popen[bytes]:
+    def spawn(self, command: str, far: bool = False) -> subprocess.Popen[bytes]:
         self._spawned += 1
-        return spawn(
+        proc = spawn(
             self.settings,
             command,
             self.folder / f"{command}-{self._spawned}.log",
             # The suite's handlers import from here, whatever else the path holds.
             PYTHONPATH=os.pathsep.join(filter(None, [str(ROOT), os.environ.get("PYTHONPATH")])),
-            JOBPLANE_HANDLERS="tests.chaos.steps",
+            JOBPLANE_HANDLERS="tests.chaos.steps" + (",tests.chaos.far" if far else ""),
             CHAOS_TRACE=str(self.trace),
         )
+        if far:
+            self.far.append(proc)
+        return proc
 
     async def start(self, workers: int, schedulers: int) -> None:
         self.api = self.spawn("api")
-        self.workers = [self.spawn("worker") for _ in range(workers)]
+        self.workers = [self.spawn("worker", far=i % 2 == 0) for i in range(workers)]
         self.schedulers = [self.spawn("scheduler") for _ in range(schedulers)]
         async with httpx.AsyncClient() as http, asyncio.timeout(60):
             while True:
@@ -221,7 +227,7 @@ class Cluster:
         crew, command = (
             (self.workers, "worker") if proc in self.workers else (self.schedulers, "scheduler")
         )
-        fresh = self.spawn(command)
+        fresh = self.spawn(command, far=proc in self.far)
         crew[crew.index(proc)] = fresh
         return fresh
 

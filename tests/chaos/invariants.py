@@ -33,8 +33,11 @@ Templates = dict[tuple[str, int], Doc]
 # From when to when a fault was taking locks away from their holders (naive UTC, as MongoDB's
 # times are read).
 Window = tuple[datetime, datetime]
-# A step event must be written under the lease of the run's holder at that point.
+# A step event must be written under the lease of the run's holder at that point, or, for a
+# lent step, under the step's own lease (from its `step_claimed` until it was given back,
+# taken back or ended).
 STEP_EVENTS = frozenset({"step_started", "step_finished", "step_skipped"})
+STEP_LEASE_ENDS = frozenset({"step_given_back", "step_taken_back", "step_finished"})
 # How long after its locks were taken a step may read its start: the take's answer comes
 # back through group commit to a worker under load. A fault that wiped the locks in between
 # may let another run take them before the step's recorded start.
@@ -138,6 +141,8 @@ def check_run(
     lease = -1
     started: dict[str, tuple[int, int]] = {}
     finished: dict[str, tuple[int, int, int]] = {}
+    # Each lent step's borrower, while it holds the step's lease.
+    borrowers: dict[str, str] = {}
     for at, event in enumerate(events):
         if event["runVersion"] < version:
             bad.append(f"event {event['_id']} goes back to version {event['runVersion']}")
@@ -157,14 +162,18 @@ def check_run(
                 holder, lease = event["actor"], at
             elif target != RunStatus.CANCEL_REQUESTED:
                 holder = None
-        elif event["type"] in STEP_EVENTS:
+        elif event["type"] == "step_claimed":
+            borrowers[event["metadata"]["step"]] = event["actor"]
+        if event["type"] in STEP_EVENTS:
             step = event["metadata"].get("step")
-            if holder is None or event["actor"] != holder:
+            if holder is None or event["actor"] not in (holder, borrowers.get(step)):
                 bad.append(f"{event['type']} {step} by {event['actor']}, lease held by {holder}")
             if event["type"] == "step_started":
                 started[step] = (at, lease)
             elif event["metadata"].get("status") is None and step in started:
                 finished[step] = (*started[step], at)
+        if event["type"] in STEP_LEASE_ENDS:
+            borrowers.pop(event["metadata"].get("step"), None)
     if state != status:
         bad.append(f"its trail ends {state} but the run is {status.value}")
     if version > run["version"]:

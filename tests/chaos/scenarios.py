@@ -130,7 +130,11 @@ async def _waits(stage: Stage) -> str:
     place = await runs.count_documents({"trail.type": "dedupe_key_taken"})
     handed_back = {"trail": {"$elemMatch": {"message": {"$regex": "^waits for lock"}}}}
     lock = await runs.count_documents(handed_back)
-    return f"{place} runs waited for a place of their key, {lock} for a lock"
+    lent = await runs.count_documents({"trail.type": "step_claimed"})
+    return (
+        f"{place} runs waited for a place of their key, {lock} for a lock; "
+        f"{lent} lent a step to another worker"
+    )
 
 
 async def workers_die(where: Where, scale: Scale) -> Outcome:

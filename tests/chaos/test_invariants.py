@@ -437,6 +437,34 @@ def test_steps_of_a_graph_may_overlap_but_not_start_before_what_they_need() -> N
     assert check_run(done, diamond(), DIAMOND, NOW) != []
 
 
+def lent(then: str = "finished") -> list[Doc]:
+    """w1 holds the run and runs a; it lends b to w2, which claims it and starts it; w1 writes
+    b's end from w2's report (`then`: or w2 starts b only after w1 took it back)."""
+    trail = [
+        moved(1, None, "queued", "user:u"),
+        moved(2, "queued", "running"),
+        step(3, "step_started", "a"),
+        step(3, "step_finished", "a"),
+        step(4, "step_lent", "b"),
+        step(5, "step_claimed", "b", W2),
+    ]
+    if then == "taken_back":
+        trail.append(step(6, "step_taken_back", "b"))
+    trail += [step(7, "step_started", "b", W2), step(8, "step_finished", "b")]
+    return [*trail, moved(9, "running", "succeeded")]
+
+
+def test_a_lent_steps_start_is_its_borrowers_while_it_holds_the_step_lease() -> None:
+    assert check_run(run(version=9), lent(), STEPS, NOW) == []
+    assert check_run(run(version=9), lent("taken_back"), STEPS, NOW) == [
+        f"step_started b by {W2}, lease held by {W1}"
+    ]
+    unclaimed = [e for e in lent() if e["type"] != "step_claimed"]
+    assert check_run(run(version=9), unclaimed, STEPS, NOW) == [
+        f"step_started b by {W2}, lease held by {W1}"
+    ]
+
+
 def test_a_skipped_step_needs_no_recorded_run_but_a_missing_one_does() -> None:
     skipped = {"progress": {"steps": [{"id": "c", "status": "skipped"}]}}
     assert (

@@ -168,8 +168,9 @@ class RunWrites:
             **run_owner,
             "status": {"$in": sorted(LEASED)},
             **fence(lease),
-            **(where or {}),
         }
+        if where:  # beside the fence, never over it: both may name the step lease's token
+            query["$and"] = [where]
         update["$set"]["updateAt"] = now
         update["$inc"] = {"version": 1}
         if not events:
