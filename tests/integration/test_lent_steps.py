@@ -189,3 +189,44 @@ async def test_a_branch_failing_for_good_stops_the_lent_one_and_fails_the_run(
     assert steps(done) == {"a": "succeeded", "b": "failed", "c": "cancelled", "d": "pending"}
     claims = await trail_of(backends, run.id, "step_claimed")
     assert [c["actor"] for c in claims] == ["worker:two"], "c ran on two until asked to stop"
+
+
+async def test_a_cancel_takes_back_a_lent_step_nobody_claimed(
+    backends: Backends, settings: Settings, register: Register, tmp_path: Path
+) -> None:
+    await register("flow", steps=diamond())
+    service, run = await create(backends, {"b": {"sleep": 60}, "c": {"sleep": 60}})
+    async with fleet(settings, tmp_path) as procs:
+        procs.append(worker(settings, tmp_path, "one"))  # nobody offers c's handler
+        await branches_running(backends, run)
+        await service.cancel(run.id, "user:t", "enough")
+        [done] = await settled(backends.store, [run.id], within=settings.lease_seconds)
+    assert done.status == RunStatus.CANCELLED
+    assert steps(done) == {"a": "succeeded", "b": "cancelled", "c": "skipped", "d": "skipped"}
+    [taken] = await trail_of(backends, run.id, "step_taken_back")
+    assert taken["message"] == "its run stops"
+
+
+async def test_a_lent_step_nobody_claims_is_taken_back_and_the_run_handed_on(
+    backends: Backends, settings: Settings, register: Register, tmp_path: Path
+) -> None:
+    """With b done and c lent but unclaimed for a lease's length, the holder takes c back
+    and hands the run on to c's lane, where it waits without a slot until "two" comes."""
+    await register("flow", steps=diamond())
+    _, run = await create(backends, {"b": {"sleep": 0.5}, "c": {"sleep": 0.5}})
+
+    async def handed_on() -> bool:
+        now = await backends.store.runs.get(run.id)
+        return now is not None and now.status == RunStatus.QUEUED and now.handler == f"{TWO}:c"
+
+    async with fleet(settings, tmp_path) as procs:
+        procs.append(worker(settings, tmp_path, "one"))
+        await until(handed_on, within=settings.lease_seconds + 15)
+        procs.append(worker(settings, tmp_path, "two"))
+        [done] = await settled(backends.store, [run.id], within=30)
+    assert done.status == RunStatus.SUCCEEDED
+    assert done.outputs["c"] == {"ranBy": "two"}
+    [taken] = await trail_of(backends, run.id, "step_taken_back")
+    assert taken["message"] == f"no worker offering '{TWO}:c' claimed it"
+    assert await trail_of(backends, run.id, "step_claimed") == [], "two ran it as the holder"
+    assert [s.attempt for s in done.progress.steps] == [1, 1, 1, 1], "taken back, not tried"

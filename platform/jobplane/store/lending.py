@@ -82,7 +82,9 @@ class MongoLendingStore:
         oid = convert.object_id(run_id)
         if oid is None:
             return None
-        query = {"_id": oid, "status": RunStatus.RUNNING, **_from("claim_step", index)}
+        # A step its holder asked to stop before anyone claimed it is not started.
+        stop = {f"progress.steps.{index}.lease.stop": {"$exists": False}}
+        query = {"_id": oid, "status": RunStatus.RUNNING, **_from("claim_step", index), **stop}
         doc = await self._db.runs.find_one(query)
         if doc is None:
             return None

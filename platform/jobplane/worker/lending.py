@@ -16,7 +16,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from jobplane.clock import Clock
-from jobplane.model import RunError, StepOutcome
+from jobplane.model import RunError, StepOutcome, StepStatus
 from jobplane.queue.connect import REDIS_DOWN
 from jobplane.queue.entry import QueueEntry
 from jobplane.queue.redis import RedisQueue
@@ -81,19 +81,15 @@ class Lending:
         idle: Callable[[], bool],
     ) -> StepOutcome:
         """Wait for lent step `at` to end: its borrower's report. `check` raises what stops
-        the holder; `asked` says the holder wants the step stopped; `idle` that the holder has
-        nothing else of the run to do."""
+        the holder; `asked` says the holder wants the step stopped (its borrower is told; a
+        step not claimed yet is taken back, and reported cancelled with no start to write);
+        `idle` that the holder has nothing else of the run to do."""
         loop = asyncio.get_running_loop()
         pause = WATCH_FIRST
         unclaimed = pushed = loop.time()
         stop_asked = False
         while True:
             check()
-            if asked() and not stop_asked:
-                stop_asked = True
-                await self.store.lending.ask_stop(at.lease, at.index)
-                with contextlib.suppress(*REDIS_DOWN):  # its heartbeat hears it anyway
-                    await self.queue.signal_cancel(step_key(at.run.id, at.index))
             steps = await self.store.lending.steps(at.lease)
             if steps is None:
                 raise HolderLost(at.run.id)
@@ -102,6 +98,18 @@ class Lending:
                 raise HolderLost(at.run.id)
             if lent.outcome is not None:
                 return lent.outcome
+            if asked() and lent.worker_id is None:
+                # Not claimed yet: nobody is to stop, and nobody may start it now.
+                reason = "its run stops"
+                if await self.store.lending.take_back(at.lease, at.index, at.id, None, reason):
+                    continue  # claimed meanwhile, or the holder lost the run: read again
+                stopped = StepStatus.CANCELLED
+                return StepOutcome(status=stopped, started_at=self.clock.now(), start_written=True)
+            if asked() and not stop_asked:
+                stop_asked = True
+                await self.store.lending.ask_stop(at.lease, at.index)
+                with contextlib.suppress(*REDIS_DOWN):  # its heartbeat hears it anyway
+                    await self.queue.signal_cancel(step_key(at.run.id, at.index))
             now = loop.time()
             if lent.token is not None:
                 unclaimed = now

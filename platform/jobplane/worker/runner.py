@@ -537,7 +537,7 @@ class Runner:
         assert step.lent is not None
         try:
             outcome = await self.lending.watch(
-                step.at, step.lent, check, lambda: step.stop_asked, idle
+                step.at, step.lent, check, lambda: step.stop_asked or held.cancel.is_set(), idle
             )
         except HolderLost:
             raise _Stopped("lost") from None
