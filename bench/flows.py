@@ -1,6 +1,8 @@
 """What a flow beyond a line costs: four steps as a line against the same four as a diamond
-(a, then b and c side by side, then d), with the end-to-end and latency workloads of
-bench/throughput.py and bench/latency.py.
+(a, then b and c side by side, then d), and the diamond whose branches' handlers live on
+different workers ("lent": b's only on the first worker, c's only on the second, so every run
+lends one branch), with the end-to-end and latency workloads of bench/throughput.py and
+bench/latency.py.
 
 Every step's handler is `bench.started` (bench/latency.py), which returns the time it began,
 so the latency workload times, from the create call, the start of the flow's last step `d`:
@@ -22,17 +24,35 @@ from jobplane.model import TemplateSpec
 from jobplane.runs.service import RunRequest
 from throughput import run_main
 
+DIAMOND: dict[str, list[str] | None] = {"a": None, "b": ["a"], "c": ["a"], "d": ["b", "c"]}
 NEEDS: dict[str, dict[str, list[str] | None]] = {
     "line": {"a": None, "b": None, "c": None, "d": None},
-    "diamond": {"a": None, "b": ["a"], "c": ["a"], "d": ["b", "c"]},
+    "diamond": DIAMOND,
+    "lent": DIAMOND,
 }
+# The "lent" shape's branch handlers, each offered by one of the two workers.
+BRANCHES = {"b": "branch_near", "c": "branch_far"}
 
 
 def spec(type_: str, shape: str) -> TemplateSpec:
     steps: list[dict[str, Any]] = []
     for step, needs in NEEDS[shape].items():
-        steps.append({"id": step, "handler": "bench.started"} | ({"needs": needs} if needs else {}))
+        handler = "bench.started"
+        if shape == "lent" and step in BRANCHES:
+            handler = f"{BRANCHES[step]}:started"
+        steps.append({"id": step, "handler": handler} | ({"needs": needs} if needs else {}))
     return TemplateSpec.model_validate({"type": type_, "steps": steps})
+
+
+def start_workers(bench: throughput.Bench, settings: Any, shape: str) -> None:
+    """The workers; for "lent", half offer b's handler and half c's."""
+    if shape != "lent":
+        bench.procs.start(settings, "worker", bench.args.workers)
+        return
+    for i in range(bench.args.workers):
+        module = list(BRANCHES.values())[i % 2]
+        mine = settings.model_copy(update={"handlers": [*settings.handlers, module]})
+        bench.procs.start(mine, "worker")
 
 
 @dataclass
@@ -45,6 +65,9 @@ class EndToEnd(throughput.Bench):
     def settings(self) -> Any:
         return super().settings().model_copy(update={"handlers": [latency.HANDLER_MODULE]})
 
+    def start_workers(self, settings: Any) -> None:
+        start_workers(self, settings, self.shape)
+
 
 @dataclass
 class Latency(latency.Bench):
@@ -56,6 +79,9 @@ class Latency(latency.Bench):
 
     def timed_request(self, i: int, sent: float) -> RunRequest:
         return latency.request(i, sent)
+
+    def start_workers(self, settings: Any) -> None:
+        start_workers(self, settings, self.shape)
 
 
 async def main_async(args: argparse.Namespace, mongo: str, redis: str, procs: Any) -> None:

@@ -127,7 +127,7 @@ class Bench(throughput.Bench):
             self.producer(settings, service) as create,
         ):
             self.procs.start(settings, "scheduler")
-            self.procs.start(settings, "worker", a.workers)
+            self.start_workers(settings)
             await self.procs.workers_ready()
             await asyncio.sleep(0.5)  # let start-up settle so the workers are really idle
             before = await Counters.read(backends, settings, self.procs)

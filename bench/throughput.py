@@ -361,6 +361,10 @@ class Bench:
     # What `fresh` registers; other benchmarks built on this class register their own.
     template: ClassVar[TemplateSpec] = TEMPLATE
 
+    def start_workers(self, settings: Settings) -> None:
+        """The workload's worker processes (bench/flows.py gives each its own handlers)."""
+        self.procs.start(settings, "worker", self.args.workers)
+
     def settings(self) -> Settings:
         tag = os.urandom(4).hex()
         return Settings(
@@ -438,7 +442,7 @@ class Bench:
         async with self.fresh() as (settings, backends, service):
             await create_many(service, n, CALLERS, self.request)
             spawned = datetime.now(UTC)
-            self.procs.start(settings, "worker", self.args.workers)
+            self.start_workers(settings)
             await self.procs.workers_ready()
             before = await Counters.read(backends, settings, self.procs)
             await self.wait_succeeded(backends, settings, n)
@@ -480,7 +484,7 @@ class Bench:
             # The scheduler's reconciler belongs to a deployment: it re-pushes queued runs
             # missing from Redis, which the bench needs when a popped run was not claimed.
             self.procs.start(settings, "scheduler")
-            self.procs.start(settings, "worker", self.args.workers)
+            self.start_workers(settings)
             await self.procs.workers_ready()
             await asyncio.sleep(0.5)  # let start-up settle so the workers are really idle
             before = await Counters.read(backends, settings, self.procs)

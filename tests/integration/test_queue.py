@@ -143,23 +143,28 @@ async def test_a_blocking_pop_waits_for_a_push(queue: RedisQueue, store: MongoSt
     assert [i[-1] for i in popped.run_ids] == ["a", "b", "c"]
 
 
-async def test_cancel_signals_reach_a_listener_until_it_stops(queue: RedisQueue) -> None:
+async def test_signals_reach_a_listener_until_it_stops(queue: RedisQueue) -> None:
     until = asyncio.Event()
-    heard: list[str] = []
+    heard: list[tuple[str, str]] = []
 
     async def listen() -> None:
-        async for run_id in queue.cancel_signals(until):
-            heard.append(run_id)
-            until.set()
+        async for signal in queue.signals(until):
+            heard.append(signal)
+            if len({kind for kind, _ in heard}) == 2:
+                until.set()
 
     listener = asyncio.create_task(listen())
     async with asyncio.timeout(10):
-        # A signal sent before the listener subscribed reaches nobody: send until one lands.
-        while not heard:
+        # A signal sent before the listener subscribed reaches nobody: send until both land.
+        while not until.is_set():
             await queue.signal_cancel("00000000000000000000000a")
+            await queue.signal_reported("00000000000000000000000a#1")
             await asyncio.sleep(0.05)
         await listener
-    assert set(heard) == {"00000000000000000000000a"}
+    assert set(heard) == {
+        ("cancel", "00000000000000000000000a"),
+        ("reported", "00000000000000000000000a#1"),
+    }
 
 
 async def test_a_wait_under_a_millisecond_is_not_forever(queue: RedisQueue) -> None:

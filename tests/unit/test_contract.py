@@ -19,7 +19,7 @@ from fastapi.routing import APIRoute
 
 import jobplane.api.routes
 from jobplane.api import create_app
-from jobplane.model import TRANSITIONS, RunStatus
+from jobplane.model import STEP_MOVES, TRANSITIONS, RunStatus, StepLeaseState, Writer
 from jobplane.settings import Settings
 
 CONTRACT = Path(__file__).parents[2] / "docs" / "contract.md"
@@ -139,3 +139,23 @@ def test_the_contract_describes_every_status() -> None:
     text = CONTRACT.read_text()
     described = set(re.findall(r"^\| `([a-z_]+)` \| ", text, re.M))
     assert set(RunStatus) <= described
+
+
+def test_the_contract_lists_the_step_moves_of_the_code() -> None:
+    """The lent steps' table, row by row: `| \\`name\\` | from, from | to | by ... |`."""
+    text = CONTRACT.read_text()
+    section = text[text.index("### Lent steps") :]
+    section = section[: section.index("\n### ", 1)]
+    state = {"not lent": StepLeaseState.NONE, **{s.value: s for s in StepLeaseState}}
+    listed = {}
+    for name, sources, target, by in re.findall(
+        r"^\| `(\w+)` \| ([a-z, ]+) \| ([a-z ]+) \| (the holder|the borrower|a worker)",
+        section,
+        re.M,
+    ):
+        listed[name] = (
+            frozenset(state[s.strip()] for s in sources.split(",")),
+            state[target],
+            Writer.HOLDER if by == "the holder" else Writer.BORROWER,
+        )
+    assert listed == {m.name: (m.sources, m.target, m.by) for m in STEP_MOVES.values()}

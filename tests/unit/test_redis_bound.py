@@ -29,6 +29,7 @@ async def test_a_call_to_a_redis_that_never_answers_fails_within_the_bound() -> 
         "pop": queue.pop(["q"], 4, datetime.now(UTC), block_seconds=0.2),
         "promote": queue.promote(["q"], datetime.now(UTC)),
         "signal_cancel": queue.signal_cancel("r1"),
+        "signal_reported": queue.signal_reported("r1#1"),
         "mark_alive": queue.mark_alive("w", 10, 1),
     }
     try:

@@ -124,8 +124,15 @@ class Keys:
 
     @property
     def cancel_channel(self) -> str:
-        """Pub/sub channel; each message is the id of a run whose cancel was requested."""
+        """Pub/sub channel; each message is the id of a run whose cancel was requested, or
+        the queue entry id of a lent step its holder asks to stop."""
         return f"{self.prefix}jobs:cancel"
+
+    @property
+    def reported_channel(self) -> str:
+        """Pub/sub channel; each message is the queue entry id of a lent step whose borrower
+        reported its end, for its holder to write it now rather than at its next look."""
+        return f"{self.prefix}jobs:reported"
 
     @property
     def workers(self) -> str:

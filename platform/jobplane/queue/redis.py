@@ -10,7 +10,7 @@ import json
 from collections.abc import AsyncIterator, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import cast
+from typing import Literal, cast
 
 from bson import ObjectId
 from redis.asyncio import RedisCluster
@@ -61,6 +61,8 @@ class LaneDepth:
     oldest_at: datetime | None
 
 
+# What a pub/sub message signals (`RedisQueue.signals`).
+Signal = Literal["cancel", "reported"]
 # Where a push puts a run: its queue and lane, the sorted set, the member and its score.
 _Placed = tuple[str, str | None, str, str, float]
 # A ready run of a fair lane: its queue and lane, its ring, group and bell, its id and priority.
@@ -367,20 +369,31 @@ class RedisQueue:
         worker that misses it hears of the cancel from MongoDB at its next heartbeat."""
         await self.redis.publish(self.keys.cancel_channel, run_id)
 
-    async def cancel_signals(self, until: asyncio.Event) -> AsyncIterator[str]:
-        """The id of each run whose cancel is signalled from now on, until `until` is set
-        (looked at every half second). A lost subscription raises a Redis error."""
+    @bounded
+    async def signal_reported(self, key: str) -> None:
+        """Tell the holder of lent step `key` that its borrower reported its end. Only a
+        hint: a holder that misses it reads the report at its next look."""
+        await self.redis.publish(self.keys.reported_channel, key)
+
+    async def signals(self, until: asyncio.Event) -> AsyncIterator[tuple[Signal, str]]:
+        """Each signal sent from now on, until `until` is set (looked at every half second):
+        a cancel (of a run, or a stop of a lent step) or a lent step's report, with the id it
+        names. A lost subscription raises a Redis error."""
+        kinds: dict[str, Signal] = {
+            self.keys.cancel_channel: "cancel",
+            self.keys.reported_channel: "reported",
+        }
         async with self.redis.pubsub(ignore_subscribe_messages=True) as pubsub:
             async with answered_within(self.timeout_seconds, "subscribe"):
                 if isinstance(self.redis, RedisCluster):
                     # A cluster's pub/sub finds its node in the slot map, which the client
                     # loads with its first command: subscribing first failed with a KeyError.
                     await self.redis.initialize()
-                await pubsub.subscribe(self.keys.cancel_channel)
+                await pubsub.subscribe(*kinds)
             while not until.is_set():
                 message = await pubsub.get_message(timeout=0.5)
                 if message is not None:
-                    yield text(message["data"])
+                    yield kinds[text(message["channel"])], text(message["data"])
 
     # -- the worker registry -------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from jobplane.clock import Clock
 from jobplane.model import RunError, StepOutcome, StepStatus
@@ -21,15 +21,15 @@ from jobplane.queue.connect import REDIS_DOWN
 from jobplane.queue.entry import QueueEntry
 from jobplane.queue.redis import RedisQueue
 from jobplane.runs.lifecycle import HeldStep
-from jobplane.store import Lost, Store
+from jobplane.store import Lease, Lost, Store
 from jobplane.store.types import step_key
 
 log = logging.getLogger("jobplane.worker")
 
-# How often the holder reads a lent step, from the first look to the slowest: a step lent is
-# one whose handler runs elsewhere, seldom a quick one.
+# How often the holder reads a lent step, from the first look to the slowest. The borrower's
+# report also wakes it at once (a Redis signal); the reads are for a signal lost.
 WATCH_FIRST = 0.02
-WATCH_MOST = 0.25
+WATCH_MOST = 1.0
 # How often an unclaimed step's queue entry is pushed again, should Redis have lost it.
 PUSH_AGAIN = 5.0
 
@@ -57,6 +57,21 @@ class Lending:
     queue: RedisQueue
     clock: Clock
     lease_seconds: float
+    # The lent steps watched here, by queue entry id: set when their borrower reports.
+    _reports: dict[str, asyncio.Event] = field(default_factory=dict, init=False)
+
+    def reported(self, key: str) -> None:
+        """A borrower reported the end of lent step `key`: its watch, if here, reads it now."""
+        if (event := self._reports.get(key)) is not None:
+            event.set()
+
+    async def report(self, lease: Lease, outcome: StepOutcome) -> Lost | None:
+        """The borrower's report of its step's end, and the signal that wakes the holder."""
+        written = await self.store.lending.report(lease, outcome)
+        if written is None:
+            with contextlib.suppress(*REDIS_DOWN):  # the holder's next look finds it
+                await self.queue.signal_reported(lease.key)
+        return written
 
     async def lend(self, at: HeldStep, handler: str, attempt: int) -> Lost | None:
         """Lend step `at` (its `attempt`-th try) to a worker offering `handler`."""
@@ -84,6 +99,22 @@ class Lending:
         the holder; `asked` says the holder wants the step stopped (its borrower is told; a
         step not claimed yet is taken back, and reported cancelled with no start to write);
         `idle` that the holder has nothing else of the run to do."""
+        key = step_key(at.run.id, at.index)
+        woken = self._reports[key] = asyncio.Event()
+        try:
+            return await self._watch(at, handler, check, asked, idle, woken)
+        finally:
+            self._reports.pop(key, None)
+
+    async def _watch(
+        self,
+        at: HeldStep,
+        handler: str,
+        check: Callable[[], None],
+        asked: Callable[[], bool],
+        idle: Callable[[], bool],
+        woken: asyncio.Event,
+    ) -> StepOutcome:
         loop = asyncio.get_running_loop()
         pause = WATCH_FIRST
         unclaimed = pushed = loop.time()
@@ -129,7 +160,9 @@ class Lending:
             elif now - pushed >= PUSH_AGAIN:
                 pushed = now
                 await self._push(at, handler)
-            await asyncio.sleep(pause)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(woken.wait(), pause)
+            woken.clear()
             pause = min(2 * pause, WATCH_MOST)
 
     async def _push(self, at: HeldStep, handler: str) -> None:

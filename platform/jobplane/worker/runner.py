@@ -284,7 +284,7 @@ class Runner:
                 started_at=step.start.at,
                 start_written=step.start_written,
             )
-            if isinstance(await self.store.lending.report(lease, outcome), Lost):
+            if isinstance(await self.lending.report(lease, outcome), Lost):
                 log.warning("run %s: step %s ended, but its lease was lost first", run.id, at.id)
         except Exception:
             log.exception("run %s: lent step %s: worker error", run.id, lease.step)

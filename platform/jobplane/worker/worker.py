@@ -347,7 +347,10 @@ class Worker:
     async def _cancel_listener(self) -> None:
         while not self._closing.is_set():
             try:
-                async for key in self.queue.cancel_signals(until=self._closing):
+                async for signal, key in self.queue.signals(until=self._closing):
+                    if signal == "reported":  # a step this worker lent, perhaps
+                        self.runner.lending.reported(key)
+                        continue
                     # A run's id (its holder, and the steps of it lent here), or a lent
                     # step's key (its holder asks it to stop).
                     if key in self.held:
@@ -356,6 +359,7 @@ class Worker:
                         if key in (lent.run.id, lent.lease.key):
                             lent.cancel.set()
             except Exception:
-                # Heartbeats also carry cancels from MongoDB, so a gap here only adds latency.
-                log.warning("cancel listener lost Redis; reconnecting")
+                # Heartbeats carry cancels from MongoDB, and holders read their lent steps,
+                # so a gap here only adds latency.
+                log.warning("signal listener lost Redis; reconnecting")
                 await self._closed_within(1)
