@@ -101,7 +101,8 @@ class _Step:
     locks: list[str] = field(default_factory=list)
     # Lent to a worker offering this handler, which this one lacks (`worker/lending.py`).
     lent: str | None = None
-    # A step beside it failed the run: it is asked to stop.
+    # Lent, and a step beside it failed the run: its borrower is asked to stop (a step run
+    # here is asked through its context).
     stop_asked: bool = False
 
     @property
@@ -673,8 +674,9 @@ class Runner:
         """A step failed the run: the steps beside it are asked to stop (a lent step's
         watch tells its borrower)."""
         for step in running.values():
-            step.stop_asked = True
-            if step.ctx is not None:
+            if step.lent is not None:
+                step.stop_asked = True
+            elif step.ctx is not None:
                 step.ctx.cancel_asked = True
 
     async def _take_locks(self, held: Held, at: HeldStep) -> list[str]:
