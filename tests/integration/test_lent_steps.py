@@ -230,3 +230,19 @@ async def test_a_lent_step_nobody_claims_is_taken_back_and_the_run_handed_on(
     assert taken["message"] == f"no worker offering '{TWO}:c' claimed it"
     assert await trail_of(backends, run.id, "step_claimed") == [], "two ran it as the holder"
     assert [s.attempt for s in done.progress.steps] == [1, 1, 1, 1], "taken back, not tried"
+
+
+async def test_a_lent_step_longer_than_its_lease_keeps_it_by_its_borrowers_heartbeat(
+    backends: Backends, settings: Settings, register: Register, tmp_path: Path
+) -> None:
+    await register("flow", steps=diamond())
+    c_sleeps = 2 * settings.lease_seconds
+    _, run = await create(backends, {"b": {"sleep": 1}, "c": {"sleep": c_sleeps}})
+    async with fleet(settings, tmp_path) as procs:
+        procs.append(worker(settings, tmp_path, "one"))
+        await branches_running(backends, run)
+        procs.append(worker(settings, tmp_path, "two"))
+        [done] = await settled(backends.store, [run.id], within=c_sleeps + 30)
+    assert done.status == RunStatus.SUCCEEDED and done.attempts == []
+    assert done.outputs["c"] == {"ranBy": "two"}
+    assert await trail_of(backends, run.id, "step_taken_back") == []
