@@ -122,9 +122,10 @@ async def test_cancel_previous_leaves_only_the_newest_running(
         second = (await api.post("/v1/runs", json=body(sleepSeconds=30))).json()
         assert second["status"] == "pending" and second["waitingFor"]["reason"] == "concurrency"
         await _until(backends, second["id"], RunStatus.RUNNING)
-        # Ten at once: only the newest of them goes on.
+        # Ten at once: only the newest of them goes on. Each sleeps long enough that none
+        # can finish before the last is created, however slowly a busy machine answers.
         answers = await asyncio.gather(
-            *(api.post("/v1/runs", json=body(sleepSeconds=0.2)) for _ in range(10))
+            *(api.post("/v1/runs", json=body(sleepSeconds=5)) for _ in range(10))
         )
         burst = sorted(a.json()["id"] for a in answers)
         done = await settled(backends.store, [first["id"], second["id"], *burst], within=60)
