@@ -19,7 +19,7 @@ from fastapi.routing import APIRoute
 
 import jobplane.api.routes
 from jobplane.api import create_app
-from jobplane.model import STEP_MOVES, TRANSITIONS, RunStatus, StepLeaseState, Writer
+from jobplane.model import STEP_MOVES, TRANSITIONS, RunStatus, StepLeaseState, StepWriter
 from jobplane.settings import Settings
 
 CONTRACT = Path(__file__).parents[2] / "docs" / "contract.md"
@@ -156,6 +156,6 @@ def test_the_contract_lists_the_step_moves_of_the_code() -> None:
         listed[name] = (
             frozenset(state[s.strip()] for s in sources.split(",")),
             state[target],
-            Writer.HOLDER if by == "the holder" else Writer.BORROWER,
+            StepWriter.HOLDER if by == "the holder" else StepWriter.BORROWER,
         )
     assert listed == {m.name: (m.sources, m.target, m.by) for m in STEP_MOVES.values()}

@@ -52,8 +52,8 @@ from jobplane.model.status import (
     StepLeaseState,
     StepMove,
     StepStatus,
+    StepWriter,
     Transition,
-    Writer,
 )
 
 __all__ = [
@@ -101,11 +101,11 @@ __all__ = [
     "StepProgress",
     "StepSpec",
     "StepStatus",
+    "StepWriter",
     "Template",
     "TemplateSpec",
     "Transition",
     "Version",
     "WaitingFor",
     "WaitingReason",
-    "Writer",
 ]

@@ -255,7 +255,7 @@ class StepLeaseState(StrEnum):
     REPORTED = "reported"
 
 
-class Writer(StrEnum):
+class StepWriter(StrEnum):
     """Who makes a step lease move, and so which lease fences it."""
 
     # The run's lease holder: fenced by the run's lease.
@@ -273,24 +273,24 @@ class StepMove:
     name: str
     sources: frozenset[StepLeaseState]
     target: StepLeaseState
-    by: Writer
+    by: StepWriter
 
 
 L = StepLeaseState
 STEP_MOVES: dict[str, StepMove] = {
     m.name: m
     for m in [
-        StepMove("lend", frozenset({L.NONE}), L.LENT, Writer.HOLDER),
+        StepMove("lend", frozenset({L.NONE}), L.LENT, StepWriter.HOLDER),
         # The step-level claim: a new token and expiry, and the step's try starts.
-        StepMove("claim_step", frozenset({L.LENT}), L.CLAIMED, Writer.BORROWER),
+        StepMove("claim_step", frozenset({L.LENT}), L.CLAIMED, StepWriter.BORROWER),
         # The borrower shuts down before the step ends: lent again, to another worker.
-        StepMove("give_back", frozenset({L.CLAIMED}), L.LENT, Writer.BORROWER),
-        StepMove("report_step", frozenset({L.CLAIMED}), L.REPORTED, Writer.BORROWER),
+        StepMove("give_back", frozenset({L.CLAIMED}), L.LENT, StepWriter.BORROWER),
+        StepMove("report_step", frozenset({L.CLAIMED}), L.REPORTED, StepWriter.BORROWER),
         # Nobody claimed it in time, or its borrower's lease ran out (a claimed step only
         # then): the holder takes it back, to run elsewhere or to fail its try.
-        StepMove("take_back", frozenset({L.LENT, L.CLAIMED}), L.NONE, Writer.HOLDER),
+        StepMove("take_back", frozenset({L.LENT, L.CLAIMED}), L.NONE, StepWriter.HOLDER),
         # The holder writes the reported end as it would its own step's: the lease goes.
-        StepMove("settle", frozenset({L.REPORTED}), L.NONE, Writer.HOLDER),
+        StepMove("settle", frozenset({L.REPORTED}), L.NONE, StepWriter.HOLDER),
     ]
 }
 del L

@@ -24,7 +24,7 @@ from jobplane.model import (
     StepOutcome,
     StepProgress,
     StepStatus,
-    Writer,
+    StepWriter,
 )
 from jobplane.store import convert
 from jobplane.store.convert import Doc, known_owner
@@ -66,7 +66,7 @@ class MongoLendingStore:
     ) -> Lost | None:
         """The holder lends step `index` (its `attempt`-th try) to a worker offering
         `handler`."""
-        assert STEP_MOVES["lend"].by is Writer.HOLDER and lease.step is None
+        assert STEP_MOVES["lend"].by is StepWriter.HOLDER and lease.step is None
         now = self._clock.now()
         lent = StepLease(handler=handler, attempt=attempt, lent_at=now)
         update = {"$set": {f"progress.steps.{index}.lease": _doc(lent)}}
