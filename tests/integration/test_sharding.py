@@ -19,7 +19,7 @@ from pymongo.monitoring import CommandSucceededEvent as Succeeded
 
 from jobplane.api.auth import mint_key
 from jobplane.clock import ManualClock
-from jobplane.model import LockWait, RunError, RunStatus
+from jobplane.model import LockWait, RunError, RunStatus, StepOutcome, StepStatus
 from jobplane.queue.redis import RedisQueue
 from jobplane.runs import RunRequest, RunService
 from jobplane.scheduler import Scheduler
@@ -164,9 +164,10 @@ async def test_every_write_to_a_run_names_its_shard_key(
 ) -> None:
     """A run's life as the services live it (create, claim one and many, heartbeat, steps,
     progress, complete, fail, retry, release, cancel either way, a dedupe key handed on, the
-    reaper, a stale write, retention): each write to a sharded collection names the shard key,
-    except the claim, whose run ids come from Redis alone and which is a multi-document
-    update, allowed by `_id` alone (listed in docs/operations.md as scatter-gather)."""
+    reaper, a stale write, a lent step's every move, retention): each write to a sharded
+    collection names the shard key, except the claim, whose run ids come from Redis alone and
+    which is a multi-document update, allowed by `_id` alone (listed in docs/operations.md as
+    scatter-gather)."""
     store, commands = watched
     plain, _ = await store.templates.register(
         template_spec("t_plain", steps=STEPS, retryPolicy={"maxAttempts": 2})
@@ -233,6 +234,28 @@ async def test_every_write_to_a_run_names_its_shard_key(
     )
     outcomes = [(await service.get(r)).status for r in (lost, slow, late)]
     assert outcomes == [RunStatus.QUEUED, RunStatus.CANCELLED, RunStatus.EXPIRED]
+
+    # A step lent, claimed, renewed, started, given back, claimed again and reported; another
+    # lent, asked to stop and taken back.
+    lent_run, lent_again = await create(), await create()
+    holder, again = await claim(lent_run, lent_again)
+    assert await store.lending.lend(holder, 1, "second", "h", 1) is None
+    for borrower in ("w2", "w3"):
+        claimed = await store.lending.claim(lent_run, 1, borrower, LEASE)
+        assert claimed is not None
+        step_lease = claimed[1]
+        assert await store.lending.heartbeat([step_lease], LEASE) == ({step_lease.key}, set())
+        assert await store.leases.start_step(step_lease, 1, "second") is None
+        if borrower == "w2":
+            assert await store.lending.give_back(step_lease, "second") is None
+    done_at = clock.now()
+    outcome = StepOutcome(status=StepStatus.SUCCEEDED, output=1, started_at=done_at)
+    assert await store.lending.report(step_lease, outcome) is None
+    assert await store.lending.steps(holder) is not None
+    assert await store.leases.finish_step(holder, 1, "second", 1, 100, next_handler=None) is None
+    assert await store.lending.lend(again, 1, "second", "h", 1) is None
+    assert await store.lending.ask_stop(again, 1) is None
+    assert await store.lending.take_back(again, 1, "second", None, "its run stops") is None
 
     clock.advance(timedelta(days=settings.run_retention_days + 1).total_seconds())
     assert await store.maintenance.archive(clock.now(), 100) > 0
