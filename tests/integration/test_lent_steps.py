@@ -2,6 +2,7 @@
 handler only another worker offers, while its own steps run (docs/architecture.md, "Lent
 steps"). Real worker processes, each offering one branch's handler."""
 
+import asyncio
 import signal
 import subprocess
 from collections.abc import AsyncIterator
@@ -32,11 +33,11 @@ def diamond() -> list[dict[str, Any]]:
     ]
 
 
-def worker(settings: Settings, tmp_path: Path, name: str) -> subprocess.Popen[bytes]:
+def worker(settings: Settings, tmp_path: Path, name: str, **env: str) -> subprocess.Popen[bytes]:
     """Worker "one" offers b's handler, "two" c's; both offer the builtins."""
     module = ONE if name.startswith("one") else TWO
     log = tmp_path / f"{name}.log"
-    return spawn(settings, "worker", log, JOBPLANE_HANDLERS=module, JOBPLANE_WORKER_ID=name)
+    return spawn(settings, "worker", log, JOBPLANE_HANDLERS=module, JOBPLANE_WORKER_ID=name, **env)
 
 
 @asynccontextmanager
@@ -246,3 +247,35 @@ async def test_a_lent_step_longer_than_its_lease_keeps_it_by_its_borrowers_heart
     assert done.status == RunStatus.SUCCEEDED and done.attempts == []
     assert done.outputs["c"] == {"ranBy": "two"}
     assert await trail_of(backends, run.id, "step_taken_back") == []
+
+
+async def test_runs_waiting_for_their_lent_steps_leave_the_slots_to_those_steps(
+    backends: Backends, settings: Settings, register: Register, tmp_path: Path
+) -> None:
+    """Two workers of two slots, twelve diamonds at once: every run lends a branch to the
+    other worker. A run that only watches its lent step holds no slot, so neither worker fills
+    up with runs waiting for steps only the other could take: no lent step waits long enough
+    to be taken back."""
+    await register("flow", steps=diamond())
+    service = RunService(backends.store, backends.queue)
+    payload = {"b": {"sleep": 0.5}, "c": {"sleep": 0.5}}
+    requests = [RunRequest("flow", "user", f"u{i}", payload) for i in range(12)]
+
+    async def both_waiting() -> bool:
+        return len(await backends.queue.live_workers()) == 2
+
+    async with fleet(settings, tmp_path) as procs:
+        for name in ("one", "two"):
+            procs.append(worker(settings, tmp_path, name, JOBPLANE_WORKER_CONCURRENCY="2"))
+        # Both wait for work, so each claims runs before any is lent: both fill up at once.
+        await until(both_waiting)
+        await asyncio.sleep(0.5)
+        made = await service.create_many(requests, "user:t")
+        ids = [m[0].id for m in made if isinstance(m, tuple)]
+        assert len(ids) == 12
+        done = await settled(backends.store, ids, within=120)
+    assert {r.status for r in done} == {RunStatus.SUCCEEDED}
+    for run in done:
+        assert await trail_of(backends, run.id, "step_taken_back") == [], run.id
+    lent = [r for r in done if await trail_of(backends, r.id, "step_claimed")]
+    assert len(lent) == 12, "every run lent a branch"

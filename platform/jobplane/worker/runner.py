@@ -72,6 +72,8 @@ class Held:
     # When MongoDB last confirmed the lease (monotonic seconds); past the lease length the
     # worker assumes the reaper may have given the run away and stops its handlers itself.
     renewed: float = field(default_factory=time.monotonic)
+    # Only steps lent to other workers run now: the run takes no slot here.
+    watching: bool = False
 
     @property
     def busy(self) -> bool:
@@ -196,6 +198,8 @@ class Runner:
     service: RunService
     # Lends steps whose handler this worker lacks to workers that offer it.
     lending: Lending
+    # Called when a run stops taking a slot while it goes on (it only watches lent steps).
+    slot_freed: Callable[[], None]
     # Versions are immutable, so a template cached never goes stale.
     _templates: dict[tuple[str, int], Template] = field(default_factory=dict, init=False)
     _fanout: Fanout = field(init=False)
@@ -356,7 +360,11 @@ class Runner:
                     walk.running[task] = step
             if not walk.running:
                 break
+            held.watching = all(s.lent is not None for s in walk.running.values())
+            if held.watching:
+                self.slot_freed()
             finished, _ = await asyncio.wait(walk.running, return_when=asyncio.FIRST_COMPLETED)
+            held.watching = False
             for future in finished:
                 if await self._step_ended(held, flow, walk, walk.running.pop(future), future):
                     return

@@ -34,6 +34,11 @@ from jobplane.worker.runner import Held, Runner
 
 log = logging.getLogger("jobplane.worker")
 
+# A run whose only running steps are lent holds no slot (it runs no handler here, and held
+# slots would let two workers fill up with runs each waiting for a step only the other can
+# take); this caps how many runs a worker holds in all, as a multiple of its concurrency.
+HELD_MOST = 4
+
 # With runs waiting and few slots free, how long the claim loop may wait for more slots to
 # free up, so that it claims them together. 5 ms halved the claims' batches once the Redis
 # lock mirror's round trip no longer paced the loop: docs/benchmarks.md, "Issue 21".
@@ -84,6 +89,7 @@ class Worker:
             self.locks,
             RunService(store, queue, self.lifecycle),
             Lending(store, queue, self.clock, settings.lease_seconds),
+            self._slot_free.set,
         )
 
     # -- lifecycle -----------------------------------------------------------------------------
@@ -146,6 +152,14 @@ class Worker:
         if self._tasks():
             await asyncio.wait(self._tasks(), timeout=max(0.0, drained - loop.time()))
 
+    def _free(self) -> int:
+        """Slots free for claims: those no run's handler (its own or one lent here) takes,
+        within the cap on runs held in all."""
+        concurrency = self.settings.worker_concurrency
+        busy = sum(1 for h in self.held.values() if not h.watching) + len(self.borrowed)
+        held = len(self.held) + len(self.borrowed)
+        return min(concurrency - busy, HELD_MOST * concurrency - held)
+
     def _holding(self) -> list[Held]:
         """The runs this worker holds and the steps lent to it."""
         return [*self.held.values(), *self.borrowed.values()]
@@ -169,7 +183,7 @@ class Worker:
         # The queues paused at the last pop, whose lanes a blocking pop does not wait on.
         paused: frozenset[str] = frozenset()
         while not stop.is_set():
-            free = concurrency - len(self.held) - len(self.borrowed)
+            free = self._free()
             if free <= 0 or (backlog and free < concurrency // 4 and gathered < CLAIM_GATHER):
                 self._slot_free.clear()
                 waited = time.monotonic()
