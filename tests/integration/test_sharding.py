@@ -251,7 +251,7 @@ async def test_every_write_to_a_run_names_its_shard_key(
     done_at = clock.now()
     outcome = StepOutcome(status=StepStatus.SUCCEEDED, output=1, started_at=done_at)
     assert await store.lending.report(step_lease, outcome) is None
-    assert await store.lending.steps(holder) is not None
+    assert await store.lending.step(holder, 1) is not None
     assert await store.leases.finish_step(holder, 1, "second", 1, 100, next_handler=None) is None
     assert await store.lending.lend(again, 1, "second", "h", 1) is None
     assert await store.lending.ask_stop(again, 1) is None

@@ -175,20 +175,20 @@ class MongoLendingStore:
         where = {s: {"$exists": True}}
         return await self._writes.fenced(lease, "ask_stop", update, [], self._clock.now(), where)
 
-    async def steps(self, lease: Lease) -> list[StepProgress] | None:
-        """The run's steps as they stand, for the holder watching its lent ones; None once
-        `lease` holds the run no more."""
+    async def step(self, lease: Lease, index: int) -> StepProgress | None:
+        """Step `index` of the run as it stands, for the holder watching it while lent; None
+        once `lease` holds the run no more."""
         query = {
             "_id": ObjectId(lease.run_id),
             **known_owner(lease.known),
             "status": {"$in": sorted(LEASED)},
             **fence(lease),
         }
-        doc = await self._db.runs.find_one(query, {"progress.steps": 1})
+        only = {"progress.steps": {"$slice": [index, 1]}, "_id": 1}
+        doc = await self._db.runs.find_one(query, only)
         if doc is None:
             return None
-        steps = doc.get("progress", {}).get("steps", [])
-        return [StepProgress.model_validate(s) for s in steps]
+        return StepProgress.model_validate(doc["progress"]["steps"][0])
 
     async def heartbeat(
         self, leases: Sequence[Lease], lease_seconds: float

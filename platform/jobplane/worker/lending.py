@@ -31,7 +31,7 @@ log = logging.getLogger("jobplane.worker")
 # borrower's lease running out. Reads from 20 ms on cost 8.6 queries and 17 ms of worker CPU
 # a run in bench/flows.py's "lent" workload, as every holder polled its steps.
 WATCH_FIRST = 0.25
-WATCH_MOST = 2.0
+WATCH_MOST = 5.0
 # How often an unclaimed step's queue entry is pushed again, should Redis have lost it.
 PUSH_AGAIN = 5.0
 
@@ -123,10 +123,10 @@ class Lending:
         stop_asked = False
         while True:
             check()
-            steps = await self.store.lending.steps(at.lease)
-            if steps is None:
+            step = await self.store.lending.step(at.lease, at.index)
+            if step is None:
                 raise HolderLost(at.run.id)
-            lent = steps[at.index].lease
+            lent = step.lease
             if lent is None:  # taken back by an earlier holder of the run, which lost it since
                 raise HolderLost(at.run.id)
             if lent.outcome is not None:
