@@ -27,7 +27,7 @@ from jobplane.model import (
     StepWriter,
 )
 from jobplane.store import convert
-from jobplane.store.convert import Doc, known_owner
+from jobplane.store.convert import NO_TRAIL, Doc, known_owner
 from jobplane.store.types import Known, Lease, Lost
 from jobplane.store.writes import RunWrites, TrailEntry, fence, recorded
 
@@ -85,7 +85,7 @@ class MongoLendingStore:
         # A step its holder asked to stop before anyone claimed it is not started.
         stop = {f"progress.steps.{index}.lease.stop": {"$exists": False}}
         query = {"_id": oid, "status": RunStatus.RUNNING, **_from("claim_step", index), **stop}
-        doc = await self._db.runs.find_one(query)
+        doc = await self._db.runs.find_one(query, NO_TRAIL)
         if doc is None:
             return None
         run = convert.run(doc)
@@ -163,9 +163,7 @@ class MongoLendingStore:
             }
         update: Doc = {"$set": {f"{s}.status": StepStatus.PENDING}, "$unset": {f"{s}.lease": ""}}
         events: list[TrailEntry] = [("step_taken_back", reason, {"step": step_id})]
-        return await self._writes.fenced(
-            lease, "take_back", update, events, self._clock.now(), where
-        )
+        return await self._writes.fenced(lease, "take_back", update, events, now, where)
 
     async def ask_stop(self, lease: Lease, index: int) -> Lost | None:
         """The holder asks the borrower to stop (a step beside it failed the run): it hears
