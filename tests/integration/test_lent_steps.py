@@ -172,6 +172,13 @@ async def test_a_cancel_stops_the_lent_step_on_its_worker(
         [done] = await settled(backends.store, [run.id], within=30)
     assert done.status == RunStatus.CANCELLED
     assert steps(done) == {"a": "succeeded", "b": "cancelled", "c": "cancelled", "d": "skipped"}
+    # The holder acknowledged it once c's borrower had stopped, not the reaper at the grace.
+    moves = await trail_of(backends, run.id, "status_changed")
+    [moved] = [e for e in moves if e["to"] == "cancelled"]
+    assert moved["metadata"]["transition"] == "acknowledge_cancel"
+    assert moved["actor"] == "worker:one"
+    c = done.progress.steps[2]
+    assert c.started_at and c.completed_at and (c.completed_at - c.started_at).total_seconds() < 30
 
 
 async def test_a_branch_failing_for_good_stops_the_lent_one_and_fails_the_run(

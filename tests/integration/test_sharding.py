@@ -241,9 +241,7 @@ async def test_every_write_to_a_run_names_its_shard_key(
     holder, again = await claim(lent_run, lent_again)
     assert await store.lending.lend(holder, 1, "second", "h", 1) is None
     for borrower in ("w2", "w3"):
-        claimed = await store.lending.claim(lent_run, 1, borrower, LEASE)
-        assert claimed is not None
-        step_lease = claimed[1]
+        [(_, step_lease)] = await store.lending.claim([(lent_run, 1)], borrower, LEASE)
         assert await store.lending.heartbeat([step_lease], LEASE) == ({step_lease.key}, set())
         assert await store.leases.start_step(step_lease, 1, "second") is None
         if borrower == "w2":

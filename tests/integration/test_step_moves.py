@@ -9,6 +9,7 @@ from datetime import timedelta
 from typing import Any
 
 import pytest
+from bson import ObjectId
 
 from jobplane.model import (
     STEP_MOVES,
@@ -62,15 +63,9 @@ async def lent(
         lease["outcome"] = {"status": "succeeded", "output": 1, "startedAt": now}
     if state != L.NONE:
         await raw(store).runs.update_one(
-            {"_id": run_oid(run.id)}, {"$set": {"progress.steps.0.lease": lease}}
+            {"_id": ObjectId(run.id)}, {"$set": {"progress.steps.0.lease": lease}}
         )
     return run, holder, Lease(run.id, BORROWER, STEP_TOKEN, step=0)
-
-
-def run_oid(run_id: str) -> Any:
-    from bson import ObjectId
-
-    return ObjectId(run_id)
 
 
 async def move(
@@ -82,7 +77,7 @@ async def move(
         case "lend":
             return await store.lending.lend(holder, 0, "only", "h", 1) is None
         case "claim_step":
-            return await store.lending.claim(holder.run_id, 0, "b2", 5) is not None
+            return await store.lending.claim([(holder.run_id, 0)], "b2", 5) != []
         case "give_back":
             return await store.lending.give_back(step, "only") is None
         case "report_step":
@@ -137,3 +132,13 @@ async def test_a_step_move_is_fenced_by_its_writers_lease(
     assert after is not None and after.version == run.version
     events = [e.type for e in await store.trail.events_of(run.id)]
     assert events.count("stale_write_rejected") == 2, "each superseded write is on the record"
+
+
+async def test_a_lent_step_asked_to_stop_before_its_claim_is_not_claimed(
+    store: MongoStore, register: Register
+) -> None:
+    run, holder, _ = await lent(store, register, L.LENT, expired=False)
+    assert await store.lending.ask_stop(holder, 0) is None
+    assert await store.lending.claim([(run.id, 0)], "b2", 5) == []
+    after = await store.runs.get(run.id)
+    assert after is not None and state_of(after.progress.steps[0].lease) == L.LENT

@@ -73,9 +73,8 @@ class MongoLeaseStore:
         """Mark a step running (its `attempt`-th try). Workers write this only for steps that
         are not over at once."""
         now = self._clock.now()
-        started, events = steps.unwritten_start(index, step_id, at or now, attempt)
-        if lease.step is not None:
-            del started["phase"]  # the run's phase is its holder's: a lent step runs beside it
+        lent = lease.step is not None
+        started, events = steps.unwritten_start(index, step_id, at or now, attempt, not lent)
         s = f"progress.steps.{index}"
         update = {**started, f"{s}.status": StepStatus.RUNNING, f"{s}.percentage": 0}
         return await self._writes.fenced(lease, "start_step", {"$set": update}, events, now)

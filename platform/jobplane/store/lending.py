@@ -7,8 +7,10 @@ needs the run running and the step lent, and its later moves are fenced by the s
 No move changes the run's status.
 """
 
+import asyncio
 import secrets
 from collections.abc import Sequence
+from dataclasses import replace
 from datetime import timedelta
 
 from bson import ObjectId
@@ -75,23 +77,30 @@ class MongoLendingStore:
         return await self._writes.fenced(lease, "lend", update, events, now, where)
 
     async def claim(
-        self, run_id: str, index: int, worker_id: str, lease_seconds: float
+        self, steps: Sequence[tuple[str, int]], worker_id: str, lease_seconds: float
+    ) -> list[tuple[Run, Lease]]:
+        """The step-level claim: a worker offering lent steps' handlers takes their leases.
+        `steps` are (run id, step index); one read finds their runs, and each step still lent
+        is claimed by a conditional write of its own, which group commit sends together. A
+        step lent no more, or whose run does not run, is left out."""
+        oids = sorted({oid for run_id, _ in steps if (oid := convert.object_id(run_id))})
+        running = {"_id": {"$in": oids}, "status": RunStatus.RUNNING}
+        docs = {str(d["_id"]): d async for d in self._db.runs.find(running, NO_TRAIL)}
+        claims = [
+            self._claim(docs[run_id], index, worker_id, lease_seconds)
+            for run_id, index in steps
+            if run_id in docs
+        ]
+        return [claimed for claimed in await asyncio.gather(*claims) if claimed is not None]
+
+    async def _claim(
+        self, doc: Doc, index: int, worker_id: str, lease_seconds: float
     ) -> tuple[Run, Lease] | None:
-        """The step-level claim: a worker offering a lent step's handler takes the step's
-        lease. None when the step is lent no more, or its run does not run."""
-        oid = convert.object_id(run_id)
-        if oid is None:
-            return None
-        # A step its holder asked to stop before anyone claimed it is not started.
-        stop = {f"progress.steps.{index}.lease.stop": {"$exists": False}}
-        query = {"_id": oid, "status": RunStatus.RUNNING, **_from("claim_step", index), **stop}
-        doc = await self._db.runs.find_one(query, NO_TRAIL)
-        if doc is None:
-            return None
         run = convert.run(doc)
-        step = run.progress.steps[index]
-        if step.lease is None:
-            return None
+        steps = run.progress.steps
+        lent = steps[index].lease if index < len(steps) else None
+        if lent is None or lent.worker_id is not None or lent.stop:
+            return None  # as read: the write below would refuse it too
         now = self._clock.now()
         token = secrets.token_hex(12)
         s = f"progress.steps.{index}.lease"
@@ -100,23 +109,28 @@ class MongoLendingStore:
             "$set": {f"{s}.workerId": worker_id, f"{s}.token": token, f"{s}.until": until},
             "$inc": {"version": 1},
         }
-        lease = Lease(run_id, worker_id, token, step=index)
-        claimed = ("step_claimed", None, {"step": step.id, "lease": token[:8]})
+        lease = Lease(run.id, worker_id, token, step=index)
+        claimed = ("step_claimed", None, {"step": steps[index].id, "lease": token[:8]})
 
         def trail(state: Known) -> list[Doc]:
-            return recorded(run_id, lease.actor, state, now, [claimed])
+            return recorded(run.id, lease.actor, state, now, [claimed])
 
-        query |= known_owner(None, (run.scope, run.scope_id))
-        known = convert.known(doc)
+        query = {
+            "_id": doc["_id"],
+            **known_owner(None, (run.scope, run.scope_id)),
+            "status": RunStatus.RUNNING,
+            **_from("claim_step", index),
+            # A step its holder asked to stop before anyone claimed it is not started.
+            f"{s}.stop": {"$exists": False},
+        }
+        running = frozenset({RunStatus.RUNNING})
         written = await self._writes.write(
-            query, lambda _: update, known, frozenset({RunStatus.RUNNING}), None, trail
+            query, lambda _: update, convert.known(doc), running, None, trail
         )
         if written is None:
             return None
         state, appended = written
-        lease.known = Known(
-            state.status, state.version + 1, state.scope, state.scope_id, state.attempt
-        )
+        lease.known = replace(state, version=state.version + 1)
         await self._trail.hand(appended)
         return run, lease
 

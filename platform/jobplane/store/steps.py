@@ -31,14 +31,17 @@ def unlent(indexes: list[int]) -> Doc:
 
 
 def unwritten_start(
-    index: int, step_id: str, started_at: datetime | None, attempt: int = 0
+    index: int, step_id: str, started_at: datetime | None, attempt: int = 0, phase: bool = True
 ) -> tuple[Doc, list[TrailEntry]]:
     """The fields and event of a step's start (its `attempt`-th try, when known), to go along
-    with the write that ends it."""
+    with the write that ends it. The step becomes the run's `phase`, unless it is a lent
+    step's start (`phase` False): the phase is its holder's, and the lent step runs beside it."""
     if started_at is None:
         return {}, []
     s = f"progress.steps.{index}"
-    fields: Doc = {"phase": step_id, f"{s}.startedAt": started_at}
+    fields: Doc = {f"{s}.startedAt": started_at}
+    if phase:
+        fields["phase"] = step_id
     if attempt:
         fields[f"{s}.attempt"] = attempt
     return fields, [("step_started", None, {"step": step_id})]

@@ -207,11 +207,15 @@ class Worker:
                 paused = popped.paused
                 due = popped.next_due or now + timedelta(seconds=self.settings.poll_seconds)
                 backlog = len(popped.run_ids) == free
-                lent = [key for key in popped.run_ids if step_of(key) is not None]
+                runs, lent = [], []
+                for key in popped.run_ids:
+                    if (step := step_of(key)) is None:
+                        runs.append(key)
+                    else:
+                        lent.append(step)
                 if lent:
                     await self.borrow(lent)
-                if len(lent) < len(popped.run_ids):
-                    runs = [key for key in popped.run_ids if step_of(key) is None]
+                if runs:
                     await self.claim(runs, popped.limits)
             except Exception:
                 # MongoDB or Redis unreachable: back off, the runs wait safely where they are.
@@ -236,18 +240,13 @@ class Worker:
                 with log_context(run_id=run.id, lease_token=lease.token):
                     held.task = asyncio.create_task(self._execute(held))
 
-    async def borrow(self, keys: list[str]) -> None:
-        """Claim the steps lent among `keys` (their queue entry ids) that are lent still, and
-        run them."""
-        for key in keys:
-            step = step_of(key)
-            assert step is not None, key
-            claimed = await self.store.lending.claim(*step, self.id, self.settings.lease_seconds)
-            if claimed is None:
-                continue
-            run, lease = claimed
+    async def borrow(self, steps: list[tuple[str, int]]) -> None:
+        """Claim those of the popped lent `steps` (run id, step index) that are lent still,
+        and run them."""
+        seconds = self.settings.lease_seconds
+        for run, lease in await self.store.lending.claim(steps, self.id, seconds):
             held = Held(run, lease)
-            self.borrowed[key] = held
+            self.borrowed[lease.key] = held
             with log_context(run_id=run.id, lease_token=lease.token):
                 held.task = asyncio.create_task(self._execute_lent(held))
 
