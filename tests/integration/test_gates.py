@@ -9,11 +9,13 @@ from datetime import UTC, datetime
 import pytest
 from bson import ObjectId
 
+from jobplane.backends import Backends
 from jobplane.clock import ManualClock
 from jobplane.model import Run, RunError, RunStatus, StartLimits, Template
+from jobplane.settings import Settings
 from jobplane.store import MongoStore, Moved, NewRun
 from jobplane.store import gates as gates_module
-from jobplane.store.gates import MongoGateStore
+from jobplane.store.gates import MongoGateStore, Place
 from tests.integration.conftest import Register
 from tests.integration.db import raw
 from tests.integration.runs import reap
@@ -111,19 +113,21 @@ async def test_a_claim_past_its_admissions_fence_takes_nothing_and_gives_the_pla
     assert await store.gates.admitted("capped") == 0
 
 
-async def test_a_run_admitted_already_is_held_back_rather_than_admitted_twice(
+async def test_a_run_popped_twice_starts_once_and_the_other_place_goes_back(
     store: MongoStore, register: Register
 ) -> None:
-    """A run popped twice (the reconciler pushed it again) whose other pop's admission is on
-    its way is held back, so that it waits without spinning a worker."""
+    """A run popped twice (the reconciler pushed it again) is given two places by two
+    concurrent claims; one claim takes it, and the other's place goes back at once."""
     template = await register("capped", maxRunning=5)
     [run] = await new_runs(store, template, 1)
-    admitted, _ = await gate(store).admit("capped", [(ObjectId(run.id), 5)], "other-pop")
-    assert admitted == [ObjectId(run.id)]
-    claimed, held = await store.transitions.claim_limited(
-        [limited(run)], "w1", 30, store.clock.now()
+    outcomes = await asyncio.gather(
+        *(
+            store.transitions.claim_limited([limited(run)], f"w{i}", 30, store.clock.now())
+            for i in range(2)
+        )
     )
-    assert (claimed, held) == ([], [run.id])
+    assert sorted(len(claimed) for claimed, _ in outcomes) == [0, 1]
+    assert [held for _, held in outcomes] == [[], []]
     assert await store.gates.admitted("capped") == 1
 
 
@@ -137,15 +141,17 @@ async def test_the_sweep_takes_back_dead_admissions_and_keeps_started_runs_place
     [(_, lease)], _ = await store.transitions.claim_limited(
         [limited(started)], "w1", 30, store.clock.now()
     )
-    await gate(store).admit("capped", [(ObjectId(dead_claim.id), 3)], "died-before-claim")
+    placed, _ = await gate(store).admit("capped", [(ObjectId(dead_claim.id), 3)])
+    assert len(placed) == 1, "died before its claim"
     [(_, ended)], _ = await store.transitions.claim_limited(
         [limited(dead_end)], "w2", 30, store.clock.now()
     )
     # Its end written, its place not given back: the process died between the two writes.
     gates = raw(store).gates
     doc = await gates.find_one({"_id": "capped"})
-    assert doc is not None
-    [entry] = [e for e in doc["admitted"] if e["run"] == ObjectId(dead_end.id)]
+    run_doc = await raw(store).runs.find_one({"_id": ObjectId(dead_end.id)})
+    assert doc is not None and run_doc is not None
+    [entry] = [e for e in doc["admitted"] if e["token"] == run_doc["admissionToken"]]
     assert isinstance(await store.transitions.complete(ended, 0, "only", 1, 1), Moved)
     await gates.update_one({"_id": "capped"}, {"$push": {"admitted": entry}})
     assert await store.gates.admitted("capped") == 3
@@ -175,7 +181,7 @@ async def test_a_stalled_claimer_whose_place_was_swept_starts_nothing(
     admitted = asyncio.Event()
     woken = asyncio.Event()
 
-    async def stalls(*args: object) -> tuple[list[ObjectId], datetime | None]:
+    async def stalls(*args: object) -> tuple[list[tuple[ObjectId, Place]], list[ObjectId]]:
         answer = await admit(*args)  # type: ignore[arg-type]
         admitted.set()
         await woken.wait()
@@ -219,3 +225,128 @@ async def test_concurrent_claims_of_many_workers_admit_no_more_than_the_cap(
     assert await store.gates.admitted("capped") == 5
     statuses = [await status(store, r.id) for r in runs]
     assert statuses.count(RunStatus.RUNNING) == 5
+
+
+class Monotonic:
+    """A monotonic clock for the gate's spares that moves only when the test says."""
+
+    def __init__(self) -> None:
+        self.now = 1000.0
+
+    def monotonic(self) -> float:
+        return self.now
+
+
+@pytest.fixture
+def spare_clock(monkeypatch: pytest.MonkeyPatch) -> Monotonic:
+    clock = Monotonic()
+    monkeypatch.setattr(gates_module, "time", clock)
+    return clock
+
+
+async def test_a_claim_under_a_large_cap_takes_spares_which_later_claims_start_runs_in(
+    store: MongoStore, register: Register, spare_clock: Monotonic
+) -> None:
+    """Under a cap of `SPARE_MIN_CAP` or more, a grant adds `SPARES` places this process
+    keeps; the next claims start their runs in them without a grant of their own, and the
+    spares left go back as the process stops."""
+    template = await register("capped", maxRunning=100)
+    first, *rest = await new_runs(store, template, 3)
+    gates = gate(store)
+    grants = 0
+    grant = gates._grant
+
+    async def counted(*args: object) -> list[Place]:
+        nonlocal grants
+        grants += 1
+        return await grant(*args)  # type: ignore[arg-type]
+
+    gates._grant = counted  # type: ignore[method-assign]
+    [_], _ = await store.transitions.claim_limited([limited(first)], "w1", 30, store.clock.now())
+    assert grants == 1
+    assert await store.gates.admitted("capped") == 1 + gates_module.SPARES
+    later, held = await store.transitions.claim_limited(
+        list(map(limited, rest)), "w1", 30, store.clock.now()
+    )
+    assert len(later) == 2 and held == []
+    assert grants == 1, "the spares' places, not a grant of their own"
+    assert await store.gates.admitted("capped") == 1 + gates_module.SPARES
+    assert await store.gates.give_back_spares() == {}, "all fresh: kept"
+    left = gates_module.SPARES - 2
+    assert await store.gates.give_back_spares(everything=True) == {"capped": left}
+    assert await store.gates.admitted("capped") == 3
+    for _, lease in later:
+        assert isinstance(await store.transitions.complete(lease, 0, "only", 1, 1), Moved)
+    assert await store.gates.admitted("capped") == 1
+
+
+async def test_spares_are_granted_only_under_a_large_cap_and_a_gate_at_most_half_full(
+    store: MongoStore, register: Register, spare_clock: Monotonic
+) -> None:
+    """A small cap is there to be reached: no place of it idles as a spare. Nor does a large
+    cap's gate past half full grant spares."""
+    small = await register("small", maxRunning=gates_module.SPARE_MIN_CAP - 1)
+    [run] = await new_runs(store, small, 1)
+    [_], _ = await store.transitions.claim_limited([limited(run)], "w1", 30, store.clock.now())
+    assert await store.gates.admitted("small") == 1
+
+    cap = gates_module.SPARE_MIN_CAP
+    large = await register("large", maxRunning=cap)
+    runs = await new_runs(store, large, cap // 2 + 1)
+    claimed, _ = await store.transitions.claim_limited(
+        list(map(limited, runs)), "w1", 30, store.clock.now()
+    )
+    assert len(claimed) == cap // 2 + 1
+    assert await store.gates.admitted("large") == cap // 2 + 1
+    assert await store.gates.give_back_spares(everything=True) == {}
+
+
+async def test_spares_too_old_to_use_are_given_back_and_not_used(
+    store: MongoStore, register: Register, spare_clock: Monotonic
+) -> None:
+    """A spare near its fence is not used: the claim asks a grant, and the heartbeat's
+    give-back takes the old spares back."""
+    template = await register("capped", maxRunning=1000)
+    first, second = await new_runs(store, template, 2)
+    await store.transitions.claim_limited([limited(first)], "w1", 30, store.clock.now())
+    spares = gates_module.SPARES
+    assert await store.gates.admitted("capped") == 1 + spares
+    spare_clock.now += gates_module.ADMISSION_SECONDS * gates_module.SPARE_SHARE
+    [(run, _)], _ = await store.transitions.claim_limited(
+        [limited(second)], "w1", 30, store.clock.now()
+    )
+    assert run.id == second.id
+    assert await store.gates.admitted("capped") == 2 + 2 * spares
+    assert await store.gates.give_back_spares() == {"capped": spares}
+    assert await store.gates.admitted("capped") == 2 + spares
+
+
+async def test_claims_of_two_processes_with_spares_never_pass_the_cap(
+    store: MongoStore, register: Register, backends: Backends, settings: Settings
+) -> None:
+    """Two processes' stores (each with spares of its own) claim 200 runs of a template capped
+    at 64, in 40 concurrent claims, every run popped by two of them: no more than 64 start,
+    and once both give their spares back, the gate holds exactly the started runs' places."""
+    cap = gates_module.SPARE_MIN_CAP
+    template = await register("capped", maxRunning=cap)
+    runs = await new_runs(store, template, 200)
+    other = MongoStore(backends.store.client, settings.db)
+    stores = [store, other]
+    batches = [runs[i::20] for i in range(20)] * 2
+    outcomes = await asyncio.gather(
+        *(
+            stores[i % 2].transitions.claim_limited(
+                list(map(limited, b)), f"w{i}", 30, store.clock.now()
+            )
+            for i, b in enumerate(batches)
+        )
+    )
+    claimed = [run.id for leased, _ in outcomes for run, _ in leased]
+    assert len(claimed) == len(set(claimed)) <= cap
+    assert await store.gates.admitted("capped") <= cap
+    for s in stores:
+        await s.gates.give_back_spares(everything=True)
+    assert await store.gates.admitted("capped") == len(claimed)
+    statuses = [await status(store, r.id) for r in runs]
+    assert statuses.count(RunStatus.RUNNING) == len(claimed)
+    await other.trail.flush()

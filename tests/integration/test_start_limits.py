@@ -12,6 +12,7 @@ from jobplane.runs import RunRequest, RunService
 from jobplane.runs.admission.starts import NONE_HELD_SECONDS, Starts
 from jobplane.runs.waiting import Waiting
 from jobplane.settings import Settings
+from jobplane.store.gates import SPARE_MIN_CAP
 from jobplane.templates import load_file
 from tests.conftest import sync_redis
 from tests.integration.conftest import Register
@@ -64,6 +65,37 @@ async def test_no_more_than_max_running_runs_start_across_worker_processes_and_a
             if e.type == "status_changed"
         ]
         assert transitions == ["claim_limited", "complete"], (run.id, transitions)
+
+
+async def test_a_large_cap_with_spare_places_holds_across_worker_processes_and_a_redis_wipe(
+    backends: Backends, settings: Settings, register: Register, tmp_path: Path
+) -> None:
+    """A cap large enough for spare places (`store/gates.py`): 96 slots in two worker
+    processes, each keeping spares of its own, 200 runs of a template capped at 64 and Redis
+    wiped in the middle. Never more than 64 started, sampled or in the trails; every run
+    succeeds on its first attempt; once the workers stop, their spares are back."""
+    cap = SPARE_MIN_CAP
+    await register("capped", maxRunning=cap, steps=SLEEP)
+    service = RunService(backends.store, backends.queue)
+    ids = await create(service, "capped", 200, sleepSeconds=0.3)
+    filters = {"started": started({"templateType": "capped"})}
+    async with (
+        sampled(backends.store, filters) as peaks,
+        workers(settings, tmp_path, JOBPLANE_WORKER_CONCURRENCY="48"),
+    ):
+        await until(lambda: more_than(backends, "capped", 32), 60)
+        with sync_redis(settings.redis_url or "") as redis:
+            redis.flushall()
+        runs = await settled(backends.store, ids, within=180)
+    assert {r.status for r in runs} == {RunStatus.SUCCEEDED}
+    assert {r.attempt for r in runs} == {1}
+    assert peaks["started"] <= cap
+    assert peak(await started_spans(backends.store, ids)) <= cap
+    assert await backends.store.gates.admitted("capped") == 0
+
+
+async def more_than(backends: Backends, template_type: str, n: int) -> bool:
+    return await backends.store.gates.admitted(template_type) > n
 
 
 async def test_a_held_run_says_why_and_goes_as_soon_as_a_place_frees(

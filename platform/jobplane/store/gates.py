@@ -1,22 +1,30 @@
-"""Admissions under `maxRunning`: each capped template's gate (`job_gates`) lists the runs it
-admitted to start, and MongoDB decides each admission in one single-document update.
+"""Admissions under `maxRunning`: each capped template's gate (`job_gates`) lists the places it
+granted to start runs in, and MongoDB decides each grant in one single-document update.
 
-A claim of capped runs first asks the gate to admit them (`admit`): in one pipeline update,
-each run in the caller's order is added while the list is shorter than the run's own cap. The
-claim then takes the admitted runs under the admission's token, fenced by time: its filter
-holds only until `ADMISSION_SECONDS` after the admission, by the server's clock. A run leaves
-the list when it leaves its started statuses (`leave`, which `transitions` calls after every
-such write), so the list always holds every started capped run, and a run started under it
-never takes a place the list does not show.
+A claim of capped runs first takes a place for each (`admit`): in one pipeline update, places
+are added while the list is shorter than the runs' cap. The claim then takes its runs, each
+under its place's token, fenced by time: its filter holds only until `ADMISSION_SECONDS` after
+the place was granted, by the server's clock. A run gives its place back when it leaves its
+started statuses (`leave`, which `transitions` calls after every such write), so the list
+always holds every started capped run's place, and a run started under it never takes a place
+the list does not show.
 
-What a process that died leaves behind (an admission its claim never used, or one its run's
-end never took back) only holds a place too many: the cap errs on the side of fewer starts.
-`sweep` takes such admissions back once they are old enough that no claim can still use them
-(the fence) and their run is not started under them.
+Under a cap of `SPARE_MIN_CAP` or more, a grant also takes spare places while the list is
+at most half full, which this process keeps for its next claims of that template: those
+start their runs without waiting for a grant of their own. A spare unused when its fence
+nears goes back (`give_back_spares`).
+
+What a process that died leaves behind (a place its claim never used, its spares, or one its
+run's end never gave back) only holds a place too many: the cap errs on the side of fewer
+starts. `sweep` takes such places back once they are old enough that no claim can still use
+them (the fence) and no run is started under them.
 """
 
 import asyncio
+import secrets
+import time
 from collections.abc import Sequence
+from dataclasses import dataclass
 from datetime import datetime, timedelta
 
 from bson import ObjectId
@@ -29,12 +37,31 @@ from jobplane.store.convert import Doc
 from jobplane.store.database import Collections
 from jobplane.store.types import Admission
 
-# How long an admission lets its claim take the run, by the server's clock. A claim that
-# arrives later takes nothing and gives the admission back.
+# How long a place lets a claim take a run in it, by the server's clock. A claim that arrives
+# later takes nothing.
 ADMISSION_SECONDS = 10.0
-# An admission this old is past its claim's fence on any server whose clock is within
+# A place this old is past its claim's fence on any server whose clock is within
 # `SWEEP_AFTER_SECONDS - ADMISSION_SECONDS` of the gate's.
 SWEEP_AFTER_SECONDS = 60.0
+# Caps below this get no spare places: a place idle in one worker's hands would keep another
+# worker's run waiting, and a small cap is there to be reached.
+SPARE_MIN_CAP = 64
+# Spare places a grant asks for, and the most a process keeps per template and cap.
+SPARES = 32
+# The share of a place's fence within which this process still uses it as a spare: the rest
+# is margin for the grant's round trip and for the claim that uses it.
+SPARE_SHARE = 0.8
+
+
+@dataclass(frozen=True)
+class Place:
+    """A place granted under a template's cap: a claim takes one run in it, under its token,
+    before `until` (the server's clock). As a spare it is used only before `spare_until`
+    (this process's monotonic clock)."""
+
+    token: str
+    until: datetime
+    spare_until: float
 
 
 class MongoGateStore:
@@ -42,58 +69,72 @@ class MongoGateStore:
         self._gates = db.gates
         self._runs = db.runs
         # A place given back too late only keeps a run waiting (a write lost to a failover is
-        # swept), so taking it back waits for no journal.
+        # swept), so giving it back waits for no journal.
         self._freeing = db.gates.with_options(write_concern=WriteConcern(w=1))
-        # Runs end by the hundred a second: their admissions leave in one write per batch.
+        # Runs end by the hundred a second: their places leave in one write per batch.
         self._leaving = GroupCommit(self._leave_many)
+        # This process's spare places, by template and cap.
+        self._spares: dict[tuple[str, int], list[Place]] = {}
 
     async def admit(
-        self, template_type: str, runs: Sequence[tuple[ObjectId, int]], token: str
-    ) -> tuple[list[ObjectId], datetime | None]:
-        """Admit, in order, each of `runs` (id, its own cap) while fewer than its cap are
-        admitted, under `token`: the ids admitted, and until when (the server's clock) their
-        claim may take them (None when none was). A run admitted already (under another
-        token) is not admitted again: its claim is on its way, or its admission waits for
-        `sweep`."""
-        candidates = [{"run": oid, "cap": cap} for oid, cap in runs]
-        entry = {"run": "$$this.run", "token": {"$literal": token}, "at": "$$NOW"}
-        fits = {
-            "$and": [
-                {"$lt": [{"$size": "$$value"}, "$$this.cap"]},
-                {"$not": [{"$in": ["$$this.run", "$$value.run"]}]},
-            ]
-        }
-        admitted = {
-            "$reduce": {
-                "input": {"$literal": candidates},
-                "initialValue": {"$ifNull": ["$admitted", []]},
-                "in": {"$cond": [fits, {"$concatArrays": ["$$value", [entry]]}, "$$value"]},
-            }
-        }
-        mine = {"$eq": ["$$this.token", {"$literal": token}]}
-        doc = await self._gates.find_one_and_update(
-            {"_id": template_type},
-            [{"$set": {"admitted": admitted}}],
-            {"admitted": {"$filter": {"input": "$admitted", "cond": mine}}},
-            upsert=True,
-            return_document=ReturnDocument.AFTER,
-        )
-        assert doc is not None  # upserted
-        entries: list[Doc] = doc["admitted"]
-        if not entries:
-            return [], None
-        # One update: every entry has the same `$$NOW`.
-        until = entries[0]["at"] + timedelta(seconds=ADMISSION_SECONDS)
-        return [e["run"] for e in entries], until
+        self, template_type: str, runs: Sequence[tuple[ObjectId, int]]
+    ) -> tuple[list[tuple[ObjectId, Place]], list[ObjectId]]:
+        """A place, in order, for each of `runs` (id, its own cap) while fewer than its cap
+        are taken: the runs placed, each with its place, and the runs the cap held back.
+        Spares are used first; a grant is asked only for the runs they do not cover."""
+        by_cap: dict[int, list[ObjectId]] = {}
+        for oid, cap in runs:
+            by_cap.setdefault(cap, []).append(oid)
+        placed: list[tuple[ObjectId, Place]] = []
+        over: list[ObjectId] = []
+        for cap, oids in by_cap.items():
+            places = self._take_spares(template_type, cap, len(oids))
+            if need := len(oids) - len(places):
+                granted = await self._grant(template_type, cap, need)
+                places += granted[:need]
+                if extra := self.keep(template_type, cap, granted[need:]):
+                    await self.leave([Admission(template_type, None, p.token) for p in extra])
+            placed += zip(oids, places, strict=False)
+            over += oids[len(places) :]
+        return placed, over
+
+    def keep(self, template_type: str, cap: int, places: Sequence[Place]) -> list[Place]:
+        """Keep places no claim used as spares, if the cap has spares and they are fresh
+        enough; returns those not kept, which the caller gives back."""
+        if cap < SPARE_MIN_CAP:
+            return list(places)
+        spares = self._spares.setdefault((template_type, cap), [])
+        now = time.monotonic()
+        # Stale spares wait in the list for `give_back_spares`, and do not count.
+        room = SPARES - sum(p.spare_until > now for p in spares)
+        fresh = [p for p in places if p.spare_until > now][: max(0, room)]
+        spares += fresh
+        return [p for p in places if p not in fresh]
+
+    async def give_back_spares(self, everything: bool = False) -> dict[str, int]:
+        """Give back the spares too old to use (all of them with `everything`, as the process
+        stops): how many, by template."""
+        now = time.monotonic()
+        stale: list[Admission] = []
+        for (template_type, _), spares in self._spares.items():
+            old = [p for p in spares if everything or p.spare_until <= now]
+            stale += [Admission(template_type, None, p.token) for p in old]
+            spares[:] = [p for p in spares if p not in old]
+        if stale:
+            await self.leave(stale)
+        given: dict[str, int] = {}
+        for a in stale:
+            given[a.template_type] = given.get(a.template_type, 0) + 1
+        return given
 
     async def leave(self, admissions: Sequence[Admission]) -> None:
-        """Take admissions back: their runs left their started statuses, or their claim did
-        not take them. Concurrent callers share one write per gate."""
+        """Give places back: their runs left their started statuses, or no claim used them.
+        Concurrent callers share one write per gate."""
         await asyncio.gather(*(self._leaving.submit(a) for a in admissions))
 
     async def admitted(self, template_type: str) -> int:
-        """How many runs the template's gate admits now: its started runs, plus admissions on
-        their way to a claim or left behind by a process that died."""
+        """How many places the template's gate has granted now: its started runs', plus
+        places on their way to a claim, spares, and places left by a process that died."""
         cursor = await self._gates.aggregate(
             [
                 {"$match": {"_id": template_type}},
@@ -104,8 +145,8 @@ class MongoGateStore:
         return int(found[0]["n"]) if found else 0
 
     async def sweep(self, template_type: str) -> int:
-        """Take back the template's admissions that no run is started under and no claim can
-        still use (older than `SWEEP_AFTER_SECONDS`); how many."""
+        """Take back the template's places that no run is started in and no claim can still
+        use (older than `SWEEP_AFTER_SECONDS`); how many."""
         old = {"$lt": ["$$this.at", {"$subtract": ["$$NOW", SWEEP_AFTER_SECONDS * 1000]}]}
         cursor = await self._gates.aggregate(
             [
@@ -119,21 +160,71 @@ class MongoGateStore:
             return 0
         started = self._runs.find(
             {
-                "_id": {"$in": [e["run"] for e in entries]},
+                "admissionToken": {"$in": sorted({e["token"] for e in entries})},
                 "status": {"$in": sorted(LEASED)},
             },
             {"admissionToken": 1},
         )
-        live = {(d["_id"], d.get("admissionToken")) async for d in started}
-        # A claim can no longer use these (their fence has passed), so no run starts under
-        # them between this read and the write below.
-        dead = [e for e in entries if (e["run"], e["token"]) not in live]
+        live = {(d["_id"], d["admissionToken"]) async for d in started}
+        tokens = {token for _, token in live}
+        # A claim can no longer use these (their fence has passed), so no run starts in them
+        # between this read and the write below.
+        dead = [
+            e
+            for e in entries
+            if ((e["run"], e["token"]) not in live if "run" in e else e["token"] not in tokens)
+        ]
         if dead:
             await self._freeing.update_one(
                 {"_id": template_type},
-                {"$pull": {"admitted": {"$or": [_entry(e["run"], e["token"]) for e in dead]}}},
+                {"$pull": {"admitted": {"$or": [_entry(e.get("run"), e["token"]) for e in dead]}}},
             )
         return len(dead)
+
+    def _take_spares(self, template_type: str, cap: int, n: int) -> list[Place]:
+        """Up to `n` of this process's spares for the template and cap, still fresh."""
+        spares = self._spares.get((template_type, cap))
+        if not spares:
+            return []
+        now = time.monotonic()
+        usable = [p for p in spares if p.spare_until > now][:n]
+        spares[:] = [p for p in spares if p not in usable]
+        return usable
+
+    async def _grant(self, template_type: str, cap: int, n: int) -> list[Place]:
+        """Grant up to `n` places under `cap`, in one update that MongoDB applies alone to
+        the gate; under a cap with spares, up to `SPARES` more while the list is at most half
+        full. The places granted, those for the `n` first."""
+        spare = SPARES if cap >= SPARE_MIN_CAP else 0
+        tokens = [secrets.token_hex(12) for _ in range(n + spare)]
+        candidates = [
+            {"token": t, "most": cap if i < n else cap // 2} for i, t in enumerate(tokens)
+        ]
+        entry = {"token": "$$this.token", "at": "$$NOW"}
+        fits = {"$lt": [{"$size": "$$value"}, "$$this.most"]}
+        admitted = {
+            "$reduce": {
+                "input": {"$literal": candidates},
+                "initialValue": {"$ifNull": ["$admitted", []]},
+                "in": {"$cond": [fits, {"$concatArrays": ["$$value", [entry]]}, "$$value"]},
+            }
+        }
+        mine = {"$in": ["$$this.token", {"$literal": tokens}]}
+        asked = time.monotonic()
+        doc = await self._gates.find_one_and_update(
+            {"_id": template_type},
+            [{"$set": {"admitted": admitted}}],
+            {"admitted": {"$filter": {"input": "$admitted", "cond": mine}}},
+            upsert=True,
+            return_document=ReturnDocument.AFTER,
+        )
+        assert doc is not None  # upserted
+        entries: list[Doc] = doc["admitted"]
+        spare_until = asked + ADMISSION_SECONDS * SPARE_SHARE
+        return [
+            Place(e["token"], e["at"] + timedelta(seconds=ADMISSION_SECONDS), spare_until)
+            for e in entries
+        ]
 
     async def _leave_many(self, admissions: list[Admission]) -> list[None]:
         by_gate: dict[str, list[Admission]] = {}
@@ -152,7 +243,10 @@ class MongoGateStore:
         return [None] * len(admissions)
 
 
-def _entry(run_id: ObjectId, token: str) -> Doc:
-    """The condition on a gate's list that matches one admission, and no later one of its
-    run."""
-    return {"run": run_id, "token": token}
+def _entry(run_id: ObjectId | None, token: str) -> Doc:
+    """The condition on a gate's list that matches one place, by its token. Places granted
+    before spares existed name their run and share their claim's token: of those, only the
+    run's own."""
+    if run_id is None:
+        return {"token": token}
+    return {"token": token, "run": {"$in": [run_id, None]}}

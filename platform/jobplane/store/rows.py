@@ -6,6 +6,7 @@ included, so a row changed in the table is written differently everywhere at onc
 """
 
 from datetime import datetime, timedelta
+from typing import Any
 
 from bson import ObjectId
 
@@ -116,6 +117,11 @@ def attempt_failed(error: RunError, state: Known, t: Transition, now: datetime) 
     return update
 
 
+def _each(values: list[Any], oids: list[ObjectId]) -> Doc:
+    """The value of `values` at the run's own position in `oids`, in a pipeline over them."""
+    return {"$arrayElemAt": [{"$literal": values}, {"$indexOfArray": [{"$literal": oids}, "$_id"]}]}
+
+
 def claiming(
     t: Transition,
     oids: list[ObjectId],
@@ -124,29 +130,25 @@ def claiming(
     token: str,
     until: datetime,
     now: datetime,
-    admission: tuple[str, datetime] | None = None,
+    places: tuple[list[str], datetime] | None = None,
 ) -> tuple[Doc, list[Doc]]:
     """The claim row as one multi-document pipeline update: its filter and its pipeline.
 
     A pipeline, so that each run's claim event is built from the run as it was before the
     write: its `from` status and version are exact whatever lands after. The event's `_id`
     comes from `event_ids`, so the claimer knows which event in each trail is its own. A
-    claim under `maxRunning` names its `admission` (its token, which is the lease's, and its
-    fence): the runs keep the token, and the server takes them only before the fence.
+    claim under `maxRunning` names its runs' `places` (each run's place's token, in the order
+    of `oids`, and the earliest of their fences): each run keeps its place's token, and the
+    server takes them only before the fence.
     """
     assert t.lease is LeaseChange.GRANT and t.attempt is AttemptChange.START, t.name
     claimable = {"_id": {"$in": oids}, **guarded(t, now)}
     admitted: Doc = {}
-    if admission is not None:
-        claimable["$expr"] = {"$lt": ["$$NOW", admission[1]]}
-        admitted["admissionToken"] = {"$literal": admission[0]}
+    if places is not None:
+        claimable["$expr"] = {"$lt": ["$$NOW", places[1]]}
+        admitted["admissionToken"] = _each(places[0], oids)
     event = {
-        "_id": {
-            "$arrayElemAt": [
-                {"$literal": event_ids},
-                {"$indexOfArray": [{"$literal": oids}, "$_id"]},
-            ]
-        },
+        "_id": _each(event_ids, oids),
         "jobId": {"$toString": "$_id"},
         "type": "status_changed",
         "actor": {"$literal": worker_actor(worker_id)},

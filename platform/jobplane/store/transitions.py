@@ -28,7 +28,7 @@ from jobplane.model import (
 )
 from jobplane.store import convert, rows, steps
 from jobplane.store.convert import NO_TRAIL, OWNER_FIELDS, Doc, known_owner, merged, object_id
-from jobplane.store.gates import MongoGateStore
+from jobplane.store.gates import MongoGateStore, Place
 from jobplane.store.steps import HELD_STEP, RUNNING_STEP, UNDONE_STEP, WAITING_STEP
 from jobplane.store.types import Admission, Known, Lease, Lost, Moved
 from jobplane.store.writes import RunWrites, TrailEntry, held_by, recorded
@@ -125,24 +125,31 @@ class MongoTransitionStore:
         """Claim runs of one capped template (ids, each with its own `maxRunning`): the
         claimed runs' documents, and the ids of the runs the cap held back.
 
-        The gate admits, in the caller's order (priority, then age), the runs their own
-        `maxRunning` leaves room for; the claim takes them under the admission's token, before
-        the admission's fence. An admitted run the claim did not take (cancelled meanwhile,
-        claimed by another worker's pop of it, or the fence passed) gives its place back.
+        The gate gives a place, in the caller's order (priority, then age), to the runs their
+        own `maxRunning` leaves room for; the claim takes each in its place, before the
+        places' fence. A place the claim did not use (its run cancelled meanwhile, claimed by
+        another worker's pop of it, or the fence passed) is kept as a spare or given back.
         """
-        token = secrets.token_hex(12)
-        admitted, until = await self._gates.admit(template_type, runs, token)
-        over = [str(oid) for oid, _ in runs if oid not in admitted]
-        if until is None:
-            return [], over
+        placed, over = await self._gates.admit(template_type, runs)
+        if not placed:
+            return [], [str(oid) for oid in over]
+        oids = [oid for oid, _ in placed]
+        tokens = [place.token for _, place in placed]
+        fence = min(place.until for _, place in placed)
         now = self._clock.now()
         taken = await self._take(
-            "claim_limited", admitted, worker_id, lease_seconds, now, (token, until)
+            "claim_limited", oids, worker_id, lease_seconds, now, (tokens, fence)
         )
         docs = await self._read(taken)
-        if unused := set(admitted) - {d["_id"] for d in docs}:
-            await self._gates.leave([Admission(template_type, oid, token) for oid in unused])
-        return docs, over
+        used = {d["_id"] for d in docs}
+        caps = dict(runs)
+        back: list[Place] = []
+        for oid, place in placed:
+            if oid not in used:
+                back += self._gates.keep(template_type, caps[oid], [place])
+        if back:
+            await self._gates.leave([Admission(template_type, None, p.token) for p in back])
+        return docs, [str(oid) for oid in over]
 
     async def _take(
         self,
@@ -151,17 +158,16 @@ class MongoTransitionStore:
         worker_id: str,
         lease_seconds: float,
         now: datetime,
-        admission: tuple[str, datetime] | None = None,
+        places: tuple[list[str], datetime] | None = None,
     ) -> _Claim:
-        """The write of the claim row `name` over `oids`, under a fresh lease token, or under
-        an `admission` to start (its token, and until when the server may let the claim take
-        its runs)."""
+        """The write of the claim row `name` over `oids`, under a fresh lease token; under
+        `maxRunning`, each run in its place (`places`: their tokens, in the order of `oids`,
+        and until when the server may let the claim take them)."""
         t = TRANSITIONS[name]
-        token = admission[0] if admission else secrets.token_hex(12)
-        claim = _Claim(oids, [ObjectId() for _ in oids], worker_id, token)
+        claim = _Claim(oids, [ObjectId() for _ in oids], worker_id, secrets.token_hex(12))
         until = now + timedelta(seconds=lease_seconds)
         claimable, take = rows.claiming(
-            t, oids, claim.event_ids, worker_id, claim.token, until, now, admission
+            t, oids, claim.event_ids, worker_id, claim.token, until, now, places
         )
         await self._db.runs.update_many(claimable, take)
         return claim

@@ -17,11 +17,11 @@ def worker_actor(worker_id: str) -> str:
 
 @dataclass(frozen=True)
 class Admission:
-    """A run's place among its template's started runs under `maxRunning`: its entry in the
-    template's gate (`store/gates.py`), by the token of the claim it was admitted for."""
+    """A place among a template's started runs under `maxRunning`: its entry in the template's
+    gate (`store/gates.py`), by its token, and the run in it (None: a place no run took)."""
 
     template_type: str
-    run_id: ObjectId
+    run_id: ObjectId | None
     token: str
 
 

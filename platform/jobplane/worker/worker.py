@@ -133,6 +133,10 @@ class Worker:
                     task.cancel()
                 await asyncio.wait(late, timeout=CANCEL_SECONDS)
             self._threads.shutdown(wait=False)
+            # No claim uses them any more: others may, now rather than at their fence.
+            with contextlib.suppress(Exception):
+                async with asyncio.timeout(CANCEL_SECONDS):
+                    await self.lifecycle.starts.give_back_spares(everything=True)
             # Gone at once from the live workers, rather than when its time runs out; a
             # courtesy, so a Redis that does not answer gets a second for it.
             with contextlib.suppress(Exception):
@@ -289,6 +293,7 @@ class Worker:
                     self.settings.queues,
                     self.offered,
                 )
+                await self.lifecycle.starts.give_back_spares()
             except Exception:
                 log.exception("heartbeat failed; retrying at the next beat")
             # Unrenewed past the lease length (MongoDB unreachable, the process stalled): the

@@ -9,7 +9,7 @@ template with `rateLimit` or `maxRunning` is left out of that update and starts 
   set until the window allows it, a share of the period after the run refused before it, so a
   backlog comes back at the limit's pace. It never holds a worker and is never refused.
 - **`maxRunning`**: at most that many runs of the template (all versions, all scopes) started
-  at once. MongoDB decides: the template's gate admits a run before its claim takes it
+  at once. MongoDB decides: the template's gate gives a run a place before its claim takes it
   (`store/gates.py`, `transitions.claim_limited`), so no loss of Redis lets more start. A run
   over the cap is held back out of every lane (Redis's held set, `queue/keys.py`) and goes
   back to its lane when a started run of its template ends: no worker pops it meanwhile.
@@ -147,6 +147,12 @@ class Starts:
             return
         if not await self.queue.limits.release(template_type, 1, self.clock.now()):
             self._none_held[template_type] = time.monotonic() + NONE_HELD_SECONDS
+
+    async def give_back_spares(self, everything: bool = False) -> None:
+        """Give back this process's spare places under `maxRunning` that are too old to use
+        (all of them as the worker stops), and let as many held runs go."""
+        for template_type, n in (await self.store.gates.give_back_spares(everything)).items():
+            await self.queue.limits.release(template_type, n, self.clock.now())
 
     async def release_all_room(self) -> int:
         """The scheduler's backstop: for every template with runs held back, take back the
