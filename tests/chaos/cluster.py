@@ -37,7 +37,13 @@ Redis = RedisServer | RedisClusterNodes | SentinelGroup
 
 RETRY = {"maxAttempts": 6, "backoffSeconds": [0]}
 TEMPLATES: list[Doc] = [
-    {"type": "chaos_quick", "steps": [{"id": "only", "handler": "builtin.noop"}]},
+    # A cap large enough for spare places (`store/gates.py`): workers keep some, and the
+    # faults kill workers that hold them.
+    {
+        "type": "chaos_quick",
+        "maxRunning": 64,
+        "steps": [{"id": "only", "handler": "builtin.noop"}],
+    },
     {
         "type": "chaos_steps",
         "steps": [

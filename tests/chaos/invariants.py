@@ -378,11 +378,12 @@ def over_max_running(trailed: Iterable[Trailed]) -> list[str]:
     started (`running`, `waiting_worker`, `cancel_requested`).
 
     Each run is held to its own `maxRunning`, copied from its version, rather than to the
-    smallest of the template's versions: the gate admits a run while the started runs of every
-    capped version, itself included, are within the run's own cap (`store/gates.py`), so a
-    version that raised the cap may start runs past an older version's. A claim reads its
-    clock after its gate admitted it, so after every end whose place it took was written (an
-    end is stamped before it is written, and gives its place back after).
+    smallest of the template's versions: the gate grants a run a place while the started runs
+    of every capped version, itself included, are within the run's own cap, and while a spare
+    place is out no grant goes past the spare's cap (`store/gates.py`), so a version that
+    raised the cap may start runs past an older version's. A claim reads its clock after its
+    place was granted, so after every end whose place it took was written (an end is stamped
+    before it is written, and gives its place back after).
     """
     bad = []
     for template_type, spans in started_spans(trailed).items():

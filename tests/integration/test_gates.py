@@ -248,8 +248,8 @@ async def test_a_claim_under_a_large_cap_takes_spares_which_later_claims_start_r
     store: MongoStore, register: Register, spare_clock: Monotonic
 ) -> None:
     """Under a cap of `SPARE_MIN_CAP` or more, a grant adds `SPARES` places this process
-    keeps; the next claims start their runs in them without a grant of their own, and the
-    spares left go back as the process stops."""
+    keeps; the next claims start their runs in them without a grant of their own, a run that
+    ends leaves its place to the process's spares, and the spares go back as it stops."""
     template = await register("capped", maxRunning=100)
     first, *rest = await new_runs(store, template, 3)
     gates = gate(store)
@@ -277,6 +277,8 @@ async def test_a_claim_under_a_large_cap_takes_spares_which_later_claims_start_r
     assert await store.gates.admitted("capped") == 3
     for _, lease in later:
         assert isinstance(await store.transitions.complete(lease, 0, "only", 1, 1), Moved)
+    assert await store.gates.admitted("capped") == 3, "kept as spares by the process"
+    assert await store.gates.give_back_spares(everything=True) == {"capped": 2}
     assert await store.gates.admitted("capped") == 1
 
 
@@ -349,4 +351,43 @@ async def test_claims_of_two_processes_with_spares_never_pass_the_cap(
     assert await store.gates.admitted("capped") == len(claimed)
     statuses = [await status(store, r.id) for r in runs]
     assert statuses.count(RunStatus.RUNNING) == len(claimed)
+    await other.trail.flush()
+
+
+async def test_no_grant_goes_past_the_cap_of_a_spare_in_the_list(
+    store: MongoStore, register: Register, spare_clock: Monotonic
+) -> None:
+    """A version capped at 64 keeps spares; a later version raised the cap to 1000. While
+    places of the low cap are in the list, the raised version's claims stop at 64 places, so
+    a run of the first version started in a spare still finds fewer than its own cap started.
+    Once they are all back, the raised cap applies."""
+    low = await register("capped", maxRunning=64)
+    [first, second] = await new_runs(store, low, 2)
+    [(_, lease)], _ = await store.transitions.claim_limited(
+        [limited(first)], "w1", 30, store.clock.now()
+    )
+    assert await store.gates.admitted("capped") == 32, "spares while under half of 64"
+    high = await register("capped", maxRunning=1000)
+    many = await new_runs(store, high, 40)
+    other = MongoStore(store.client, store.db.name)
+    claimed, held = await other.transitions.claim_limited(
+        list(map(limited, many)), "w2", 30, store.clock.now()
+    )
+    assert await store.gates.admitted("capped") == 64
+    assert len(claimed) == 64 - 32 and len(held) == 40 - len(claimed)
+    [(run, later)], _ = await store.transitions.claim_limited(
+        [limited(second)], "w1", 30, store.clock.now()
+    )
+    assert run.id == second.id
+    for done in (lease, later):
+        assert isinstance(await store.transitions.complete(done, 0, "only", 1, 1), Moved)
+    await store.gates.give_back_spares(everything=True)
+    assert await store.gates.admitted("capped") == len(claimed)
+    more = [r for r in many if r.id in held] + await new_runs(store, high, 40)
+    rest, _ = await other.transitions.claim_limited(
+        list(map(limited, more)), "w2", 30, store.clock.now()
+    )
+    assert len(rest) == len(more), "no place of the low cap left: the raised cap applies"
+    assert await store.gates.admitted("capped") > 64
+    await other.gates.give_back_spares(everything=True)
     await other.trail.flush()

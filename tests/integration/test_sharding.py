@@ -294,7 +294,7 @@ async def test_flow_control_writes_name_their_shard_key_or_are_claims(
     watched: tuple[MongoStore, Commands], queue: RedisQueue, clock: ManualClock
 ) -> None:
     """Flow control's writes to runs: a key's places taken and admitted, a claim under
-    `maxRunning` (its transaction's gate is an unsharded collection; its claim is the claim's
+    `maxRunning` (its gate is an unsharded collection; its claim is the claim's
     multi-document update by `_id`), a lock waited for and taken, and a queue's pause, whose
     event names the shard key like any other."""
     store, commands = watched

@@ -226,7 +226,8 @@ class TemplateSpec(Spec):
     # How many runs of one dedupe key may be active at once (with a policy other than allow).
     concurrency_limit: Annotated[int, Field(ge=1, le=1000)] = 1
     # How many runs of the template (all versions, all scopes) may be started at once. Its
-    # gate lists every started run (`store/gates.py`), so the list stays far below 16 MB.
+    # gate lists a place for every started run (`store/gates.py`), so the list stays far below
+    # 16 MB.
     max_running: Annotated[int, Field(ge=1, le=100_000)] | None = None
     rate_limit: RateLimit | None = None
     # `round_robin`: a lane's ready runs are taken in turns across their scopes.

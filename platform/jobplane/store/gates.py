@@ -60,6 +60,7 @@ class Place:
     (this process's monotonic clock)."""
 
     token: str
+    cap: int
     until: datetime
     spare_until: float
 
@@ -75,13 +76,20 @@ class MongoGateStore:
         self._leaving = GroupCommit(self._leave_many)
         # This process's spare places, by template and cap.
         self._spares: dict[tuple[str, int], list[Place]] = {}
+        # Whether the last grant under a template and cap found the list under half full (it
+        # got spares): only then are places kept as spares.
+        self._roomy: dict[tuple[str, int], bool] = {}
+        # The places this process's claims started runs in, by token: a run that ends here
+        # leaves its place to this process's next claim rather than to the gate.
+        self._started: dict[str, tuple[str, Place]] = {}
 
     async def admit(
         self, template_type: str, runs: Sequence[tuple[ObjectId, int]]
     ) -> tuple[list[tuple[ObjectId, Place]], list[ObjectId]]:
         """A place, in order, for each of `runs` (id, its own cap) while fewer than its cap
         are taken: the runs placed, each with its place, and the runs the cap held back.
-        Spares are used first; a grant is asked only for the runs they do not cover."""
+        Spares are used first; a grant is asked only for the runs they do not cover. The
+        caller's claim then says which places it used (`settle`)."""
         by_cap: dict[int, list[ObjectId]] = {}
         for oid, cap in runs:
             by_cap.setdefault(cap, []).append(oid)
@@ -92,29 +100,38 @@ class MongoGateStore:
             if need := len(oids) - len(places):
                 granted = await self._grant(template_type, cap, need)
                 places += granted[:need]
-                if extra := self.keep(template_type, cap, granted[need:]):
-                    await self.leave([Admission(template_type, None, p.token) for p in extra])
+                await self._keep_or_leave(template_type, granted[need:])
             placed += zip(oids, places, strict=False)
             over += oids[len(places) :]
         return placed, over
 
-    def keep(self, template_type: str, cap: int, places: Sequence[Place]) -> list[Place]:
-        """Keep places no claim used as spares, if the cap has spares and they are fresh
-        enough; returns those not kept, which the caller gives back."""
-        if cap < SPARE_MIN_CAP:
-            return list(places)
-        spares = self._spares.setdefault((template_type, cap), [])
-        now = time.monotonic()
-        # Stale spares wait in the list for `give_back_spares`, and do not count.
-        room = SPARES - sum(p.spare_until > now for p in spares)
-        fresh = [p for p in places if p.spare_until > now][: max(0, room)]
-        spares += fresh
-        return [p for p in places if p not in fresh]
+    async def settle(
+        self, template_type: str, placed: Sequence[tuple[ObjectId, Place]], started: set[ObjectId]
+    ) -> None:
+        """After the claim of `placed`: the places of the runs it `started` are theirs until
+        they end (`free`); the others are kept as spares or given back."""
+        for oid, place in placed:
+            if oid in started:
+                self._started[place.token] = (template_type, place)
+        await self._keep_or_leave(
+            template_type, [place for oid, place in placed if oid not in started]
+        )
+
+    async def free(self, admission: Admission) -> None:
+        """A run left its started statuses: its place goes back to the gate, or, if this
+        process started it there and the place is fresh, to this process's spares."""
+        mine = self._started.pop(admission.token, None)
+        if mine is not None and not self._keep(admission.template_type, [mine[1]]):
+            return
+        await self.leave([admission])
 
     async def give_back_spares(self, everything: bool = False) -> dict[str, int]:
         """Give back the spares too old to use (all of them with `everything`, as the process
         stops): how many, by template."""
         now = time.monotonic()
+        # Places of runs started here that are too old to keep: their ends give them back.
+        for token in [t for t, (_, p) in self._started.items() if p.spare_until <= now]:
+            del self._started[token]
         stale: list[Admission] = []
         for (template_type, _), spares in self._spares.items():
             old = [p for p in spares if everything or p.spare_until <= now]
@@ -181,6 +198,26 @@ class MongoGateStore:
             )
         return len(dead)
 
+    def _keep(self, template_type: str, places: Sequence[Place]) -> list[Place]:
+        """Keep places as spares where their cap has spares, the gate was roomy at its last
+        grant, and they are fresh enough; returns those not kept."""
+        now = time.monotonic()
+        kept: list[Place] = []
+        for place in places:
+            key = (template_type, place.cap)
+            if place.spare_until <= now or not self._roomy.get(key):
+                continue
+            spares = self._spares.setdefault(key, [])
+            # Stale spares wait in the list for `give_back_spares`, and do not count.
+            if sum(p.spare_until > now for p in spares) < SPARES:
+                spares.append(place)
+                kept.append(place)
+        return [p for p in places if p not in kept]
+
+    async def _keep_or_leave(self, template_type: str, places: Sequence[Place]) -> None:
+        if back := self._keep(template_type, places):
+            await self.leave([Admission(template_type, None, p.token) for p in back])
+
     def _take_spares(self, template_type: str, cap: int, n: int) -> list[Place]:
         """Up to `n` of this process's spares for the template and cap, still fresh."""
         spares = self._spares.get((template_type, cap))
@@ -194,14 +231,21 @@ class MongoGateStore:
     async def _grant(self, template_type: str, cap: int, n: int) -> list[Place]:
         """Grant up to `n` places under `cap`, in one update that MongoDB applies alone to
         the gate; under a cap with spares, up to `SPARES` more while the list is at most half
-        full. The places granted, those for the `n` first."""
+        full. The places granted, those for the `n` first. The cap is the smaller of `cap`
+        and that of every place in the list that names one."""
         spare = SPARES if cap >= SPARE_MIN_CAP else 0
         tokens = [secrets.token_hex(12) for _ in range(n + spare)]
+        # A place under a cap with spares may start a run later without asking the gate
+        # (as a spare, or kept when its run ends here): so that the run, whenever it starts,
+        # finds fewer than its cap started, no grant goes past the cap of such a place in the
+        # list, whatever its own (versions may differ). Their entries keep their cap for it.
+        named = {"cap": cap} if spare else {}
         candidates = [
-            {"token": t, "most": cap if i < n else cap // 2} for i, t in enumerate(tokens)
+            {"token": t, "most": cap if i < n else cap // 2, **named} for i, t in enumerate(tokens)
         ]
-        entry = {"token": "$$this.token", "at": "$$NOW"}
-        fits = {"$lt": [{"$size": "$$value"}, "$$this.most"]}
+        entry = {"token": "$$this.token", "at": "$$NOW", "cap": "$$this.cap"}
+        most = {"$min": ["$$this.most", {"$min": "$$value.cap"}]}
+        fits = {"$lt": [{"$size": "$$value"}, most]}
         admitted = {
             "$reduce": {
                 "input": {"$literal": candidates},
@@ -220,9 +264,12 @@ class MongoGateStore:
         )
         assert doc is not None  # upserted
         entries: list[Doc] = doc["admitted"]
+        if spare:
+            # Spares fit only while the list is under half full.
+            self._roomy[(template_type, cap)] = len(entries) > n
         spare_until = asked + ADMISSION_SECONDS * SPARE_SHARE
         return [
-            Place(e["token"], e["at"] + timedelta(seconds=ADMISSION_SECONDS), spare_until)
+            Place(e["token"], cap, e["at"] + timedelta(seconds=ADMISSION_SECONDS), spare_until)
             for e in entries
         ]
 

@@ -28,7 +28,7 @@ from jobplane.model import (
 )
 from jobplane.store import convert, rows, steps
 from jobplane.store.convert import NO_TRAIL, OWNER_FIELDS, Doc, known_owner, merged, object_id
-from jobplane.store.gates import MongoGateStore, Place
+from jobplane.store.gates import MongoGateStore
 from jobplane.store.steps import HELD_STEP, RUNNING_STEP, UNDONE_STEP, WAITING_STEP
 from jobplane.store.types import Admission, Known, Lease, Lost, Moved
 from jobplane.store.writes import RunWrites, TrailEntry, held_by, recorded
@@ -141,14 +141,7 @@ class MongoTransitionStore:
             "claim_limited", oids, worker_id, lease_seconds, now, (tokens, fence)
         )
         docs = await self._read(taken)
-        used = {d["_id"] for d in docs}
-        caps = dict(runs)
-        back: list[Place] = []
-        for oid, place in placed:
-            if oid not in used:
-                back += self._gates.keep(template_type, caps[oid], [place])
-        if back:
-            await self._gates.leave([Admission(template_type, None, p.token) for p in back])
+        await self._gates.settle(template_type, placed, {d["_id"] for d in docs})
         return docs, [str(oid) for oid in over]
 
     async def _take(
@@ -608,7 +601,7 @@ class MongoTransitionStore:
         """A run left its started statuses: its place under `maxRunning` is free. Should the
         write fail, the place stays taken until the scheduler's sweep (`gates.sweep`)."""
         try:
-            await self._gates.leave([admission])
+            await self._gates.free(admission)
         except PyMongoError as exc:
             log.warning("run %s left its place under maxRunning late: %s", admission.run_id, exc)
 
