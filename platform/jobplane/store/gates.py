@@ -5,14 +5,17 @@ A claim of capped runs first takes a place for each (`admit`): in one pipeline u
 are added while the list is shorter than the runs' cap. The claim then takes its runs, each
 under its place's token, fenced by time: its filter holds only until `ADMISSION_SECONDS` after
 the place was granted, by the server's clock. A run gives its place back when it leaves its
-started statuses (`leave`, which `transitions` calls after every such write), so the list
+started statuses (`free`, which `transitions` calls after every such write), so the list
 always holds every started capped run's place, and a run started under it never takes a place
 the list does not show.
 
 Under a cap of `SPARE_MIN_CAP` or more, a grant also takes spare places while the list is
-at most half full, which this process keeps for its next claims of that template: those
-start their runs without waiting for a grant of their own. A spare unused when its fence
-nears goes back (`give_back_spares`).
+under half full, which this process keeps for its next claims of that template: those start
+their runs without waiting for a grant of their own. A run that ends here leaves its place to
+the spares likewise (`free`), without a write. A place is used only while it is fresh (well
+within its fence); older spares go back (`give_back_spares`), as do the places of runs that
+end later. Such a place starts runs without the gate's say, so its entry keeps its cap, which
+binds every later grant (`_grant`).
 
 What a process that died leaves behind (a place its claim never used, its spares, or one its
 run's end never gave back) only holds a place too many: the cap errs on the side of fewer
@@ -230,7 +233,7 @@ class MongoGateStore:
 
     async def _grant(self, template_type: str, cap: int, n: int) -> list[Place]:
         """Grant up to `n` places under `cap`, in one update that MongoDB applies alone to
-        the gate; under a cap with spares, up to `SPARES` more while the list is at most half
+        the gate; under a cap with spares, up to `SPARES` more while the list is under half
         full. The places granted, those for the `n` first. The cap is the smaller of `cap`
         and that of every place in the list that names one."""
         spare = SPARES if cap >= SPARE_MIN_CAP else 0
