@@ -26,6 +26,7 @@ them (the fence) and no run is started under them.
 import asyncio
 import secrets
 import time
+from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass
 from datetime import datetime, timedelta
@@ -84,7 +85,7 @@ class MongoGateStore:
         self._roomy: dict[tuple[str, int], bool] = {}
         # The places this process's claims started runs in, by token: a run that ends here
         # leaves its place to this process's next claim rather than to the gate.
-        self._started: dict[str, tuple[str, Place]] = {}
+        self._started: dict[str, Place] = {}
 
     async def admit(
         self, template_type: str, runs: Sequence[tuple[ObjectId, int]]
@@ -115,7 +116,7 @@ class MongoGateStore:
         they end (`free`); the others are kept as spares or given back."""
         for oid, place in placed:
             if oid in started:
-                self._started[place.token] = (template_type, place)
+                self._started[place.token] = place
         await self._keep_or_leave(
             template_type, [place for oid, place in placed if oid not in started]
         )
@@ -124,16 +125,17 @@ class MongoGateStore:
         """A run left its started statuses: its place goes back to the gate, or, if this
         process started it there and the place is fresh, to this process's spares."""
         mine = self._started.pop(admission.token, None)
-        if mine is not None and not self._keep(admission.template_type, [mine[1]]):
-            return
-        await self.leave([admission])
+        if mine is None:
+            await self.leave([admission])
+        else:
+            await self._keep_or_leave(admission.template_type, [mine])
 
     async def give_back_spares(self, everything: bool = False) -> dict[str, int]:
         """Give back the spares too old to use (all of them with `everything`, as the process
         stops): how many, by template."""
         now = time.monotonic()
         # Places of runs started here that are too old to keep: their ends give them back.
-        for token in [t for t, (_, p) in self._started.items() if p.spare_until <= now]:
+        for token in [t for t, p in self._started.items() if p.spare_until <= now]:
             del self._started[token]
         stale: list[Admission] = []
         for (template_type, _), spares in self._spares.items():
@@ -142,10 +144,7 @@ class MongoGateStore:
             spares[:] = [p for p in spares if p not in old]
         if stale:
             await self.leave(stale)
-        given: dict[str, int] = {}
-        for a in stale:
-            given[a.template_type] = given.get(a.template_type, 0) + 1
-        return given
+        return dict(Counter(a.template_type for a in stale))
 
     async def leave(self, admissions: Sequence[Admission]) -> None:
         """Give places back: their runs left their started statuses, or no claim used them.
