@@ -5,16 +5,21 @@ tokens that keep growing across a Redis wipe."""
 import asyncio
 import itertools
 import signal
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from jobplane.backends import Backends
-from jobplane.model import RunStatus
+from jobplane.model import RunStatus, StartLimits, StepStatus
+from jobplane.queue.entry import QueueEntry, run_of
 from jobplane.queue.locks import Blocked, Taken
+from jobplane.queue.redis import Popped
 from jobplane.runs import RunRequest, RunService
 from jobplane.runs.admission.locks import Locks
 from jobplane.runs.waiting import Waiting
 from jobplane.settings import Settings
+from jobplane.worker.handlers import registry
+from jobplane.worker.worker import Worker
 from tests.conftest import sync_redis
 from tests.integration.conftest import Register
 from tests.integration.flow import until, workers
@@ -197,3 +202,115 @@ async def test_a_run_that_takes_its_lock_after_its_back_off_waits_no_more(
         [done] = await settled(backends.store, [run.id], within=30)
     assert done.status == RunStatus.SUCCEEDED
     assert await backends.queue.redis.zcard(waiters) == 0
+
+
+ACME = 'partner-api:["acme"]'
+
+
+async def pop(backends: Backends, settings: Settings) -> Popped:
+    """What a worker's pop of every lane it offers finds."""
+    now = backends.store.clock.now()
+    return await backends.queue.pop(settings.queues, 10, now, handlers=registry.offered())
+
+
+def counting_takes(worker: Worker) -> list[str]:
+    """The owners the worker's lock takes were for, in order."""
+    owners: list[str] = []
+    take = worker.locks.take
+
+    async def counted(lock_ids: Sequence[str], owner: str) -> Taken | Blocked:
+        owners.append(owner)
+        return await take(lock_ids, owner)
+
+    worker.locks.take = counted  # type: ignore[method-assign]
+    return owners
+
+
+async def test_a_runs_first_locks_are_taken_beside_its_claim_under_its_lease(
+    backends: Backends, settings: Settings, register: Register
+) -> None:
+    """The run's queue entry names its first step's locks; its worker takes them beside the
+    claim, under the lease the claim grants, and its step starts without taking them again."""
+    await register("sync_in", steps=holding("builtin.noop"))
+    service = RunService(backends.store, backends.queue)
+    run = (await service.create(RunRequest("sync_in", "user", "u", {"partner": "acme"}), "t"))[0]
+    assert run.start_locks == [ACME]
+    popped = await pop(backends, settings)
+    assert popped.run_ids == [run.id]
+    limits = popped.limits[run.id]
+    assert limits.locks == (ACME,) and not limits.gated
+    worker = Worker(backends.store, backends.queue, settings)
+    owners = counting_takes(worker)
+    await worker.claim(popped.run_ids, popped.limits)
+    [done] = await settled(backends.store, [run.id], within=30)
+    assert done.status == RunStatus.SUCCEEDED
+    [owner] = owners  # taken once, beside the claim
+    await backends.store.trail.flush()
+    [claim] = [e for e in await backends.store.trail.events_of(run.id) if e.to == "running"]
+    run_id, lease = owner.split(":")
+    assert run_id == run.id and claim.metadata["lease"] == lease[:8], "under the claim's lease"
+    assert not await backends.queue.redis.exists(backends.queue.keys.lock(ACME)), "let go"
+
+
+async def test_locks_taken_ahead_of_a_claim_that_lost_the_run_are_let_go(
+    backends: Backends, settings: Settings, register: Register
+) -> None:
+    await register("sync_in", steps=holding("builtin.noop"))
+    service = RunService(backends.store, backends.queue)
+    run = (await service.create(RunRequest("sync_in", "user", "u", {"partner": "acme"}), "t"))[0]
+    popped = await pop(backends, settings)
+    await backends.store.transitions.claim([run.id], "another-worker", 30)
+    worker = Worker(backends.store, backends.queue, settings)
+    owners = counting_takes(worker)
+    await worker.claim(popped.run_ids, popped.limits)
+    assert len(owners) == 1 and not worker.held, "taken ahead, but the run is another's"
+    assert not await backends.queue.redis.exists(backends.queue.keys.lock(ACME)), "let go"
+
+
+async def test_a_lock_taken_ahead_that_no_step_takes_up_is_let_go_before_the_run_goes_on(
+    backends: Backends, settings: Settings, register: Register
+) -> None:
+    """The first step's `when` is false: its lock, taken beside the claim, is free while the
+    step after it runs."""
+    first = {"id": "call", "handler": "builtin.noop", "locks": SHARED, "when": "payload.call"}
+    await register("sync_in", steps=[first, {"id": "then", "handler": "builtin.sleep"}])
+    service = RunService(backends.store, backends.queue)
+    payload = {"partner": "acme", "call": False, "sleepSeconds": 30}
+    run = (await service.create(RunRequest("sync_in", "user", "u", payload), "t"))[0]
+    popped = await pop(backends, settings)
+    assert popped.limits[run.id].locks == (ACME,)
+    worker = Worker(backends.store, backends.queue, settings)
+    await worker.claim(popped.run_ids, popped.limits)
+
+    async def sleeping() -> bool:
+        found = await service.get(run.id)
+        return found.progress.steps[1].status == StepStatus.RUNNING
+
+    held = worker.held[run.id]
+    try:
+        await until(sleeping)
+        assert not await backends.queue.redis.exists(backends.queue.keys.lock(ACME))
+        assert held.locks == {}
+    finally:
+        held.interrupt("shutdown")  # handed back to its queue, as a worker that stops does
+        assert held.task is not None
+        await held.task
+
+
+async def test_a_run_whose_step_has_started_names_no_locks_to_take_ahead(
+    backends: Backends, register: Register
+) -> None:
+    """A retry may start at a later step, elsewhere: its locks are taken as its steps start."""
+    await register("sync_in", steps=holding("builtin.noop"))
+    service = RunService(backends.store, backends.queue)
+    run = (await service.create(RunRequest("sync_in", "user", "u", {"partner": "acme"}), "t"))[0]
+    assert run.start_limits == StartLimits("sync_in", locks=(ACME,))
+    started = run.progress.steps[0].model_copy(update={"status": StepStatus.FAILED})
+    retried = run.model_copy(
+        update={"progress": run.progress.model_copy(update={"steps": [started]})}
+    )
+    assert retried.start_limits is None
+    # What a queue entry names survives its member's round trips.
+    entry = QueueEntry.of(run)
+    assert run_of(entry.member) == (run.id, run.start_limits)
+    assert QueueEntry.unheld(entry.held()) == entry

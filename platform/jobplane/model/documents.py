@@ -392,24 +392,35 @@ class RunRate(Document):
 
 @dataclass(frozen=True)
 class StartLimits:
-    """What a run must pass as it starts, beyond its status: its template's `maxRunning` and
-    its rate window. The queue entry of a run carries them, so that a worker that pops it can
-    check them without reading the run."""
+    """What a run must pass as it starts, beyond its status: its template's `maxRunning`, its
+    rate window, and the locks its first steps take. The queue entry of a run carries them, so
+    that a worker that pops it can check them, and take the locks beside its claim, without
+    reading the run."""
 
     template_type: str
     max_running: int | None = None
     rate: RunRate | None = None
+    locks: tuple[str, ...] = ()
+
+    @property
+    def gated(self) -> bool:
+        """It must be admitted before its claim (`claim_limited`); a run with locks alone is
+        claimed as any other, and its worker takes them beside the claim."""
+        return self.max_running is not None or self.rate is not None
 
     def as_list(self) -> list[Any]:
         rate = self.rate
         window = [rate.key, rate.limit, rate.period_seconds] if rate else [None, None, None]
-        return [self.template_type, self.max_running, *window]
+        values = [self.template_type, self.max_running, *window]
+        if self.locks:  # only then: a member without locks reads as it always has
+            values.append(list(self.locks))
+        return values
 
     @classmethod
     def from_list(cls, values: list[Any]) -> "StartLimits":
-        template_type, max_running, key, limit, period = values
+        template_type, max_running, key, limit, period, *locks = values
         rate = None if key is None else RunRate(key=key, limit=limit, period_seconds=period)
-        return cls(template_type, max_running, rate)
+        return cls(template_type, max_running, rate, tuple(locks[0]) if locks else ())
 
 
 class LockWait(Document):
@@ -492,6 +503,9 @@ class Run(Document):
     fairness: Literal["round_robin"] | None = None
     # While the run waits for a lock its step needs (`docs/contract.md`, "Locks").
     lock_wait: LockWait | None = None
+    # The locks its first steps take, named at creation: its worker takes them beside its
+    # claim while no step has started.
+    start_locks: list[str] | None = None
     idempotency_key: str | None = None
     schedule_id: str | None = None
     scheduled_for: datetime | None = None
@@ -517,10 +531,14 @@ class Run(Document):
 
     @property
     def start_limits(self) -> StartLimits | None:
-        """The limits the run passes as it starts (`claim_limited`), or None without any."""
-        if self.max_running is None and self.rate is None:
+        """The limits the run passes as it starts, or None without any. Its first steps'
+        locks count while none of its steps has started: a later attempt may start elsewhere,
+        and takes its locks as its steps start."""
+        fresh = all(s.status == StepStatus.PENDING for s in self.progress.steps)
+        locks = tuple(self.start_locks or ()) if fresh else ()
+        if self.max_running is None and self.rate is None and not locks:
             return None
-        return StartLimits(self.template_type, self.max_running, self.rate)
+        return StartLimits(self.template_type, self.max_running, self.rate, locks)
 
 
 class Event(Document):

@@ -22,7 +22,7 @@ from jobplane.model.storable import unstorable
 from jobplane.queue.redis import RedisQueue
 from jobplane.runs import children
 from jobplane.runs.admission.concurrency import displaced, displaced_reason, places, when_full
-from jobplane.runs.admission.keys import dedupe_key, rate_key
+from jobplane.runs.admission.keys import dedupe_key, rate_key, start_locks
 from jobplane.runs.lifecycle import Lifecycle
 from jobplane.store import ChildOf, DuplicateRun, KeyHeld, Moved, NewRun, Store
 
@@ -153,6 +153,7 @@ class RunService:
             dedupe_key=request.queue_behind or dedupe_key(template, scope, scope_id, payload),
             key_places=places(template, queue_behind),
             rate_key=rate_key(template, scope, scope_id, payload),
+            start_locks=start_locks(template, scope, scope_id, payload),
             idempotency_key=request.idempotency_key,
             rerun_of=request.rerun_of,
             schedule_id=request.schedule_id,

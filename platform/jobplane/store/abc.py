@@ -111,7 +111,11 @@ class TransitionStore(Protocol):
         self, run_id: str, actor: str, scope: tuple[str, str] | None = None
     ) -> Moved | Lost: ...
     async def claim(
-        self, run_ids: Sequence[str], worker_id: str, lease_seconds: float
+        self,
+        run_ids: Sequence[str],
+        worker_id: str,
+        lease_seconds: float,
+        token: str | None = None,
     ) -> list[tuple[Run, Lease]]: ...
     async def claim_limited(
         self,

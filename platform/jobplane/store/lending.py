@@ -8,7 +8,6 @@ No move changes the run's status.
 """
 
 import asyncio
-import secrets
 from collections.abc import Sequence
 from dataclasses import replace
 from datetime import timedelta
@@ -30,7 +29,7 @@ from jobplane.model import (
 )
 from jobplane.store import convert
 from jobplane.store.convert import NO_TRAIL, Doc, known_owner
-from jobplane.store.types import Known, Lease, Lost
+from jobplane.store.types import Known, Lease, Lost, lease_token
 from jobplane.store.writes import RunWrites, TrailEntry, fence, recorded
 
 
@@ -102,7 +101,7 @@ class MongoLendingStore:
         if lent is None or lent.worker_id is not None or lent.stop:
             return None  # as read: the write below would refuse it too
         now = self._clock.now()
-        token = secrets.token_hex(12)
+        token = lease_token()
         s = f"progress.steps.{index}.lease"
         until = now + timedelta(seconds=lease_seconds)
         update: Doc = {

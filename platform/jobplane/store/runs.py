@@ -314,6 +314,7 @@ def _new_run(new: NewRun, actor: str, now: datetime) -> tuple[Run, Doc]:
         concurrency_limit=new.key_places if new.key_places > 1 else None,
         max_running=t.max_running,
         rate=_rate(t, new.rate_key),
+        start_locks=new.start_locks or None,
         fairness="round_robin" if t.fairness == "round_robin" else None,
         idempotency_key=new.idempotency_key,
         schedule_id=new.schedule_id,

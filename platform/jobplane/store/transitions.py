@@ -7,7 +7,6 @@ naming the row, and the method's other events, to the run's trail.
 """
 
 import logging
-import secrets
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from datetime import datetime, timedelta
@@ -30,7 +29,7 @@ from jobplane.store import convert, rows, steps
 from jobplane.store.convert import NO_TRAIL, OWNER_FIELDS, Doc, known_owner, merged, object_id
 from jobplane.store.gates import MongoGateStore
 from jobplane.store.steps import HELD_STEP, RUNNING_STEP, UNDONE_STEP, WAITING_STEP
-from jobplane.store.types import Admission, Known, Lease, Lost, Moved
+from jobplane.store.types import Admission, Known, Lease, Lost, Moved, lease_token
 from jobplane.store.writes import RunWrites, TrailEntry, held_by, recorded
 
 log = logging.getLogger("jobplane.store")
@@ -64,10 +63,14 @@ class MongoTransitionStore:
         return await self._apply("enqueue", run_id, actor, scope=scope)
 
     async def claim(
-        self, run_ids: Sequence[str], worker_id: str, lease_seconds: float
+        self,
+        run_ids: Sequence[str],
+        worker_id: str,
+        lease_seconds: float,
+        token: str | None = None,
     ) -> list[tuple[Run, Lease]]:
-        """Lease every claimable run without limits among `run_ids` to `worker_id` under a
-        fresh token.
+        """Lease every claimable run without limits among `run_ids` to `worker_id` under
+        `token` (the worker's, which took the runs' first locks under it), or a fresh one.
 
         One conditional `update_many` and one read-back take the leases; ids whose runs are no
         longer claimable (cancelled, claimed by another worker, not yet due) or have limits to
@@ -79,7 +82,8 @@ class MongoTransitionStore:
         oids = [oid for oid in map(object_id, run_ids) if oid]
         if not oids:
             return []
-        taken = await self._take("claim", oids, worker_id, lease_seconds, self._clock.now())
+        now = self._clock.now()
+        taken = await self._take("claim", oids, worker_id, lease_seconds, now, token=token)
         docs = await self._read(taken)
         return await self._leased(docs, worker_id)
 
@@ -152,12 +156,14 @@ class MongoTransitionStore:
         lease_seconds: float,
         now: datetime,
         places: tuple[list[str], datetime] | None = None,
+        token: str | None = None,
     ) -> _Claim:
-        """The write of the claim row `name` over `oids`, under a fresh lease token; under
-        `maxRunning`, each run in its place (`places`: their tokens, in the order of `oids`,
-        and until when the server may let the claim take them)."""
+        """The write of the claim row `name` over `oids`, under `token` or a fresh lease
+        token; under `maxRunning`, each run in its place (`places`: their tokens, in the order
+        of `oids`, and until when the server may let the claim take them)."""
         t = TRANSITIONS[name]
-        claim = _Claim(oids, [ObjectId() for _ in oids], worker_id, secrets.token_hex(12))
+        lease = token or lease_token()
+        claim = _Claim(oids, [ObjectId() for _ in oids], worker_id, lease)
         until = now + timedelta(seconds=lease_seconds)
         claimable, take = rows.claiming(
             t, oids, claim.event_ids, worker_id, claim.token, until, now, places
@@ -245,7 +251,7 @@ class MongoTransitionStore:
             doc = await self._db.runs.find_one(waiting, OWNER_FIELDS, sort=[("_id", 1)])
             if doc is None:
                 return None
-            lease = Lease(str(doc["_id"]), worker_id, secrets.token_hex(12))
+            lease = Lease(str(doc["_id"]), worker_id, lease_token())
             moved = await self._apply(
                 "resume",
                 lease.run_id,

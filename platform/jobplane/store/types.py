@@ -1,6 +1,7 @@
 """What the store's callers hand it and get back: leases, write outcomes, new runs, list
 filters, and the refusals a create can meet."""
 
+import secrets
 from dataclasses import dataclass, field
 from datetime import datetime
 from typing import Any, Literal
@@ -87,6 +88,12 @@ class Lease:
         return self.run_id if self.step is None else step_key(self.run_id, self.step)
 
 
+def lease_token() -> str:
+    """A new lease's token: random, so that an earlier holder of the run, or of the step,
+    cannot pass for the new one."""
+    return secrets.token_hex(12)
+
+
 # What separates a run's id from a lent step's index in the step's queue entry id.
 STEP_MARK = "#"
 
@@ -142,6 +149,8 @@ class NewRun:
     dedupe_slot: int = 0
     # The window the run's starts count in (its template's `rateLimit`).
     rate_key: str | None = None
+    # The locks its first steps take (`keys.start_locks`).
+    start_locks: list[str] = field(default_factory=list)
     idempotency_key: str | None = None
     schedule_id: str | None = None
     scheduled_for: datetime | None = None

@@ -20,7 +20,7 @@ from jobplane.clock import Clock
 from jobplane.model import TERMINAL, Run, RunError, StepOutcome, StepStatus, Template
 from jobplane.model.graph import ENDED
 from jobplane.process import log_context
-from jobplane.queue.locks import Blocked
+from jobplane.queue.locks import Blocked, Taken
 from jobplane.runs.admission.keys import lock_id, lock_named
 from jobplane.runs.admission.locks import Locks, holder
 from jobplane.runs.lifecycle import HeldStep, Lifecycle, StepStart
@@ -69,6 +69,12 @@ class Held:
     # The locks its steps hold (the steps' and their handlers'), each with its fencing token:
     # the heartbeat renews them.
     locks: dict[str, int] = field(default_factory=dict)
+    # The locks of its first steps its worker took beside its claim (`Locks.take_ahead`),
+    # until the run has them...
+    ahead: asyncio.Future[dict[str, Taken]] | None = None
+    # ...then those of them no step has taken up yet: a step whose locks are all here starts
+    # without asking Redis, and what is left once the first steps started is let go.
+    taken_ahead: set[str] = field(default_factory=set)
     # When MongoDB last confirmed the lease (monotonic seconds); past the lease length the
     # worker assumes the reaper may have given the run away and stops its handlers itself.
     renewed: float = field(default_factory=time.monotonic)
@@ -212,6 +218,7 @@ class Runner:
         stops it is settled here. Raises nothing: an error is logged, and the lease expires."""
         try:
             try:
+                await self._adopt_ahead(held)
                 await self._run_steps(held)
             except CancelRequested as cancel:
                 ack = await self.lifecycle.acknowledge_cancel(
@@ -252,6 +259,8 @@ class Runner:
                     log.exception("run %s: release failed; its lease will expire", held.run.id)
         except Exception:
             log.exception("run %s: worker error", held.run.id)
+        finally:
+            await self._let_go_unused(held)
 
     async def run_lent(self, held: Held) -> None:
         """Run the step lent to this worker (`held.lease.step`) and report how it ended: its
@@ -342,6 +351,7 @@ class Runner:
                     starting = await self._start_ready(held, flow, walk)
                 except (CancelRequested, _Stopped, _Overdue) as exc:
                     walk.stopping, starting = exc, []
+                await self._let_go_unused(held)
                 if not walk.running and len(starting) == 1:
                     # Alone, as every step of a line is: awaited here, without a task.
                     [step] = starting
@@ -693,10 +703,13 @@ class Runner:
         wanted = [lock_id(lock, held.run) for lock in at.template.steps[at.index].locks]
         if not wanted:
             return []
-        taken = await self.locks.take(wanted, holder(held.run.id, held.lease.token))
-        if isinstance(taken, Blocked):
-            raise _LockHeld(taken)
-        held.locks.update(taken.tokens)
+        if held.taken_ahead.issuperset(wanted):
+            held.taken_ahead.difference_update(wanted)
+        else:
+            taken = await self.locks.take(wanted, holder(held.run.id, held.lease.token))
+            if isinstance(taken, Blocked):
+                raise _LockHeld(taken)
+            held.locks.update(taken.tokens)
         if held.run.lock_wait is not None:
             try:
                 self._stop_if_lost(await self.lifecycle.locks_taken(at, wanted))
@@ -705,6 +718,25 @@ class Runner:
                 raise
             held.run = held.run.model_copy(update={"lock_wait": None})
         return wanted
+
+    @staticmethod
+    async def _adopt_ahead(held: Held) -> None:
+        """The locks its worker took for the run's first steps beside its claim become the
+        run's (its heartbeat renews them from now on)."""
+        if held.ahead is None:
+            return
+        ahead, held.ahead = held.ahead, None
+        taken = (await ahead).get(held.run.id)
+        if taken is not None:
+            held.locks.update(taken.tokens)
+            held.taken_ahead = set(taken.tokens)
+
+    async def _let_go_unused(self, held: Held) -> None:
+        """Let go of the locks taken ahead that no step took up: a `when` skipped its step,
+        the step is another worker's, or the run stopped before it."""
+        if held.taken_ahead:
+            unused, held.taken_ahead = sorted(held.taken_ahead), set()
+            await self._let_go(held, unused)
 
     async def _let_go(self, held: Held, lock_ids: list[str]) -> None:
         """Let go of the step's locks (and wake a run waiting for each); a Redis that does not

@@ -27,7 +27,7 @@ from jobplane.runs.lifecycle import Lifecycle
 from jobplane.runs.service import RunService
 from jobplane.settings import Settings
 from jobplane.store import Store
-from jobplane.store.types import step_of
+from jobplane.store.types import lease_token, step_of
 from jobplane.worker.handlers import HandlerRegistry, registry
 from jobplane.worker.lending import Lending
 from jobplane.worker.runner import Held, Runner
@@ -230,19 +230,38 @@ class Worker:
         self, run_ids: list[str], limits: Mapping[str, StartLimits] | None = None
     ) -> None:
         """Take the leases MongoDB grants among `run_ids` (`limits`: those of the runs that
-        have some to pass as they start) and start their runs."""
+        have some to pass as they start) and start their runs.
+
+        The locks of the first steps of runs claimed plainly are taken beside their claim,
+        under the lease token it grants them: a run's step then starts without a round trip to
+        Redis after MongoDB's. Those of runs the claim did not lease are let go after it."""
+        limits = limits or {}
         seconds = self.settings.lease_seconds
-        claims = self.lifecycle.starts.claim(run_ids, self.id, seconds, limits or {})
-        async for claimed in claims:
-            for run, lease in claimed:
-                metrics.run_claimed(run)
-                held = Held(run, lease)
-                if run.status == RunStatus.CANCEL_REQUESTED:  # asked between claim and read
-                    held.cancel.set()
-                self.held[run.id] = held
-                # The task copies the context as it is created: its log lines carry the run.
-                with log_context(run_id=run.id, lease_token=lease.token):
-                    held.task = asyncio.create_task(self._execute(held))
+        token = lease_token()
+        ahead = {i: sl.locks for i, sl in limits.items() if sl.locks and not sl.gated}
+        taking = asyncio.ensure_future(self.locks.take_ahead(ahead, token)) if ahead else None
+        leased: set[str] = set()
+        try:
+            async for claimed in self.lifecycle.starts.claim(
+                run_ids, self.id, seconds, limits, token
+            ):
+                for run, lease in claimed:
+                    metrics.run_claimed(run)
+                    leased.add(run.id)
+                    held = Held(run, lease)
+                    if run.id in ahead and lease.token == token:
+                        held.ahead = taking
+                    if run.status == RunStatus.CANCEL_REQUESTED:  # asked between claim and read
+                        held.cancel.set()
+                    self.held[run.id] = held
+                    # The task copies the context as it is created: its log lines carry the run.
+                    with log_context(run_id=run.id, lease_token=lease.token):
+                        held.task = asyncio.create_task(self._execute(held))
+        finally:
+            if taking is not None:
+                unleased = {i: t for i, t in (await taking).items() if i not in leased}
+                if unleased:
+                    await self.locks.give_back(unleased, token, self.clock.now())
 
     async def borrow(self, steps: list[tuple[str, int]]) -> None:
         """Claim those of the popped lent `steps` (run id, step index) that are lent still,

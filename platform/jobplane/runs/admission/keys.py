@@ -44,6 +44,18 @@ def lock_id(lock: LockSpec, run: Run) -> str:
     return lock_named(lock.name, _values(lock.key, run.scope, run.scope_id, run.payload))
 
 
+def start_locks(
+    template: Template, scope: str, scope_id: str, payload: dict[str, Any]
+) -> list[str]:
+    """The locks a new run's first steps take (the inline steps that need none), in the order
+    `lock_id` names them: its worker takes them beside its claim."""
+    first = [s for s, needs in zip(template.steps, template.graph.needs, strict=True) if not needs]
+    locks = [lock for s in first if s.worker_type == "inline" for lock in s.locks]
+    return list(
+        dict.fromkeys(lock_named(k.name, _values(k.key, scope, scope_id, payload)) for k in locks)
+    )
+
+
 def lock_named(name: str, values: Sequence[Any]) -> str:
     """`<name>:<values of its key>`, or the name alone without a key. The name is the author's,
     so two templates (or a step and a handler's `ctx.lock`) naming one lock share it."""

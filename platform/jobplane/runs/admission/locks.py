@@ -19,9 +19,10 @@ that doubles with each time in a row (0.5 s up to 30 s), and is woken at once wh
 let go: it never holds a worker slot while it waits.
 """
 
+import asyncio
 import logging
 import os
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from datetime import datetime, timedelta
 
 from jobplane.model import LockWait, Run, WaitingFor
@@ -59,6 +60,26 @@ class Locks:
                 return outcome
             await self._refill(outcome.fresh)
         raise RuntimeError("Redis's lock token counter could not be filled from MongoDB")
+
+    async def take_ahead(
+        self, runs: Mapping[str, Sequence[str]], lease_token: str
+    ) -> dict[str, Taken]:
+        """Take the locks of runs about to be claimed under `lease_token` (by run id, the
+        locks their first steps take), each run's all or none, as their owners will be once
+        claimed: the runs whose locks were taken. A run that found one held, or whose take
+        failed, takes them as its steps start, as any run does."""
+        ids = list(runs)
+        takes = (self.take(runs[i], holder(i, lease_token)) for i in ids)
+        outcomes = await asyncio.gather(*takes, return_exceptions=True)
+        return {i: o for i, o in zip(ids, outcomes, strict=True) if isinstance(o, Taken)}
+
+    async def give_back(self, taken: Mapping[str, Taken], lease_token: str, now: datetime) -> None:
+        """Let go of locks taken ahead for runs their claim did not lease (another worker has
+        them, or they were cancelled); a Redis that does not answer lets them expire."""
+        lets = (self.release(list(t.tokens), holder(i, lease_token), now) for i, t in taken.items())
+        for failed in await asyncio.gather(*lets, return_exceptions=True):
+            if failed is not None:
+                log.warning("locks taken ahead not let go, they expire: %s", failed)
 
     async def renew(self, lock_ids: Sequence[str], owner: str) -> set[str]:
         """Extend the locks `owner` holds; those it lost."""

@@ -58,6 +58,7 @@ class Starts:
         worker_id: str,
         lease_seconds: float,
         limits: Mapping[str, StartLimits],
+        token: str | None = None,
     ) -> AsyncIterator[list[tuple[Run, Lease]]]:
         """Lease the runs among `run_ids` that may start, to `worker_id`, a batch at a time:
         those without limits at once, then those with limits once they pass them, so that the
@@ -65,16 +66,17 @@ class Starts:
         belong again (delayed by their rate window, or held back by `maxRunning`), or were not
         claimable (cancelled, claimed by another worker).
 
-        `limits` are what the pop said the runs with limits must pass: they skip the plain
-        claim, and nothing is read to check them. A run whose limits the pop did not know of
-        (pushed before it had them) is found among the ids the plain claim left, which are
-        read only then."""
-        plain = [i for i in run_ids if i not in limits]
-        claimed = await self.store.transitions.claim(plain, worker_id, lease_seconds)
+        `limits` are what the pop said the runs with limits must pass: those gated skip the
+        plain claim, and nothing is read to check them. A run whose limits the pop did not know
+        of (pushed before it had them) is found among the ids the plain claim left, which are
+        read only then. The plain claim leases under `token` when given (the one its caller
+        took the runs' locks for), else a fresh one."""
+        plain = [i for i in run_ids if i not in limits or not limits[i].gated]
+        claimed = await self.store.transitions.claim(plain, worker_id, lease_seconds, token)
         if claimed:
             yield claimed
         won = {run.id for run, _ in claimed}
-        limited = [(i, limits[i]) for i in run_ids if i in limits]
+        limited = [(i, limits[i]) for i in run_ids if i in limits and limits[i].gated]
         if rest := [i for i in plain if i not in won]:
             unknown = await self.store.runs.limited(rest)
             limited += [(r.id, sl) for r in unknown if (sl := r.start_limits)]
