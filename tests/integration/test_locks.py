@@ -267,6 +267,29 @@ async def test_locks_taken_ahead_of_a_claim_that_lost_the_run_are_let_go(
     assert not await backends.queue.redis.exists(backends.queue.keys.lock(ACME)), "let go"
 
 
+async def test_two_workers_claiming_one_locked_run_start_it_once_and_free_its_lock(
+    backends: Backends, settings: Settings, register: Register
+) -> None:
+    """Two pops of one run (the reconciler pushed it again while a worker held its pop): both
+    workers take its locks ahead, one claim wins. The loser gives its take back; the winner's
+    step ran on the locks, or found the loser's take and was handed back and woken."""
+    await register("sync_in", steps=holding("builtin.noop"))
+    service = RunService(backends.store, backends.queue)
+    for _ in range(5):
+        run = (await service.create(RunRequest("sync_in", "user", "u", {"partner": "acme"}), "t"))[
+            0
+        ]
+        popped = await pop(backends, settings)
+        one, two = (Worker(backends.store, backends.queue, settings) for _ in range(2))
+        await asyncio.gather(*(w.claim(popped.run_ids, popped.limits) for w in (one, two)))
+        async with running(backends, settings):
+            [done] = await settled(backends.store, [run.id], within=30)
+        assert done.status == RunStatus.SUCCEEDED and done.attempt == 1
+        moves = [e.metadata.get("transition") for e in await backends.store.trail.events_of(run.id)]
+        assert moves.count("claim") == moves.count("release") + 1, moves
+        assert not await backends.queue.redis.exists(backends.queue.keys.lock(ACME))
+
+
 async def test_a_lock_taken_ahead_that_no_step_takes_up_is_let_go_before_the_run_goes_on(
     backends: Backends, settings: Settings, register: Register
 ) -> None:

@@ -534,8 +534,9 @@ class Run(Document):
         """The limits the run passes as it starts, or None without any. Its first steps'
         locks count while none of its steps has started: a later attempt may start elsewhere,
         and takes its locks as its steps start."""
-        fresh = all(s.status == StepStatus.PENDING for s in self.progress.steps)
-        locks = tuple(self.start_locks or ()) if fresh else ()
+        locks: tuple[str, ...] = ()
+        if self.start_locks and all(s.status == StepStatus.PENDING for s in self.progress.steps):
+            locks = tuple(self.start_locks)
         if self.max_running is None and self.rate is None and not locks:
             return None
         return StartLimits(self.template_type, self.max_running, self.rate, locks)

@@ -40,20 +40,23 @@ def rate_key(template: Template, scope: str, scope_id: str, payload: dict[str, A
 
 
 def lock_id(lock: LockSpec, run: Run) -> str:
-    """The lock a step's `locks` entry names for `run`: see `lock_named`."""
-    return lock_named(lock.name, _values(lock.key, run.scope, run.scope_id, run.payload))
+    """The lock a step's `locks` entry names for `run`."""
+    return _lock_of(lock, run.scope, run.scope_id, run.payload)
 
 
 def start_locks(
     template: Template, scope: str, scope_id: str, payload: dict[str, Any]
 ) -> list[str]:
-    """The locks a new run's first steps take (the inline steps that need none), in the order
-    `lock_id` names them: its worker takes them beside its claim."""
+    """The locks a new run's first steps take (the inline steps that need none), each once:
+    its worker takes them beside its claim."""
     first = [s for s, needs in zip(template.steps, template.graph.needs, strict=True) if not needs]
     locks = [lock for s in first if s.worker_type == "inline" for lock in s.locks]
-    return list(
-        dict.fromkeys(lock_named(k.name, _values(k.key, scope, scope_id, payload)) for k in locks)
-    )
+    return list(dict.fromkeys(_lock_of(lock, scope, scope_id, payload) for lock in locks))
+
+
+def _lock_of(lock: LockSpec, scope: str, scope_id: str, payload: dict[str, Any]) -> str:
+    """See `lock_named`."""
+    return lock_named(lock.name, _values(lock.key, scope, scope_id, payload))
 
 
 def lock_named(name: str, values: Sequence[Any]) -> str:
