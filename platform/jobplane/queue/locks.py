@@ -12,7 +12,7 @@ from datetime import datetime
 from typing import Any
 
 from jobplane.groupcommit import GroupCommit
-from jobplane.queue.calls import bounded, epoch_ms, eval_each, script, text
+from jobplane.queue.calls import bounded, epoch_ms, eval_in, script, text
 from jobplane.queue.connect import RedisClient
 from jobplane.queue.entry import QueueEntry
 from jobplane.queue.keys import Keys
@@ -101,11 +101,12 @@ class RedisLocks:
 
     @bounded
     async def _take_many(self, takes: list[tuple[list[str], str, int]]) -> list[Any]:
-        calls = [
-            ([*(self.keys.lock(i) for i in lock_ids), self.keys.lock_tokens], [owner, ttl_ms, 1])
-            for lock_ids, owner, ttl_ms in takes
-        ]
-        return await eval_each(self.redis, self._lock, calls)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for lock_ids, owner, ttl_ms in takes:
+                keys = [*(self.keys.lock(i) for i in lock_ids), self.keys.lock_tokens]
+                eval_in(pipe, self._lock, keys, [owner, ttl_ms, 1])
+            replies: list[Any] = await pipe.execute(raise_on_error=False)
+        return replies
 
     @bounded
     async def renew(self, lock_ids: Sequence[str], owner: str, ttl_seconds: float) -> set[str]:
@@ -125,11 +126,11 @@ class RedisLocks:
 
     @bounded
     async def _release_many(self, releases: list[tuple[list[str], str, datetime]]) -> list[Any]:
-        calls = [
-            ([*map(self.keys.lock, lock_ids), *map(self.keys.lock_waiters, lock_ids)], [owner, 1])
-            for lock_ids, owner, _ in releases
-        ]
-        replies = await eval_each(self.redis, self._unlock, calls)
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for lock_ids, owner, _ in releases:
+                keys = [*map(self.keys.lock, lock_ids), *map(self.keys.lock_waiters, lock_ids)]
+                eval_in(pipe, self._unlock, keys, [owner, 1])
+            replies: list[Any] = await pipe.execute(raise_on_error=False)
         woken = [
             QueueEntry.unheld(text(member))
             for reply in replies
