@@ -1,4 +1,5 @@
-"""Running the runs a worker holds: their steps in order, each handler under its timeouts.
+"""Running the runs a worker holds: their steps' graph walked, each ready step started (its
+locks taken, `worker/steplocks.py`; its handler called, `worker/call.py`) and its end written.
 
 Every outcome is written through the lifecycle (`runs/lifecycle.py`); how a run stops is
 settled in one place, `Runner.run`: a cancel asked is acknowledged, a passed deadline expires
@@ -7,129 +8,50 @@ shutdown hands the run back.
 """
 
 import asyncio
-import contextvars
-import inspect
 import logging
-import time
 from collections.abc import Awaitable, Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field, replace
-from typing import Any, Literal
+from typing import Any
 
 from jobplane.clock import Clock
 from jobplane.model import TERMINAL, Run, RunError, StepOutcome, StepStatus, Template
 from jobplane.model.graph import ENDED
 from jobplane.process import log_context
-from jobplane.queue.locks import Blocked, Taken
-from jobplane.runs.admission.keys import lock_id, lock_named
-from jobplane.runs.admission.locks import Locks, holder
+from jobplane.queue.locks import Blocked
+from jobplane.runs.admission.locks import Locks
 from jobplane.runs.lifecycle import HeldStep, Lifecycle, StepStart
 from jobplane.runs.policy import cancel_asked, retry_at
 from jobplane.runs.service import RunService
-from jobplane.store import Lease, Lost, Moved, StepEnd, Store
+from jobplane.store import Lost, Moved, StepEnd, Store
 from jobplane.templates.expressions import ExpressionError, evaluate_when
-from jobplane.worker.context import (
-    CancelRequested,
-    FatalError,
-    LockTimeout,
-    StepContext,
-    StepTimeout,
-    step_failure,
-)
+from jobplane.worker.call import Caller
+from jobplane.worker.context import CancelRequested, FatalError, step_failure
 from jobplane.worker.fanout import ChildrenActive, Fanout, MapFailed
 from jobplane.worker.flow import Flow
 from jobplane.worker.handlers import HandlerRegistry
+from jobplane.worker.held import (
+    Held,
+    Overdue,
+    RunningStep,
+    Stopped,
+    stop_if_lost,
+    time_left,
+)
 from jobplane.worker.lending import HolderLost, Lending, LentFailed, TakenBack
+from jobplane.worker.steplocks import LockHeld, StepLocks
 
 log = logging.getLogger("jobplane.worker")
-
-# A step still running after this long gets its start written on its own; a quicker one has
-# its start written together with its end, saving a MongoDB write per step.
-START_WRITE_AFTER = 0.05
-
-
-# Why a run's handler was interrupted: its lease was lost, the worker shuts down, or a lock
-# its step held was lost.
-Stop = Literal["lost", "shutdown", "lock"]
-
-
-@dataclass
-class Held:
-    """A run this worker holds, with what it needs to stop it."""
-
-    run: Run
-    lease: Lease
-    cancel: asyncio.Event = field(default_factory=asyncio.Event)
-    task: asyncio.Task[None] | None = None
-    # The running handlers, one a step (a graph's steps may run side by side). Stopping a run
-    # interrupts only these, never the worker's own writes, so a transition and its events
-    # are never cut in half.
-    handlers: set[asyncio.Future[Any]] = field(default_factory=set)
-    stop: Stop | None = None
-    # The locks its steps hold (the steps' and their handlers'), each with its fencing token:
-    # the heartbeat renews them.
-    locks: dict[str, int] = field(default_factory=dict)
-    # The locks of its first steps its worker took beside its claim (`Locks.take_ahead`),
-    # until the run has them...
-    ahead: asyncio.Future[dict[str, Taken]] | None = None
-    # ...then those of them no step has taken up yet: a step whose locks are all here starts
-    # without asking Redis, and what is left once the first steps started is let go.
-    taken_ahead: set[str] = field(default_factory=set)
-    # When MongoDB last confirmed the lease (monotonic seconds); past the lease length the
-    # worker assumes the reaper may have given the run away and stops its handlers itself.
-    renewed: float = field(default_factory=time.monotonic)
-    # Only steps lent to other workers run now: the run takes no slot here.
-    watching: bool = False
-
-    @property
-    def busy(self) -> bool:
-        """A handler of the run's runs now."""
-        return bool(self.handlers)
-
-    @property
-    def log_fields(self) -> dict[str, str]:
-        """For lines about the run logged outside its own task (whose context has them)."""
-        return {"run_id": self.run.id, "lease_token": self.lease.token}
-
-    def interrupt(self, reason: Stop) -> None:
-        self.stop = reason
-        for handler in self.handlers:
-            handler.cancel()
-
-
-@dataclass
-class _Step:
-    """A step this worker runs: where it is, its start (until written) and its context."""
-
-    at: HeldStep
-    start: StepStart
-    start_written: bool = False
-    ctx: StepContext | None = None
-    # The locks taken for it, let go once its end is written.
-    locks: list[str] = field(default_factory=list)
-    # Lent to a worker offering this handler, which this one lacks (`worker/lending.py`).
-    lent: str | None = None
-    # Lent, and a step beside it failed the run: its borrower is asked to stop (a step run
-    # here is asked through its context).
-    stop_asked: bool = False
-
-    @property
-    def unwritten_start(self) -> StepStart | None:
-        return None if self.start_written else self.start
 
 
 @dataclass(frozen=True)
 class _Failure:
     """The first step of this attempt that failed, and whether its run tries again."""
 
-    step: _Step
+    step: RunningStep
     error: RunError
     retryable: bool
     retried: bool
-
-
-class _Overdue(Exception):
-    """The run's deadline passed: it ends `expired`, whatever its step was doing."""
 
 
 class _HandOff(Exception):
@@ -144,7 +66,7 @@ class _HandOff(Exception):
 class _Walk:
     """A walk of a run's graph in progress: its running steps, and what stops it."""
 
-    running: dict[asyncio.Future[Any], _Step] = field(default_factory=dict)
+    running: dict[asyncio.Future[Any], RunningStep] = field(default_factory=dict)
     # The first step of this attempt that failed it.
     failure: _Failure | None = None
     # What stops the whole run: a cancel, a stop, the deadline.
@@ -165,23 +87,6 @@ class _External(Exception):
 
 class _WaitChildren(Exception):
     """Only map steps waiting for their children are left."""
-
-
-class _LockHeld(Exception):
-    """A lock the next step needs is held by another run."""
-
-    def __init__(self, blocked: Blocked) -> None:
-        super().__init__(blocked.lock_id)
-        self.blocked = blocked
-
-
-class _Stopped(Exception):
-    """The run must stop: its lease was lost (write nothing), the worker shuts down, or a lock
-    its step held was lost (both hand the run back)."""
-
-    def __init__(self, reason: Stop) -> None:
-        super().__init__(reason)
-        self.reason = reason
 
 
 @dataclass
@@ -209,30 +114,36 @@ class Runner:
     # Versions are immutable, so a template cached never goes stale.
     _templates: dict[tuple[str, int], Template] = field(default_factory=dict, init=False)
     _fanout: Fanout = field(init=False)
+    _step_locks: StepLocks = field(init=False)
+    _caller: Caller = field(init=False)
 
     def __post_init__(self) -> None:
-        self._fanout = Fanout(self.store, self.service, self._stop_if_lost)
+        self._fanout = Fanout(self.store, self.service, stop_if_lost)
+        self._step_locks = StepLocks(self.locks, self.lifecycle, self.clock)
+        self._caller = Caller(
+            self.handlers, self.lifecycle, self.clock, self.threads, self.renew, self._step_locks
+        )
 
     async def run(self, held: Held) -> None:
         """Run `held` from its first step not done until it ends, or until it must stop; what
         stops it is settled here. Raises nothing: an error is logged, and the lease expires."""
         try:
             try:
-                await self._adopt_ahead(held)
+                await self._step_locks.adopt_ahead(held)
                 await self._run_steps(held)
             except CancelRequested as cancel:
                 ack = await self.lifecycle.acknowledge_cancel(
                     held.run, held.lease, cancel.interrupted
                 )
                 self._check(held.run, ack)
-            except _Overdue:
+            except Overdue:
                 # Not fenced: if the reaper got there first, the run is expired already.
                 moved = await self.lifecycle.deadline_expire(held.run, held.lease.actor)
                 self._finished(held.run, moved)
             except _HandOff as handoff:
                 log.info("run %s: handed on for handler %r", held.run.id, handoff.handler)
                 await self._release(held, handoff.handler)
-            except _LockHeld as wait:
+            except LockHeld as wait:
                 await self._wait_for_lock(held, wait.blocked)
             except _External as external:
                 # The run waits for an external worker's callback; this worker lets go of it.
@@ -246,8 +157,8 @@ class Runner:
                     )
                     self._finished(held.run, acked)
                 else:
-                    self._stop_if_lost(waiting)
-        except _Stopped as stopped:
+                    stop_if_lost(waiting)
+        except Stopped as stopped:
             if stopped.reason == "lost":
                 log.warning("run %s: lease lost, stopped without writing", held.run.id)
             else:
@@ -260,7 +171,7 @@ class Runner:
         except Exception:
             log.exception("run %s: worker error", held.run.id)
         finally:
-            await self._let_go_unused(held)
+            await self._step_locks.let_go_unused(held)
 
     async def run_lent(self, held: Held) -> None:
         """Run the step lent to this worker (`held.lease.step`) and report how it ended: its
@@ -275,15 +186,15 @@ class Runner:
                 raise RuntimeError(f"run {run.id}: step {lease.step} lent, but not to be found")
             done = sum(1 for s in run.progress.steps if s.status in ENDED)
             at = HeldStep(run, lease, template, lease.step, done)
-            step = _Step(at, StepStart(self.clock.now(), lent.attempt))
+            step = RunningStep(at, StepStart(self.clock.now(), lent.attempt))
             status, output, error, retryable = StepStatus.SUCCEEDED, None, None, False
             try:
-                output = await self._call(held, step, dict(run.outputs))
+                output = await self._caller.call(held, step, dict(run.outputs))
             except CancelRequested:
                 status = StepStatus.CANCELLED
-            except _Overdue:
+            except Overdue:
                 return  # the run's deadline passed: its holder, or the reaper, ends it
-            except _Stopped as stopped:
+            except Stopped as stopped:
                 if stopped.reason != "lost":
                     await self.lending.give_back(at, lent.handler)
                 return
@@ -341,7 +252,7 @@ class Runner:
         for index, lent in flow.lent.items():  # lent by an earlier holder, and not ended yet
             at = HeldStep(run, lease, template, index, flow.done)
             start = StepStart(lent.lent_at, lent.attempt)
-            step = _Step(at, start, start_written=True, lent=lent.handler)
+            step = RunningStep(at, start, start_written=True, lent=lent.handler)
             flow.running.add(index)
             walk.running[asyncio.ensure_future(self._watch(held, step, walk))] = step
         while True:
@@ -349,9 +260,9 @@ class Runner:
                 try:
                     self._go_on(held)
                     starting = await self._start_ready(held, flow, walk)
-                except (CancelRequested, _Stopped, _Overdue) as exc:
+                except (CancelRequested, Stopped, Overdue) as exc:
                     walk.stopping, starting = exc, []
-                await self._let_go_unused(held)
+                await self._step_locks.let_go_unused(held)
                 if not walk.running and len(starting) == 1:
                     # Alone, as every step of a line is: awaited here, without a task.
                     [step] = starting
@@ -405,7 +316,7 @@ class Runner:
         raise RuntimeError(f"run {run.id}: steps {flow.statuses} neither ready nor running")
 
     async def _step_ended(
-        self, held: Held, flow: Flow, walk: _Walk, step: _Step, future: asyncio.Future[Any]
+        self, held: Held, flow: Flow, walk: _Walk, step: RunningStep, future: asyncio.Future[Any]
     ) -> bool:
         """Write how a step ended, and what that means for the walk; True when it ended the
         run."""
@@ -420,7 +331,7 @@ class Runner:
             except TakenBack:
                 flow.tries[step.at.index] -= 1  # never tried: ready again, to be handed on
                 return False
-            except (CancelRequested, _Stopped, _Overdue):
+            except (CancelRequested, Stopped, Overdue):
                 if not self._asked_aside(held, future, step):
                     raise
                 walk.ended.append(self._stopped(step, StepStatus.CANCELLED))
@@ -431,7 +342,7 @@ class Runner:
                     self._cancel_all(walk.running)
                 return False
             return await self._succeeded(held, flow, step, output)
-        except (CancelRequested, _Stopped, _Overdue) as exc:
+        except (CancelRequested, Stopped, Overdue) as exc:
             # What stops one step (or its write) stops the run: the steps beside it stop too,
             # and their ends are the run's transition's to write. A cancel that interrupted a
             # step says so, even if it was first seen between steps.
@@ -443,18 +354,18 @@ class Runner:
                 walk.stopping = exc
             if isinstance(exc, CancelRequested):
                 held.cancel.set()
-            elif isinstance(exc, _Stopped) and held.stop is None:
+            elif isinstance(exc, Stopped) and held.stop is None:
                 held.interrupt(exc.reason)
             return False
         finally:
-            await self._let_go(held, step.locks)
+            await self._step_locks.let_go(held, step.locks)
 
-    async def _start_ready(self, held: Held, flow: Flow, walk: _Walk) -> list[_Step]:
+    async def _start_ready(self, held: Held, flow: Flow, walk: _Walk) -> list[RunningStep]:
         """The steps to start now: every step whose needs are met, with its locks taken (those
         whose `when` is false are written skipped). A step that must wait for the run to itself
         is noted in `walk.alone`; a `when` that could not be evaluated is the walk's failure."""
         walk.alone = None
-        starting: list[_Step] = []
+        starting: list[RunningStep] = []
         template = flow.template
         while True:
             # A pass's false `when`s are written together, then the pass looks again.
@@ -469,7 +380,7 @@ class Runner:
                         go = evaluate_when(step.when, flow.activation())
                     except ExpressionError as exc:
                         error = RunError(code="WhenError", message=str(exc), step=step.id)
-                        failing = _Step(at, StepStart(self.clock.now(), flow.tries[index]))
+                        failing = RunningStep(at, StepStart(self.clock.now(), flow.tries[index]))
                         failing.start_written = True  # it never started
                         self._cancel_all(walk.running)
                         walk.failure = _Failure(failing, error, retryable=False, retried=False)
@@ -488,7 +399,7 @@ class Runner:
                     if not made:
                         flow.tries[index] += 1
                     start = StepStart(self.clock.now(), flow.tries[index])
-                    starting.append(_Step(at, start, start_written=made))
+                    starting.append(RunningStep(at, start, start_written=made))
                     flow.running.add(index)
                     continue
                 assert step.handler is not None, "every step but a map step has a handler"
@@ -499,13 +410,13 @@ class Runner:
                         elsewhere.append((at, step.handler))
                     continue
                 try:
-                    taken = await self._take_locks(held, at)
-                except _LockHeld as blocked:
+                    taken = await self._step_locks.take(held, at)
+                except LockHeld as blocked:
                     walk.alone = walk.alone or blocked
                     continue
                 flow.tries[index] += 1
                 start = StepStart(self.clock.now(), flow.tries[index])
-                starting.append(_Step(at, start, locks=taken))
+                starting.append(RunningStep(at, start, locks=taken))
                 flow.running.add(index)
             if skips:
                 at = HeldStep(held.run, held.lease, template, skips[0].index, flow.done)
@@ -531,24 +442,24 @@ class Runner:
                 walk.alone = None
             return starting
 
-    async def _lend(self, held: Held, flow: Flow, at: HeldStep, handler: str) -> _Step:
+    async def _lend(self, held: Held, flow: Flow, at: HeldStep, handler: str) -> RunningStep:
         """Lend step `at` to a worker offering `handler`: a step of the walk, watched."""
         try_ = flow.tries[at.index] + 1
         self._check(held.run, await self.lending.lend(at, handler, try_))
         flow.tries[at.index] = try_
         flow.running.add(at.index)
         log.info("run %s: step %s lent to a worker offering %r", held.run.id, at.id, handler)
-        return _Step(at, StepStart(self.clock.now(), try_), lent=handler)
+        return RunningStep(at, StepStart(self.clock.now(), try_), lent=handler)
 
-    async def _watch(self, held: Held, step: _Step, walk: _Walk) -> Any:
+    async def _watch(self, held: Held, step: RunningStep, walk: _Walk) -> Any:
         """Wait for a lent step's end, as its borrower reports it: its output, or what it
         raised, as if it had run here."""
 
         def check() -> None:
             if held.stop is not None:
-                raise _Stopped(held.stop)
-            if self._time_left(held.run) == 0:
-                raise _Overdue
+                raise Stopped(held.stop)
+            if time_left(held.run, self.clock.now()) == 0:
+                raise Overdue
 
         def idle() -> bool:
             return all(s.lent is not None for s in walk.running.values())
@@ -559,7 +470,7 @@ class Runner:
                 step.at, step.lent, check, lambda: step.stop_asked or held.cancel.is_set(), idle
             )
         except HolderLost:
-            raise _Stopped("lost") from None
+            raise Stopped("lost") from None
         except LentFailed:
             step.start_written = True  # its borrower's, if it wrote one
             raise
@@ -572,15 +483,15 @@ class Runner:
             raise LentFailed(outcome.error, outcome.retryable)
         return outcome.output
 
-    async def _unprepare(self, held: Held, flow: Flow, starting: list[_Step]) -> None:
+    async def _unprepare(self, held: Held, flow: Flow, starting: list[RunningStep]) -> None:
         """Steps prepared to start that will not: their tries and locks are given back (a
         step lent meanwhile is taken back by the run's next holder, or ends with the run)."""
         for prepared in starting:
             flow.running.discard(prepared.at.index)
             flow.tries[prepared.at.index] -= 1
-            await self._let_go(held, prepared.locks)
+            await self._step_locks.let_go(held, prepared.locks)
 
-    async def _succeeded(self, held: Held, flow: Flow, step: _Step, output: Any) -> bool:
+    async def _succeeded(self, held: Held, flow: Flow, step: RunningStep, output: Any) -> bool:
         """Write a step's success; True when that ended the run."""
         at, run = step.at, held.run
         flow.outputs[at.id] = output
@@ -614,7 +525,7 @@ class Runner:
         self,
         held: Held,
         flow: Flow,
-        step: _Step,
+        step: RunningStep,
         exc: Exception,
         walk: _Walk,
     ) -> _Failure | None:
@@ -664,14 +575,14 @@ class Runner:
     def _go_on(self, held: Held) -> None:
         """Raise what stops the run before its next step: a stop, a cancel, its deadline."""
         if held.stop is not None:
-            raise _Stopped(held.stop)
+            raise Stopped(held.stop)
         if held.cancel.is_set():
             raise CancelRequested(held.run.id, interrupted=False)
-        if self._time_left(held.run) == 0:
-            raise _Overdue
+        if time_left(held.run, self.clock.now()) == 0:
+            raise Overdue
 
     @staticmethod
-    def _asked_aside(held: Held, future: asyncio.Future[Any], step: _Step) -> bool:
+    def _asked_aside(held: Held, future: asyncio.Future[Any], step: RunningStep) -> bool:
         """The step stopped because a step beside it failed the run, not for a cancel."""
         asked = step.stop_asked or (step.ctx is not None and step.ctx.cancel_asked)
         return (
@@ -680,7 +591,7 @@ class Runner:
 
     @staticmethod
     def _stopped(
-        step: _Step, status: StepStatus, error: RunError | None = None, final: bool = False
+        step: RunningStep, status: StepStatus, error: RunError | None = None, final: bool = False
     ) -> StepEnd:
         """The end of a step that ran but gave no result."""
         at, start = step.at, step.unwritten_start
@@ -688,7 +599,7 @@ class Runner:
         return StepEnd(at.index, at.id, status, began, attempt, error, final=final)
 
     @staticmethod
-    def _cancel_all(running: dict[asyncio.Future[Any], _Step]) -> None:
+    def _cancel_all(running: dict[asyncio.Future[Any], RunningStep]) -> None:
         """A step failed the run: the steps beside it are asked to stop (a lent step's
         watch tells its borrower)."""
         for step in running.values():
@@ -697,61 +608,7 @@ class Runner:
             elif step.ctx is not None:
                 step.ctx.cancel_asked = True
 
-    async def _take_locks(self, held: Held, at: HeldStep) -> list[str]:
-        """Take the step's locks, all or none; `_LockHeld` when another run holds one. A run
-        that waited for one says so no more."""
-        wanted = [lock_id(lock, held.run) for lock in at.template.steps[at.index].locks]
-        if not wanted:
-            return []
-        if held.taken_ahead.issuperset(wanted):
-            held.taken_ahead.difference_update(wanted)
-        else:
-            taken = await self.locks.take(wanted, holder(held.run.id, held.lease.token))
-            if isinstance(taken, Blocked):
-                raise _LockHeld(taken)
-            held.locks.update(taken.tokens)
-        if held.run.lock_wait is not None:
-            try:
-                self._stop_if_lost(await self.lifecycle.locks_taken(at, wanted))
-            except BaseException:
-                await self._let_go(held, wanted)  # the step will not run: nobody else waits
-                raise
-            held.run = held.run.model_copy(update={"lock_wait": None})
-        return wanted
-
-    @staticmethod
-    async def _adopt_ahead(held: Held) -> None:
-        """The locks its worker took for the run's first steps beside its claim become the
-        run's (its heartbeat renews them from now on)."""
-        if held.ahead is None:
-            return
-        ahead, held.ahead = held.ahead, None
-        taken = (await ahead).get(held.run.id)
-        if taken is not None:
-            held.locks.update(taken.tokens)
-            held.taken_ahead = set(taken.tokens)
-
-    async def _let_go_unused(self, held: Held) -> None:
-        """Let go of the locks taken ahead that no step took up: a `when` skipped its step,
-        the step is another worker's, or the run stopped before it."""
-        if held.taken_ahead:
-            unused, held.taken_ahead = sorted(held.taken_ahead), set()
-            await self._let_go(held, unused)
-
-    async def _let_go(self, held: Held, lock_ids: list[str]) -> None:
-        """Let go of the step's locks (and wake a run waiting for each); a Redis that does not
-        answer lets them expire with the lease length instead."""
-        if not lock_ids:
-            return
-        for lock in lock_ids:
-            held.locks.pop(lock, None)
-        try:
-            owner = holder(held.run.id, held.lease.token)
-            await self.locks.release(lock_ids, owner, self.clock.now())
-        except Exception as exc:
-            log.warning("run %s: locks %s not let go, they expire: %s", held.run.id, lock_ids, exc)
-
-    async def _work(self, held: Held, running: _Step, flow: Flow, walk: _Walk) -> Any:
+    async def _work(self, held: Held, running: RunningStep, flow: Flow, walk: _Walk) -> Any:
         """Do a step's work: a map step's fan-out, a lent step's watch, or its handler's
         call."""
         at = running.at
@@ -760,135 +617,12 @@ class Runner:
         if at.template.steps[at.index].worker_type == "map":
             made = flow.made.get(at.index)
             return await self._fanout.run(at, running.start, flow.activation(), made)
-        return await self._call(held, running, flow.outputs)
-
-    async def _call(self, held: Held, running: _Step, outputs: dict[str, Any]) -> Any:
-        at = running.at
-        template, index = at.template, at.index
-        step = template.steps[index]
-        assert step.handler is not None, "a step with a handler, as checked before it began"
-        handler = self.handlers.resolve(step.handler)
-        assert handler is not None, "an offered handler, as checked before the step began"
-        start: asyncio.Future[Lost | None] | None = None
-
-        # The closures below end up on the step's context, which `running` holds: they must
-        # not hold `running` back, or every step would leave a cycle for the collector.
-        first = running.start
-
-        async def write_start() -> Lost | None:
-            return await self.lifecycle.start_step(at, first)
-
-        def started() -> asyncio.Future[Lost | None]:
-            # One start write per step, shared: every later write of the step waits for it.
-            nonlocal start
-            if start is None:
-                start = asyncio.ensure_future(write_start())
-            return start
-
-        async def write_progress(percentage: float, message: str | None) -> None:
-            if isinstance(await started(), Lost):
-                held.interrupt("lost")
-                return
-            outcome = await self.lifecycle.report_progress(at, percentage, message)
-            if isinstance(outcome, Lost):  # progress writes are fenced too
-                held.interrupt("lost")
-
-        async def renew() -> None:
-            await self.renew([held])
-
-        owner = holder(held.run.id, held.lease.token)
-
-        async def take_lock(name: str, values: list[Any], wait: float) -> tuple[str, int, bool]:
-            lock = lock_named(name, values)
-            if lock in held.locks:
-                return lock, held.locks[lock], False
-            loop, pause = asyncio.get_running_loop(), 0.05
-            until = loop.time() + wait
-            while isinstance(taken := await self.locks.take([lock], owner), Blocked):
-                if loop.time() >= until:
-                    by = taken.holder.split(":", 1)[0]
-                    raise LockTimeout(f"lock {lock} is held by run {by}")
-                await asyncio.sleep(min(pause, max(0.0, until - loop.time())))
-                pause = min(2 * pause, 1.0)
-            held.locks.update(taken.tokens)
-            return lock, taken.tokens[lock], True
-
-        async def release_lock(lock: str) -> None:
-            await self._let_go(held, [lock])
-
-        mine = [lock_id(lock, held.run) for lock in step.locks]
-        step_locks = {lock: held.locks[lock] for lock in mine if lock in held.locks}
-        ctx = running.ctx = StepContext(
-            held.run,
-            template,
-            index,
-            outputs,
-            held.cancel,
-            write_progress,
-            renew,
-            step_locks,
-            take_lock,
-            release_lock,
-        )
-        succeeded = False
-        if held.stop is not None:
-            raise _Stopped(held.stop)
-        if inspect.iscoroutinefunction(handler):
-            work: asyncio.Future[Any] = asyncio.ensure_future(handler(ctx))
-            watched = work
-        else:
-            call = contextvars.copy_context().run
-            work = asyncio.wrap_future(self.threads.submit(call, handler, ctx))
-            # A thread cannot be cancelled: interrupting cancels this shield, not the thread.
-            watched = asyncio.shield(work)
-        held.handlers.add(watched)
-        left = self._time_left(held.run)
-        overdue = left is not None and (step.timeout_seconds is None or left < step.timeout_seconds)
-        try:
-            async with asyncio.timeout(left if overdue else step.timeout_seconds):
-                # A step over at once has its start written with its end: one write, not two.
-                await asyncio.wait([watched], timeout=START_WRITE_AFTER)
-                if not watched.done():
-                    self._stop_if_lost(await started())
-                output = await watched
-            succeeded = True
-            return output
-        except (asyncio.CancelledError, TimeoutError) as exc:
-            ctx.interrupt()
-            if work is not watched:
-                # Keep the lease until the thread returns (its checkpoint() now raises), so
-                # a retry or a release never runs the step twice at once.
-                await asyncio.wait([work])
-            if isinstance(exc, TimeoutError) and overdue:
-                raise _Overdue from exc
-            if isinstance(exc, TimeoutError):
-                message = f"step {step.id!r} exceeded {step.timeout_seconds}s"
-                raise StepTimeout(message) from exc
-            current = asyncio.current_task()
-            if held.stop is not None and not (current and current.cancelling()):
-                raise _Stopped(held.stop) from None
-            raise
-        finally:
-            held.handlers.discard(watched)
-            await ctx.close(write_latest=not succeeded and held.stop is None)
-            if start is not None:
-                await asyncio.wait([start])
-                if not start.cancelled() and start.exception() is not None:
-                    log.warning(
-                        "run %s: step start not written: %s", held.run.id, start.exception()
-                    )
-            running.start_written = start is not None
-
-    def _time_left(self, run: Run) -> float | None:
-        """Seconds until the run's deadline (0 once passed), or None without one."""
-        if run.deadline is None:
-            return None
-        return max(0.0, (run.deadline - self.clock.now()).total_seconds())
+        return await self._caller.call(held, running, flow.outputs)
 
     def _check(self, run: Run, outcome: Moved | Lost | None) -> None:
         """Say so when a write finished `run`, and stop the run when the write was lost."""
         self._finished(run, outcome)
-        self._stop_if_lost(outcome)
+        stop_if_lost(outcome)
 
     def _finished(self, run: Run, outcome: Moved | Lost | None) -> None:
         """Say so when a write finished `run` (the lifecycle counted it)."""
@@ -897,17 +631,6 @@ class Runner:
             began = run.started_at or run.create_at
             took = max(0.0, (self.clock.now() - began).total_seconds())
             log.info("run %s (%s) %s in %.1f s", run.id, run.template_type, outcome.to.value, took)
-
-    def _stop_if_lost(self, outcome: Moved | Lost | None) -> None:
-        """Stop the run when a write was lost.
-
-        Lost to a cancel request, the worker still holds the lease and must acknowledge it;
-        lost any other way, someone else decides the run's fate now.
-        """
-        if isinstance(outcome, Lost):
-            if cancel_asked(outcome):
-                raise CancelRequested(outcome.run_id)
-            raise _Stopped("lost")
 
     async def _template(self, run: Run) -> Template | None:
         key = (run.template_type, run.template_version)

@@ -29,8 +29,9 @@ from jobplane.settings import Settings
 from jobplane.store import Store
 from jobplane.store.types import lease_token, step_of
 from jobplane.worker.handlers import HandlerRegistry, registry
+from jobplane.worker.held import Held
 from jobplane.worker.lending import Lending
-from jobplane.worker.runner import Held, Runner
+from jobplane.worker.runner import Runner
 
 log = logging.getLogger("jobplane.worker")
 
