@@ -235,23 +235,24 @@ class Worker:
 
         The locks of the first steps of runs claimed plainly are taken beside their claim,
         under the lease token it grants them: a run's step then starts without a round trip to
-        Redis after MongoDB's. Those of runs the claim did not lease are let go after it."""
+        Redis after MongoDB's. Those of runs the claim did not lease under that token are let
+        go after it."""
         limits = limits or {}
         seconds = self.settings.lease_seconds
         token = lease_token()
         ahead = {i: sl.locks for i, sl in limits.items() if sl.locks and not sl.gated}
         taking = asyncio.ensure_future(self.locks.take_ahead(ahead, token)) if ahead else None
-        leased: set[str] = set()
+        adopted: set[str] = set()
         try:
             async for claimed in self.lifecycle.starts.claim(
                 run_ids, self.id, seconds, limits, token
             ):
                 for run, lease in claimed:
                     metrics.run_claimed(run)
-                    leased.add(run.id)
                     held = Held(run, lease)
                     if run.id in ahead and lease.token == token:
                         held.ahead = taking
+                        adopted.add(run.id)
                     if run.status == RunStatus.CANCEL_REQUESTED:  # asked between claim and read
                         held.cancel.set()
                     self.held[run.id] = held
@@ -260,9 +261,9 @@ class Worker:
                         held.task = asyncio.create_task(self._execute(held))
         finally:
             if taking is not None:
-                unleased = {i: t for i, t in (await taking).items() if i not in leased}
-                if unleased:
-                    await self.locks.give_back(unleased, token, self.clock.now())
+                unused = {i: t for i, t in (await taking).items() if i not in adopted}
+                if unused:
+                    await self.locks.give_back(unused, token, self.clock.now())
 
     async def borrow(self, steps: list[tuple[str, int]]) -> None:
         """Claim those of the popped lent `steps` (run id, step index) that are lent still,
