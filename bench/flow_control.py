@@ -10,8 +10,8 @@ concurrency_limit   queue_same_scope with a dedupe key per run and concurrencyLi
 max_running         maxRunning 100,000: every claim is admitted by the template's gate
                     (`claim_limited`), and every end gives its place back
 rate_limit          rateLimit of a million a second: every start checks the window in Redis
-lock                the step holds a lock keyed by the run (`payload.i`): taken before the
-                    step, renewed with the heartbeat, let go after it
+lock                the step holds a lock keyed by the run (`payload.i`): taken beside the
+                    run's claim, renewed with the heartbeat, let go after the step
 round_robin         fairness round_robin: the runs wait in their scope's group of the lane
 
 Runs are spread over 50 scope ids in every variant, so round robin has groups to take turns
