@@ -165,6 +165,9 @@ async def read_overview(
     reads_runs = Permission.RUNS_READ in PERMISSIONS[caller.role]
     figures = await store.overview.run_figures(caller.within, now) if reads_runs else None
     gauges = read_gauges(await read_state(store, queue, settings.queues))
+    # The scheduler lock's TTL was read just now, not at `now`: the run figures' queries before
+    # it may have taken a while, and its last tick is counted back from the TTL.
+    read_at = store.clock.now()
     redis_up = gauges.get(("jobplane_backend_up", ("redis",))) == 1
     held = figures.held if figures else []
     leader: str | None = None
@@ -189,7 +192,7 @@ async def read_overview(
             runs_held=_int(gauges.get(("jobplane_worker_runs_held", ()))) if redis_up else None,
             holding=_holding(held, alive if redis_up else None),
         ),
-        scheduler=_scheduler(leader, gauges, settings, now) if redis_up else _NO_SCHEDULER,
+        scheduler=_scheduler(leader, gauges, settings, read_at) if redis_up else _NO_SCHEDULER,
         backends=Backends(
             mongodb=gauges.get(("jobplane_backend_up", ("mongodb",))) == 1, redis=redis_up
         ),
