@@ -214,12 +214,14 @@ async def pop(backends: Backends, settings: Settings) -> Popped:
 
 
 def counting_takes(worker: Worker) -> list[str]:
-    """The owners the worker's lock takes were for, in order."""
+    """The owners the worker's lock takes were for, in order; a take made once the run was
+    held (by its runner, not beside its claim) is marked `held:`."""
     owners: list[str] = []
     take = worker.locks.take
 
     async def counted(lock_ids: Sequence[str], owner: str) -> Taken | Blocked:
-        owners.append(owner)
+        held = owner.split(":")[0] in worker.held
+        owners.append(f"held:{owner}" if held else owner)
         return await take(lock_ids, owner)
 
     worker.locks.take = counted  # type: ignore[method-assign]
@@ -244,7 +246,8 @@ async def test_a_runs_first_locks_are_taken_beside_its_claim_under_its_lease(
     await worker.claim(popped.run_ids, popped.limits)
     [done] = await settled(backends.store, [run.id], within=30)
     assert done.status == RunStatus.SUCCEEDED
-    [owner] = owners  # taken once, beside the claim
+    [owner] = owners  # taken once...
+    assert not owner.startswith("held:"), "...beside the claim, before the run was held"
     await backends.store.trail.flush()
     [claim] = [e for e in await backends.store.trail.events_of(run.id) if e.to == "running"]
     run_id, lease = owner.split(":")
@@ -303,7 +306,9 @@ async def test_a_lock_taken_ahead_that_no_step_takes_up_is_let_go_before_the_run
     popped = await pop(backends, settings)
     assert popped.limits[run.id].locks == (ACME,)
     worker = Worker(backends.store, backends.queue, settings)
+    owners = counting_takes(worker)
     await worker.claim(popped.run_ids, popped.limits)
+    assert [o.split(":")[0] for o in owners] == [run.id], "taken beside the claim"
 
     async def sleeping() -> bool:
         found = await service.get(run.id)
