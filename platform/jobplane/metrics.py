@@ -318,7 +318,7 @@ def _workers_state(live: dict[str, Offer]) -> list[Metric]:
 async def _scheduler_state(queue: RedisQueue) -> list[Metric]:
     """Whether a scheduler holds the singleton lock, and how long until it expires: the
     active one renews it at least every third of its TTL, so a falling TTL is a stalled one."""
-    _, left = await queue.locks.scheduler_holder()
+    _, left = await queue.locks.singleton_holder("scheduler")
     return [
         GaugeMetricFamily(
             "jobplane_scheduler_leader",

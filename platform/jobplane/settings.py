@@ -19,6 +19,13 @@ def _split(value: object) -> object:
 
 # Comma-separated in the environment: JOBPLANE_QUEUES=default,reports
 CommaList = Annotated[list[str], NoDecode, BeforeValidator(_split)]
+# JOBPLANE_WEBHOOK_RETRY_SECONDS=0,5,300: at least one wait, none negative.
+SecondsList = Annotated[
+    list[Annotated[float, Field(ge=0, le=86400)]],
+    NoDecode,
+    BeforeValidator(_split),
+    Field(min_length=1, max_length=50),
+]
 
 
 class Settings(BaseSettings):
@@ -74,6 +81,19 @@ class Settings(BaseSettings):
     # Terminal runs older than this move to `job_runs_archive` (still found by id).
     run_retention_days: Annotated[float, Field(gt=0)] = 30
     scheduler_lock_seconds: Annotated[float, Field(gt=0)] = 15
+
+    # Webhooks (docs/contract.md, "Webhooks"). Deliveries to loopback, private, link-local and
+    # metadata addresses are refused unless this is true: for development and tests only.
+    webhook_allow_private: bool = False
+    # A try that has no answer within this long failed.
+    webhook_timeout_seconds: Annotated[float, Field(gt=0, le=300)] = 15
+    # The wait before each try of a delivery: the first at once, then Svix's schedule (each
+    # wait ±20%). A delivery that fails every try is marked failed.
+    webhook_retry_seconds: SecondsList = Field(
+        default_factory=lambda: [0.0, 5, 300, 1800, 7200, 18000, 36000, 36000]
+    )
+    # Tries in flight at once in one notifier (each webhook has at most 16 of them).
+    webhook_concurrency: Annotated[int, Field(ge=1, le=10_000)] = 64
 
     @field_validator("redis_url")
     @classmethod

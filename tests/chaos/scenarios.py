@@ -328,7 +328,7 @@ async def schedulers_fight(where: Where, scale: Scale) -> Outcome:
         assert tick.status_code == 201, tick.text
         schedule_id = tick.json()["id"]
         turn = 0
-        lock = Keys(stage.cluster.settings.redis_prefix).scheduler_lock
+        lock = Keys(stage.cluster.settings.redis_prefix).singleton_lock("scheduler")
         frozen_for = stage.cluster.settings.scheduler_lock_seconds * 2
 
         async def fault() -> None:

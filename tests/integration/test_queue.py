@@ -31,18 +31,18 @@ pytestmark = REDIS_TOPOLOGIES
 async def test_the_scheduler_lock_is_taken_extended_and_released_by_its_owner_only(
     queue: RedisQueue,
 ) -> None:
-    assert await queue.locks.scheduler_holder() == (None, 0)
-    assert await queue.locks.take_scheduler("s1", 10)
-    assert not await queue.locks.take_scheduler("s2", 100), "held by another owner"
-    assert not await queue.locks.release_scheduler("s2")
-    holder, left = await queue.locks.scheduler_holder()
+    assert await queue.locks.singleton_holder("scheduler") == (None, 0)
+    assert await queue.locks.take_singleton("scheduler", "s1", 10)
+    assert not await queue.locks.take_singleton("scheduler", "s2", 100), "held by another owner"
+    assert not await queue.locks.release_singleton("scheduler", "s2")
+    holder, left = await queue.locks.singleton_holder("scheduler")
     assert holder == "s1" and 0 < left <= 10, "a stranger's acquire did not extend it"
 
-    assert await queue.locks.take_scheduler("s1", 100)
-    holder, left = await queue.locks.scheduler_holder()
+    assert await queue.locks.take_singleton("scheduler", "s1", 100)
+    holder, left = await queue.locks.singleton_holder("scheduler")
     assert holder == "s1" and 10 < left <= 100
-    assert await queue.locks.release_scheduler("s1")
-    assert await queue.locks.scheduler_holder() == (None, 0)
+    assert await queue.locks.release_singleton("scheduler", "s1")
+    assert await queue.locks.singleton_holder("scheduler") == (None, 0)
 
 
 async def test_pipelined_scripts_cost_no_extra_round_trip(

@@ -54,7 +54,7 @@ async def fires_of(backends: Backends, schedule_id: str) -> list[tuple[datetime,
 
 async def lock_holder(backends: Backends) -> int | None:
     """The pid of the scheduler holding the lock; its owner string is `scheduler-<pid>-<hex>`."""
-    text, _ = await backends.queue.locks.scheduler_holder()
+    text, _ = await backends.queue.locks.singleton_holder("scheduler")
     if text is None:
         return None
     return int(text.split("-")[1])
@@ -147,7 +147,7 @@ async def test_the_standby_takes_over_from_a_killed_scheduler_and_misses_nothing
             [standby] = [p for p in alive if p is not active]
 
             read, read_at = time.monotonic(), datetime.now(UTC)
-            _, left = await backends.queue.locks.scheduler_holder()
+            _, left = await backends.queue.locks.singleton_holder("scheduler")
             assert left > 0, "the holder keeps its lock alive"
             killed = datetime.now(UTC)
             active.send_signal(signal.SIGKILL)

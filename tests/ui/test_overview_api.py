@@ -154,7 +154,7 @@ async def test_the_scheduler_leader_and_its_last_tick(
     # A scheduler renews the lock, for its whole TTL, as each of its ticks begins.
     queue = backends.queue
     took = backends.store.clock.now()
-    await queue.locks.take_scheduler("scheduler-7", settings.scheduler_lock_seconds)
+    await queue.locks.take_singleton("scheduler", "scheduler-7", settings.scheduler_lock_seconds)
     scheduler = (await admin.get("/v1/overview")).json()["scheduler"]
     assert scheduler["leader"] == "scheduler-7"
     assert 0 < scheduler["lockTtlSeconds"] <= settings.scheduler_lock_seconds

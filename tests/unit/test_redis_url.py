@@ -78,8 +78,11 @@ def test_keys_that_scripts_use_together_share_a_slot() -> None:
     queues = {tag(keys.queue(q)) for q in ["a", "b"]} | {tag(keys.delayed(q)) for q in "ab"}
     assert queues == {"app:queues"}
     assert tag(keys.workers) == tag(keys.workers_held) == "app:workers"
-    assert "{" not in keys.scheduler_lock + keys.cancel_channel
-    assert all(k.startswith("app:") for k in [keys.queue("a"), keys.workers, keys.scheduler_lock])
+    assert "{" not in keys.singleton_lock("scheduler") + keys.cancel_channel
+    assert all(
+        k.startswith("app:")
+        for k in [keys.queue("a"), keys.workers, keys.singleton_lock("scheduler")]
+    )
 
 
 @pytest.mark.parametrize(

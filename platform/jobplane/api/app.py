@@ -20,6 +20,7 @@ from jobplane.api.routes import (
     runs,
     schedules,
     templates,
+    webhooks,
 )
 from jobplane.backends import Backends, open_backends
 from jobplane.runs.waiting import Waiting
@@ -55,6 +56,7 @@ def create_app(settings: Settings, backends: Backends | None = None) -> FastAPI:
         external,
         overview,
         queues,
+        webhooks,
     )
     for module in routers:
         app.include_router(module.router)

@@ -39,6 +39,8 @@ class Permission(StrEnum):
     # Queues' figures, and pausing and resuming them: every account's work, so admin only.
     QUEUES_READ = "queues:read"
     QUEUES_WRITE = "queues:write"
+    WEBHOOKS_READ = "webhooks:read"
+    WEBHOOKS_WRITE = "webhooks:write"
 
 
 P = Permission
@@ -54,9 +56,13 @@ PERMISSIONS: dict[Role, frozenset[Permission]] = {
             P.EVENTS_READ,
             P.SCHEDULES_READ,
             P.SCHEDULES_WRITE,
+            P.WEBHOOKS_READ,
+            P.WEBHOOKS_WRITE,
         }
     ),
-    "auditor": frozenset({P.TEMPLATES_READ, P.RUNS_READ, P.EVENTS_READ, P.SCHEDULES_READ}),
+    "auditor": frozenset(
+        {P.TEMPLATES_READ, P.RUNS_READ, P.EVENTS_READ, P.SCHEDULES_READ, P.WEBHOOKS_READ}
+    ),
 }
 # Roles that see every scope; the others see only the scopes on their key.
 ALL_SCOPES: frozenset[Role] = frozenset({"admin", "auditor"})

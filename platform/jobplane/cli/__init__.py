@@ -98,6 +98,15 @@ def _scheduler(args: argparse.Namespace) -> None:
     _run(scheduler.serve(settings))
 
 
+def _notifier(args: argparse.Namespace) -> None:
+    from jobplane.metrics import serve_metrics
+    from jobplane.webhooks import notifier
+
+    settings = _start_process(args)
+    serve_metrics(settings)
+    _run(notifier.serve(settings))
+
+
 def _external_worker(args: argparse.Namespace) -> None:
     from jobplane.worker.external import serve_external
     from jobplane.worker.worker import default_worker_id
@@ -481,6 +490,9 @@ def _parser() -> argparse.ArgumentParser:
     scheduler = sub.add_parser("scheduler", help="run the scheduler (reaper, reconciler)")
     scheduler.set_defaults(command=_scheduler)
 
+    notifier = sub.add_parser("notifier", help="deliver run events to webhooks")
+    notifier.set_defaults(command=_notifier)
+
     external = sub.add_parser("external-worker", help="run external steps over the HTTP API")
     external.add_argument("--type", default="external", help="the steps' workerType")
     external.add_argument("--handlers", default="", help="comma-separated handler modules")
@@ -490,7 +502,9 @@ def _parser() -> argparse.ArgumentParser:
     external.add_argument("--key", help="an admin API key (JOBPLANE_API_KEY)")
     external.set_defaults(command=_external_worker)
 
-    dev = sub.add_parser("dev", help="local MongoDB + Redis, then API, worker and scheduler")
+    dev = sub.add_parser(
+        "dev", help="local MongoDB + Redis, then API, worker, scheduler and notifier"
+    )
     dev.add_argument("--host")
     dev.add_argument("--port", type=int)
     dev.add_argument("--data-dir", dest="data_dir", type=Path)

@@ -1,4 +1,5 @@
-"""`jobplane dev`: local servers unless URLs are set; then API, worker and scheduler together."""
+"""`jobplane dev`: local servers unless URLs are set; then API, worker, scheduler and notifier
+together."""
 
 import asyncio
 import logging
@@ -27,6 +28,7 @@ from jobplane.runs import RunRequest, RunService
 from jobplane.scheduler import Scheduler
 from jobplane.settings import Settings
 from jobplane.templates import load_path
+from jobplane.webhooks.notifier import Notifier
 from jobplane.worker import Worker
 from jobplane.worker.handlers import load_modules
 
@@ -85,10 +87,12 @@ async def _serve(
     server = HTTPServer(config)
     worker = Worker(backends.store, backends.queue, settings)
     scheduler = Scheduler(backends.store, backends.queue, settings)
+    notifier = Notifier(backends.store, backends.queue, settings)
     parts = [
         asyncio.create_task(serve_http(server, stop)),
         asyncio.create_task(worker.run(stop, DRAIN_SECONDS)),
         asyncio.create_task(scheduler.run(stop)),
+        asyncio.create_task(notifier.run(stop)),
     ]
     # uvicorn exposes readiness only as a flag.
     while not server.started and not parts[0].done():  # noqa: ASYNC110

@@ -15,12 +15,16 @@ A fair lane (a template's `fairness: round_robin`) keeps its runs in one sorted 
 holds every one of them, for a worker blocked in BZPOPMIN to wake on. The pause mirror and the
 ring turn counter share the queues' tag, so a pop reads them in the same script.
 
-The scheduler lock carries no tag. Why one slot for all queues rather than one per queue is
-in docs/architecture.md.
+The singletons' locks (the scheduler's, the notifier's) carry no tag. Why one slot for all
+queues rather than one per queue is in docs/architecture.md.
 """
 
 import hashlib
 from dataclasses import dataclass
+from typing import Literal
+
+# The roles one process plays at a time, each under its lock.
+Singleton = Literal["scheduler", "notifier"]
 
 
 @dataclass(frozen=True)
@@ -118,9 +122,10 @@ class Keys:
         rather than at the end of its back-off."""
         return f"{self.prefix}jobs:lockwait:{{{self.prefix}locks}}:{lock_id}"
 
-    @property
-    def scheduler_lock(self) -> str:
-        return f"{self.prefix}jobs:scheduler:lock"
+    def singleton_lock(self, role: Singleton) -> str:
+        """The lock of the process that plays `role` alone: the active scheduler, or the
+        notifier that follows the trail."""
+        return f"{self.prefix}jobs:{role}:lock"
 
     @property
     def cancel_channel(self) -> str:

@@ -15,7 +15,7 @@ from jobplane.groupcommit import GroupCommit
 from jobplane.queue.calls import bounded, epoch_ms, eval_in, script, text
 from jobplane.queue.connect import RedisClient
 from jobplane.queue.entry import QueueEntry
-from jobplane.queue.keys import Keys
+from jobplane.queue.keys import Keys, Singleton
 
 
 @dataclass(frozen=True)
@@ -58,27 +58,28 @@ class RedisLocks:
         self._takes = GroupCommit(self._take_many)
         self._releases = GroupCommit(self._release_many)
 
-    # -- the scheduler lock --------------------------------------------------------------------
+    # -- the singletons' locks ------------------------------------------------------------------
 
     @bounded
-    async def take_scheduler(self, owner: str, ttl_seconds: float) -> bool:
-        """Take the lock if free, or extend it if `owner` already holds it."""
-        keys, ttl = [self.keys.scheduler_lock], int(ttl_seconds * 1000)
+    async def take_singleton(self, role: Singleton, owner: str, ttl_seconds: float) -> bool:
+        """Take the lock of `role` if free, or extend it if `owner` already holds it."""
+        keys, ttl = [self.keys.singleton_lock(role)], int(ttl_seconds * 1000)
         taken = await self._lock(keys=keys, args=[owner, ttl, 0])
         return int(taken[0]) == 1
 
     @bounded
-    async def release_scheduler(self, owner: str) -> bool:
-        """Let go of the lock if `owner` holds it."""
-        released = await self._unlock(keys=[self.keys.scheduler_lock], args=[owner, 0])
+    async def release_singleton(self, role: Singleton, owner: str) -> bool:
+        """Let go of the lock of `role` if `owner` holds it."""
+        released = await self._unlock(keys=[self.keys.singleton_lock(role)], args=[owner, 0])
         return bool(int(released[0]))
 
     @bounded
-    async def scheduler_holder(self) -> tuple[str | None, float]:
-        """Who holds the lock (None: no one) and its seconds left (0 when no one does)."""
+    async def singleton_holder(self, role: Singleton) -> tuple[str | None, float]:
+        """Who holds the lock of `role` (None: no one) and its seconds left (0 when no one
+        does)."""
         async with self.redis.pipeline(transaction=False) as pipe:
-            pipe.get(self.keys.scheduler_lock)
-            pipe.pttl(self.keys.scheduler_lock)
+            pipe.get(self.keys.singleton_lock(role))
+            pipe.pttl(self.keys.singleton_lock(role))
             owner, ttl_ms = await pipe.execute()
         return (None if owner is None else text(owner)), max(ttl_ms, 0) / 1000
 

@@ -72,7 +72,7 @@ class Scheduler:
                 ticking.cancel()
             with contextlib.suppress(Exception):
                 async with asyncio.timeout(self.settings.close_seconds):
-                    await self.queue.locks.release_scheduler(self.owner)
+                    await self.queue.locks.release_singleton("scheduler", self.owner)
 
     async def _tick_loop(self, stop: asyncio.Event) -> None:
         """Schedules fire the moment they are due (the loop sleeps until the earliest
@@ -85,7 +85,7 @@ class Scheduler:
         while not stop.is_set():
             wait = interval
             try:
-                holds = await self.queue.locks.take_scheduler(self.owner, ttl)
+                holds = await self.queue.locks.take_singleton("scheduler", self.owner, ttl)
                 if holds != active:  # say when this one takes over or is taken over from
                     active = holds
                     log.info("scheduler %s %s", self.owner, "active" if holds else "stands by")

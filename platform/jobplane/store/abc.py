@@ -9,6 +9,9 @@ from collections.abc import Sequence
 from datetime import datetime
 from typing import Any, Protocol
 
+from pymongo.asynchronous.change_stream import AsyncChangeStream
+from pymongo.asynchronous.cursor import AsyncCursor
+
 from jobplane.clock import Clock
 from jobplane.model import (
     ApiKey,
@@ -26,6 +29,7 @@ from jobplane.model import (
     Template,
     TemplateSpec,
 )
+from jobplane.model.webhooks import Delivery, SignedWebhook, Webhook
 from jobplane.store.children import ChildEnd
 from jobplane.store.overview import RunFigures
 from jobplane.store.types import (
@@ -38,6 +42,7 @@ from jobplane.store.types import (
     ScheduleQuery,
     StepEnd,
 )
+from jobplane.store.webhooks import Claimed
 
 
 class TemplateStore(Protocol):
@@ -275,6 +280,47 @@ class TrailStore(Protocol):
     ) -> None: ...
     async def sweep(self, settled: datetime) -> int: ...
     async def flush(self) -> None: ...
+    async def watch(
+        self, after: Any, types: Sequence[str]
+    ) -> AsyncChangeStream[dict[str, Any]]: ...
+    def since(self, at: datetime, types: Sequence[str]) -> AsyncCursor[dict[str, Any]]: ...
+
+
+class WebhookStore(Protocol):
+    """Webhooks (each change audited), and their deliveries: stored by the fan-out, claimed for
+    each try by the sender (`store/webhooks.py`)."""
+
+    async def insert(self, webhook: SignedWebhook) -> None: ...
+    async def get(self, webhook_id: str) -> SignedWebhook | None: ...
+    async def page(
+        self, within: Sequence[tuple[str, str]] | None, before: str | None, limit: int
+    ) -> list[Webhook]: ...
+    async def enabled(self) -> list[SignedWebhook]: ...
+    async def change(
+        self,
+        webhook_id: str,
+        fields: dict[str, Any],
+        kind: str,
+        actor: str,
+        message: str,
+        only_if: dict[str, Any],
+    ) -> Webhook | None: ...
+    async def delete(self, webhook_id: str, actor: str) -> Webhook | None: ...
+    async def runs_of(self, run_ids: Sequence[str]) -> dict[str, tuple[Run, dict[str, int]]]: ...
+    async def add(self, deliveries: Sequence[dict[str, Any]]) -> None: ...
+    async def claim(
+        self, now: datetime, webhook_ids: Sequence[str], until: datetime, limit: int
+    ) -> list[Claimed]: ...
+    async def tried(self, claimed: Claimed, outcome: dict[str, Any]) -> bool: ...
+    async def page_deliveries(
+        self, webhook_id: str, before: str | None, limit: int
+    ) -> list[Delivery]: ...
+    async def redeliver(self, webhook_id: str, delivery_id: str) -> Delivery | None: ...
+    async def note_failing(self, webhook_id: str, since: datetime) -> datetime | None: ...
+    async def note_healthy(self, webhook_id: str) -> None: ...
+    async def feed_position(self) -> Any: ...
+    async def feed_time(self) -> datetime | None: ...
+    async def save_feed_position(self, token: Any, at: datetime | None) -> None: ...
 
 
 class MaintenanceStore(Protocol):
@@ -323,5 +369,6 @@ class Store(Protocol):
     gates: GateStore
     maintenance: MaintenanceStore
     overview: OverviewStore
+    webhooks: WebhookStore
 
     async def ping(self) -> None: ...

@@ -12,6 +12,7 @@ from bson import ObjectId
 
 from jobplane.model import LEASED, Event, Run, RunStatus, Schedule, Template
 from jobplane.model.documents import ApiKeyPublic
+from jobplane.model.webhooks import Delivery, SignedWebhook, Webhook
 from jobplane.store.types import Admission, Known
 
 Doc = dict[str, Any]
@@ -113,6 +114,18 @@ def public_key(doc: Doc) -> ApiKeyPublic:
 
 def event_model(doc: Doc) -> Event:
     return Event.model_validate(_with_id(doc))
+
+
+def webhook(doc: Doc) -> SignedWebhook:
+    return SignedWebhook.model_validate(_with_id(doc))
+
+
+def public_webhook(doc: Doc) -> Webhook:
+    return Webhook.model_validate(_with_id(doc))
+
+
+def delivery(doc: Doc) -> Delivery:
+    return Delivery.model_validate(_with_id(doc))
 
 
 def template(doc: Doc) -> Template:

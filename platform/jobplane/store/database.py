@@ -39,6 +39,9 @@ class Collections:
     # One document per template type with `maxRunning`: the runs it admitted to start
     # (`store/gates.py`).
     gates: AsyncCollection[Doc]
+    # Webhook subscriptions (`store/webhooks.py`), and each event's delivery to one.
+    webhooks: AsyncCollection[Doc]
+    deliveries: AsyncCollection[Doc]
 
     @classmethod
     def of(cls, db: AsyncDatabase[Doc]) -> "Collections":
@@ -52,6 +55,8 @@ class Collections:
             meta=db["job_meta"],
             queues=db["job_queues"],
             gates=db["job_gates"],
+            webhooks=db["job_webhooks"],
+            deliveries=db["job_webhook_deliveries"],
         )
 
     async def find_run(self, run_id: str, projection: Doc) -> Doc | None:

@@ -24,6 +24,7 @@ _EVENT_FILTERS: list[list[tuple[str, int]]] = [
     [("type", ASCENDING)],
     [("actor", ASCENDING)],
 ]
+DELIVERY_RETENTION_SECONDS = 30 * 86400
 # Indexes of earlier versions, replaced by partial ones (fewer entries to keep up on every
 # write), by ones that start with the shard key, or found unused; `ensure_indexes` drops them.
 _REPLACED_INDEXES = {
@@ -183,6 +184,23 @@ def index_models() -> dict[str, list[IndexModel]]:
             for fields in _EVENT_FILTERS
         ],
         "api_keys": [IndexModel([("name", ASCENDING)], unique=True)],
+        "job_webhooks": [
+            IndexModel([("scope", ASCENDING), ("scopeId", ASCENDING), ("_id", DESCENDING)]),
+            IndexModel([("enabled", ASCENDING)]),
+        ],
+        "job_webhook_deliveries": [
+            # One delivery per (webhook, event), however many notifiers fan the event out.
+            IndexModel([("webhookId", ASCENDING), ("eventId", ASCENDING)], unique=True),
+            IndexModel([("webhookId", ASCENDING), ("_id", DESCENDING)]),
+            # Due deliveries; only pending ones, so an ended delivery leaves the index.
+            IndexModel(
+                [("nextAttemptAt", ASCENDING)],
+                partialFilterExpression={"status": "pending"},
+                name="due",
+            ),
+            # Kept a month: long past their last try, long enough to look into.
+            IndexModel([("createAt", ASCENDING)], expireAfterSeconds=DELIVERY_RETENTION_SECONDS),
+        ],
     }
 
 

@@ -30,6 +30,7 @@ from jobplane.store.schedules import MongoScheduleStore
 from jobplane.store.templates import MongoTemplateStore
 from jobplane.store.trail import MongoTrailStore
 from jobplane.store.transitions import MongoTransitionStore
+from jobplane.store.webhooks import MongoWebhookStore
 from jobplane.store.writes import RunWrites
 
 log = logging.getLogger("jobplane.store")
@@ -66,6 +67,7 @@ class MongoStore:
         self.lending: abc.LendingStore = MongoLendingStore(writes)
         self.maintenance: abc.MaintenanceStore = MongoMaintenanceStore(db, self.clock)
         self.overview: abc.OverviewStore = MongoOverviewStore(db)
+        self.webhooks: abc.WebhookStore = MongoWebhookStore(client, db, self.clock, trail)
 
     @classmethod
     def connect(

@@ -11,9 +11,12 @@ life) are inserted into `job_events` directly.
 import logging
 from collections.abc import Sequence
 from datetime import UTC, datetime, timedelta
+from typing import Any
 
 from bson import ObjectId
+from pymongo.asynchronous.change_stream import AsyncChangeStream
 from pymongo.asynchronous.client_session import AsyncClientSession
+from pymongo.asynchronous.cursor import AsyncCursor
 from pymongo.errors import BulkWriteError
 
 from jobplane.clock import Clock
@@ -97,6 +100,21 @@ class MongoTrailStore:
         find = self.audit_filter(query, within)
         cursor = self._db.events.find(find).sort([("createAt", 1), ("_id", 1)]).limit(limit)
         return [convert.event_model(d) async for d in cursor]
+
+    async def watch(self, after: Any, types: Sequence[str]) -> AsyncChangeStream[Doc]:
+        """Events of `types` as they reach `job_events`, in the order they do: those after the
+        change whose resume token is `after`, or from now on if it is None.
+
+        Every event reaches `job_events` once (a second copy is a no-op), whether its writer
+        or the sweep copied it, so this sees each event once: late, if the sweep copied it."""
+        match = {"operationType": "insert", "fullDocument.type": {"$in": list(types)}}
+        return await self._db.events.watch([{"$match": match}], start_after=after)
+
+    def since(self, at: datetime, types: Sequence[str]) -> AsyncCursor[Doc]:
+        """Events of `types` written at `at` or later, oldest first: what a reader whose
+        change stream's history is lost reads again."""
+        find = {"type": {"$in": list(types)}, "createAt": {"$gte": at}}
+        return self._db.events.find(find).sort([("createAt", 1), ("_id", 1)])
 
     async def schedule_event(
         self, schedule: Schedule, kind: str, message: str, metadata: Doc, actor: str

@@ -218,7 +218,7 @@ def _int(value: float | None) -> int | None:
 
 async def _leader(queue: RedisQueue) -> str | None:
     """The scheduler lock's value: the owner id of the active scheduler."""
-    owner, _ = await queue.locks.scheduler_holder()
+    owner, _ = await queue.locks.singleton_holder("scheduler")
     return owner
 
 

@@ -1,0 +1,1 @@
+"""Signed webhooks: subscriptions, their deliveries and the notifier that sends them."""

@@ -1,0 +1,188 @@
+"""The fan-out: each new trail event becomes a delivery for every webhook that asked for it.
+
+The trail is the outbox. Every event reaches `job_events` once, written with its run's write
+(or copied there by the sweep from the run's own trail), so a change stream on its inserts sees
+each event once, in the order they arrived. The stream's position (a resume token) is saved in
+MongoDB only after the deliveries of everything before it are stored: a notifier killed at any
+point starts again from the last saved position, and the deliveries it makes a second time are
+no-ops (one per webhook and event, `store/webhooks.py`). Nothing is lost; nothing is sent twice
+by the fan-out's doing.
+
+If the stream's history is gone when a notifier resumes (it was down longer than the oplog
+holds), it reads `job_events` again from a minute before the last event it fanned out.
+"""
+
+import asyncio
+import contextlib
+import json
+import logging
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any
+
+from bson import ObjectId
+from pymongo.errors import OperationFailure, PyMongoError
+
+from jobplane.clock import Clock
+from jobplane.model import Run
+from jobplane.model.webhooks import SignedWebhook
+from jobplane.settings import Settings
+from jobplane.store import Store
+from jobplane.webhooks.events import SOURCE_TYPES, webhook_type
+
+log = logging.getLogger("jobplane.notifier")
+
+Doc = dict[str, Any]
+
+# A batch is what arrived while the last one was fanned out, up to this many events.
+BATCH = 1000
+# How often the position is saved while no event arrives, so that a resume stays within the
+# oplog's history however quiet the trail is.
+IDLE_SAVE_SECONDS = 10.0
+# How far before its last fanned-out event a notifier that lost the stream's history reads
+# `job_events` again: the writers' clocks may disagree by that much.
+REPLAY_SKEW = timedelta(minutes=1)
+# After a failure, the fan-out waits this long before it tries again.
+RETRY_SECONDS = 1.0
+
+
+class Fanout:
+    def __init__(self, store: Store, settings: Settings, clock: Clock, wake: asyncio.Event):
+        self.store = store
+        self.settings = settings
+        self.clock = clock
+        # Set when new deliveries are stored: the sender tries them at once.
+        self.wake = wake
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Follow the trail until `stop`, from where the last notifier left it."""
+        while not stop.is_set():
+            try:
+                await self._follow(stop)
+            except PyMongoError:
+                log.warning("the trail's change stream failed; following it again", exc_info=True)
+                with contextlib.suppress(TimeoutError):
+                    await asyncio.wait_for(stop.wait(), RETRY_SECONDS)
+
+    async def _follow(self, stop: asyncio.Event) -> None:
+        position = await self.store.webhooks.feed_position()
+        try:
+            stream = await self.store.trail.watch(position, SOURCE_TYPES)
+        except OperationFailure as exc:
+            if position is None:
+                raise
+            log.error("the trail's history since the last fan-out is gone (%s); reading it", exc)
+            stream = await self.store.trail.watch(None, SOURCE_TYPES)
+            await self._replay()
+        async with stream:
+            if position is None:  # the first notifier: from now on, kept from here
+                await self._save(stream.resume_token, None)
+            saved = asyncio.get_running_loop().time()
+            while not stop.is_set():
+                batch: list[Doc] = []
+                # `try_next` waits up to a second for a change the server has not sent yet.
+                while len(batch) < BATCH and (change := await stream.try_next()) is not None:
+                    batch.append(change)
+                    if stop.is_set():
+                        break
+                now = asyncio.get_running_loop().time()
+                if batch:
+                    events = [c["fullDocument"] for c in batch]
+                    await self.fan_out(events)
+                    await self._save(batch[-1]["_id"], events[-1]["createAt"])
+                    saved = now
+                elif now - saved >= IDLE_SAVE_SECONDS:
+                    await self._save(stream.resume_token, None)
+                    saved = now
+
+    async def _replay(self) -> None:
+        at = await self.store.webhooks.feed_time()
+        if at is None:
+            return
+        cursor = self.store.trail.since(at - REPLAY_SKEW, SOURCE_TYPES)
+        batch: list[Doc] = []
+        async for event in cursor:
+            batch.append(event)
+            if len(batch) == BATCH:
+                await self.fan_out(batch)
+                batch = []
+        await self.fan_out(batch)
+
+    async def _save(self, token: Any, at: Any) -> None:
+        if token is not None:
+            await self.store.webhooks.save_feed_position(token, at)
+
+    async def fan_out(self, events: Sequence[Doc]) -> int:
+        """Store a delivery of each event for each enabled webhook of its scope that asked for
+        its type and existed when it happened; returns how many were new or not."""
+        typed = [(e, kind) for e in events if (kind := webhook_type(e)) is not None]
+        if not typed:
+            return 0
+        hooks = await self.store.webhooks.enabled()
+        matched = [(e, kind, h) for e, kind in typed for h in hooks if _wants(h, e, kind)]
+        if not matched:
+            return 0
+        runs = await self.store.webhooks.runs_of([e["jobId"] for e, _, _ in matched])
+        now = self.clock.now()
+        first_try = now + timedelta(seconds=self.settings.webhook_retry_seconds[0])
+        deliveries = []
+        for event, kind, hook in matched:
+            found = runs.get(event["jobId"])
+            if found is None:  # no run can lose its document; say so if one did
+                log.warning("event %s names run %s, which is gone", event["_id"], event["jobId"])
+                continue
+            run, order = found
+            sequence = order.get(str(event["_id"]), 0)
+            body = _body(event, kind, run, sequence)
+            deliveries.append(
+                {
+                    "_id": ObjectId(),
+                    "messageId": _message_id(event),
+                    "webhookId": hook.id,
+                    "eventId": str(event["_id"]),
+                    "type": kind,
+                    "runId": run.id,
+                    "sequence": sequence,
+                    "scope": run.scope,
+                    "scopeId": run.scope_id,
+                    "status": "pending",
+                    "attempts": 0,
+                    "tries": 0,
+                    "nextAttemptAt": first_try,
+                    "body": body,
+                    "createAt": now,
+                }
+            )
+        await self.store.webhooks.add(deliveries)
+        self.wake.set()
+        return len(deliveries)
+
+
+def _wants(hook: SignedWebhook, event: Doc, kind: str) -> bool:
+    # A webhook receives what happened after it was made, never a backlog from before it.
+    return (
+        hook.scope == event["scope"]
+        and hook.scope_id == event["scopeId"]
+        and hook.wants(kind)
+        and event["createAt"] >= hook.create_at
+    )
+
+
+def _message_id(event: Doc) -> str:
+    return f"msg_{event['_id']}"
+
+
+def _body(event: Doc, kind: str, run: Run, sequence: int) -> str:
+    """The JSON a receiver gets (docs/contract.md, "Webhooks"): the run as it is when the
+    delivery is made, which may be past the event; `sequence` orders one run's events."""
+    data: Doc = {"run": run.model_dump(mode="json", by_alias=True)}
+    if kind.startswith("step."):
+        data["step"] = (event.get("metadata") or {}).get("step")
+    body = {
+        "id": _message_id(event),
+        "type": kind,
+        "timestamp": event["createAt"].isoformat().replace("+00:00", "Z"),
+        "sequence": sequence,
+        "data": data,
+    }
+    return json.dumps(body, separators=(",", ":"))

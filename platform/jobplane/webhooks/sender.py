@@ -1,0 +1,240 @@
+"""The sender: tries each due delivery, signed, and writes how the try went.
+
+Each try is its own task, at most `webhook_concurrency` of them in a notifier and 16 for one
+webhook, so a slow or dead endpoint holds its own sixteen and never another's. A try is claimed
+for its timeout and a margin; if the notifier dies mid-try, the delivery is due again once the
+claim runs out, and another notifier tries it: deliveries are at least once, and a receiver
+dedupes by `webhook-id`.
+
+Signatures follow the Standard Webhooks specification, computed by its reference library.
+"""
+
+import asyncio
+import email.utils
+import functools
+import logging
+import random
+from collections import Counter
+from datetime import datetime, timedelta
+
+import httpx
+from standardwebhooks.webhooks import Webhook as Signer
+
+from jobplane.clock import Clock
+from jobplane.model.webhooks import SignedWebhook
+from jobplane.process import finish_within
+from jobplane.settings import Settings
+from jobplane.store import Store
+from jobplane.store.webhooks import Claimed
+from jobplane.webhooks import guard
+
+log = logging.getLogger("jobplane.notifier")
+
+PER_WEBHOOK = 16
+# Beyond the timeout, how long a claimed try may take (writing its outcome) before another
+# notifier may take it over.
+CLAIM_MARGIN_SECONDS = 30.0
+# How often due deliveries are looked for when nothing wakes the sender sooner: retries
+# coming due, and deliveries another notifier's fan-out stored.
+POLL_SECONDS = 1.0
+# A webhook whose deliveries have all failed this long is disabled.
+DISABLE_AFTER = timedelta(days=5)
+# The longest `Retry-After` honoured.
+MAX_RETRY_AFTER = 86400.0
+# How far each wait of the retry schedule is moved, either way, so that the tries of many
+# deliveries that failed together do not come due together.
+JITTER = 0.2
+USER_AGENT = "jobplane-webhooks"
+
+
+class Sender:
+    def __init__(
+        self,
+        store: Store,
+        settings: Settings,
+        clock: Clock,
+        wake: asyncio.Event,
+        rng: random.Random | None = None,
+    ) -> None:
+        self.store = store
+        self.settings = settings
+        self.clock = clock
+        self.wake = wake
+        self._rng = rng or random.Random()
+        self._in_flight: Counter[str] = Counter()
+        self._tries: set[asyncio.Task[None]] = set()
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Send until `stop`; tries in flight then get `close_seconds` to finish (one cut short
+        is tried again once its claim runs out)."""
+        timeout = self.settings.webhook_timeout_seconds
+        async with guard.client(timeout, self.settings.webhook_allow_private) as http:
+            try:
+                while not stop.is_set():
+                    self.wake.clear()
+                    try:
+                        full = await self.send_due(http)
+                    except Exception:
+                        log.exception("looking for due deliveries failed; looking again")
+                        full = False
+                    if not full:
+                        waking = asyncio.create_task(self.wake.wait())
+                        stopping = asyncio.create_task(stop.wait())
+                        await asyncio.wait(
+                            [waking, stopping],
+                            timeout=POLL_SECONDS,
+                            return_when=asyncio.FIRST_COMPLETED,
+                        )
+                        waking.cancel()
+                        stopping.cancel()
+            finally:
+                if self._tries:
+                    gathered = asyncio.gather(*self._tries, return_exceptions=True)
+                    await finish_within(gathered, self.settings.close_seconds, "webhook tries")
+
+    async def send_due(self, http: httpx.AsyncClient) -> bool:
+        """Start a try of each due delivery there is room for; True if the room ran out
+        first (more may be due)."""
+        room = self.settings.webhook_concurrency - len(self._tries)
+        if room <= 0:
+            return False
+        hooks = {h.id: h for h in await self.store.webhooks.enabled()}
+        open_ = [i for i in hooks if self._in_flight[i] < PER_WEBHOOK]
+        if not open_:
+            return False
+        now = self.clock.now()
+        until = now + timedelta(
+            seconds=self.settings.webhook_timeout_seconds + CLAIM_MARGIN_SECONDS
+        )
+        limit = min(room, PER_WEBHOOK)
+        claimed = await self.store.webhooks.claim(now, open_, until, limit)
+        for each in claimed:
+            hook = hooks[each.delivery.webhook_id]
+            self._in_flight[hook.id] += 1
+            task = asyncio.create_task(self.attempt(http, hook, each))
+            self._tries.add(task)
+            task.add_done_callback(functools.partial(self._done, hook.id))
+        return len(claimed) == limit
+
+    def _done(self, webhook_id: str, task: asyncio.Task[None]) -> None:
+        self._tries.discard(task)
+        self._in_flight[webhook_id] -= 1
+        self.wake.set()  # room for the next try
+
+    async def attempt(self, http: httpx.AsyncClient, hook: SignedWebhook, claimed: Claimed) -> None:
+        """One try of one delivery, and its outcome written."""
+        headers = self.signed(hook, claimed)
+        try:
+            response = await http.post(hook.url, content=claimed.body, headers=headers)
+        except httpx.HTTPError as exc:
+            await self._failed(hook, claimed, None, _describe(exc), None)
+            return
+        except Exception:
+            log.exception("trying delivery %s failed", claimed.delivery.id)
+            await self._failed(hook, claimed, None, "the try failed in the notifier", None)
+            return
+        code = response.status_code
+        if 200 <= code < 300:
+            await self._succeeded(hook, claimed, code)
+        elif code == 410:
+            await self._gone(hook, claimed)
+        else:
+            wait = _retry_after(response) if code in (429, 503) else None
+            await self._failed(hook, claimed, code, f"the endpoint answered {code}", wait)
+
+    def signed(self, hook: SignedWebhook, claimed: Claimed) -> dict[str, str]:
+        """The headers of a try: a `v1,` signature with each live secret (a rotated secret's
+        for a day after the rotation), over this try's timestamp."""
+        now = self.clock.now()
+        message_id = claimed.delivery.message_id
+        signatures = [
+            Signer(secret).sign(message_id, now, claimed.body) for secret in hook.signing(now)
+        ]
+        return {
+            "content-type": "application/json",
+            "user-agent": USER_AGENT,
+            "webhook-id": message_id,
+            "webhook-timestamp": str(int(now.timestamp())),
+            "webhook-signature": " ".join(signatures),
+        }
+
+    async def _succeeded(self, hook: SignedWebhook, claimed: Claimed, code: int) -> None:
+        now = self.clock.now()
+        outcome = {
+            "status": "succeeded",
+            "lastStatusCode": code,
+            "lastError": None,
+            "deliveredAt": now,
+            "nextAttemptAt": None,
+        }
+        await self.store.webhooks.tried(claimed, outcome)
+        if hook.failing_since is not None:
+            await self.store.webhooks.note_healthy(hook.id)
+
+    async def _gone(self, hook: SignedWebhook, claimed: Claimed) -> None:
+        """A 410: the receiver says the endpoint is gone for good."""
+        error = "the endpoint answered 410 Gone; the webhook was disabled"
+        outcome = {"status": "failed", "lastStatusCode": 410, "lastError": error}
+        if await self.store.webhooks.tried(claimed, outcome | {"nextAttemptAt": None}):
+            await self._disable(hook, "the endpoint answered 410 Gone")
+
+    async def _failed(
+        self,
+        hook: SignedWebhook,
+        claimed: Claimed,
+        code: int | None,
+        error: str,
+        wait: float | None,
+    ) -> None:
+        now = self.clock.now()
+        next_at = self.next_try(claimed.tries, now, wait)
+        outcome = {"lastStatusCode": code, "lastError": error, "nextAttemptAt": next_at}
+        if next_at is None:
+            outcome["status"] = "failed"
+        if not await self.store.webhooks.tried(claimed, outcome):
+            return
+        since = await self.store.webhooks.note_failing(hook.id, now)
+        if since is not None and now - since >= DISABLE_AFTER:
+            await self._disable(hook, f"every delivery failed since {since.isoformat()}")
+
+    def next_try(self, tries: int, now: datetime, wait: float | None) -> datetime | None:
+        """When to try again after the `tries`-th try of a round failed: after the schedule's
+        next wait (or the receiver's `Retry-After`); None when the schedule is spent."""
+        schedule = self.settings.webhook_retry_seconds
+        if tries >= len(schedule):
+            return None
+        if wait is None:
+            wait = schedule[tries] * self._rng.uniform(1 - JITTER, 1 + JITTER)
+        return now + timedelta(seconds=wait)
+
+    async def _disable(self, hook: SignedWebhook, reason: str) -> None:
+        fields = {"enabled": False, "disabledAt": self.clock.now(), "disabledReason": reason}
+        changed = await self.store.webhooks.change(
+            hook.id, fields, "webhook_disabled", "notifier", reason, {"enabled": True}
+        )
+        if changed is not None:
+            log.warning("webhook %s (%s) disabled: %s", hook.id, hook.url, reason)
+
+
+def _retry_after(response: httpx.Response) -> float | None:
+    """The wait a 429 or 503 asks for, in seconds or as a date; None if it asks for none."""
+    value = response.headers.get("retry-after", "").strip()
+    if not value:
+        return None
+    if value.isdigit():
+        seconds = float(value)
+    else:
+        try:
+            when = email.utils.parsedate_to_datetime(value)
+        except (TypeError, ValueError):
+            return None
+        if when.tzinfo is None:
+            return None
+        seconds = (when - datetime.now(when.tzinfo)).total_seconds()
+    return min(max(seconds, 0.0), MAX_RETRY_AFTER)
+
+
+def _describe(exc: httpx.HTTPError) -> str:
+    if isinstance(exc, httpx.TimeoutException):
+        return "no answer within the timeout"
+    return f"{type(exc).__name__}: {exc}"[:500]

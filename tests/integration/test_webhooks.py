@@ -1,0 +1,311 @@
+"""Signed webhooks, delivered to a real HTTP receiver that verifies them with the Standard
+Webhooks reference library: retries, a receiver that was down, Retry-After, 410, scopes, SSRF."""
+
+import asyncio
+from typing import Any
+
+import httpx
+import pytest
+from standardwebhooks.webhooks import WebhookVerificationError
+
+from jobplane.backends import Backends
+from jobplane.settings import Settings
+from tests.integration.api_client import error_of, pointers
+from tests.integration.conftest import Client, Register
+from tests.integration.flow import until
+from tests.integration.receiver import (
+    Answer,
+    Receiver,
+    Request,
+    hook_settings,
+    notifying,
+    received,
+    serving,
+)
+from tests.integration.workers import running, settled
+
+RUN = {"templateType": "t_noop", "scope": "user", "scopeId": "u1"}
+
+
+async def subscribe(
+    api: httpx.AsyncClient, url: str, events: list[str], scope_id: str = "u1"
+) -> dict[str, Any]:
+    made = await api.post(
+        "/v1/webhooks", json={"url": url, "events": events, "scope": "user", "scopeId": scope_id}
+    )
+    assert made.status_code == 201, made.text
+    hook: dict[str, Any] = made.json()
+    return hook
+
+
+async def deliveries(api: httpx.AsyncClient, hook_id: str) -> list[dict[str, Any]]:
+    page = await api.get(f"/v1/webhooks/{hook_id}/deliveries")
+    assert page.status_code == 200, page.text
+    items: list[dict[str, Any]] = page.json()["items"]
+    return items
+
+
+async def test_a_run_s_events_reach_the_endpoint_signed_with_a_sequence(
+    api: httpx.AsyncClient, backends: Backends, settings: Settings, register: Register
+) -> None:
+    await register("t_noop")
+    settings = hook_settings(settings)
+    async with serving(Receiver()) as receiver, notifying(backends, settings):
+        hook = await subscribe(api, receiver.url, ["*"])
+        assert hook["secret"].startswith("whsec_") and hook["enabled"]
+        assert "secret" not in (await api.get(f"/v1/webhooks/{hook['id']}")).json()
+        run = (await api.post("/v1/runs", json=RUN)).json()
+        async with running(backends, settings):
+            await settled(backends.store, [run["id"]])
+            await received(receiver, lambda r: bool(r.of_type("run.succeeded")))
+        await asyncio.sleep(0.3)  # nothing more comes
+    bodies = [r.verified(hook["secret"]) for r in receiver.received]
+    assert sorted(bodies, key=lambda b: b["sequence"]) == sorted(
+        bodies, key=lambda b: b["sequence"]
+    )
+    in_order = [b["type"] for b in sorted(bodies, key=lambda b: b["sequence"])]
+    assert in_order == ["run.created", "run.started", "step.succeeded", "run.succeeded"]
+    assert len({b["sequence"] for b in bodies}) == 4, "one run's sequences are distinct"
+    for request, body in zip(receiver.received, bodies, strict=True):
+        assert request.path == "/hook"
+        assert request.headers["webhook-id"] == body["id"] and body["id"].startswith("msg_")
+        assert body["data"]["run"]["id"] == run["id"]
+        with pytest.raises(WebhookVerificationError):
+            request.verified("whsec_" + "A" * 43)  # a wrong secret
+    [step] = [b for b in bodies if b["type"] == "step.succeeded"]
+    assert step["data"]["step"] == "only"
+    [ended] = [b for b in bodies if b["type"] == "run.succeeded"]
+    assert ended["data"]["run"]["status"] == "succeeded"
+    listed = await deliveries(api, hook["id"])
+    assert len(listed) == 4
+    assert {(d["status"], d["attempts"], d["lastStatusCode"]) for d in listed} == {
+        ("succeeded", 1, 200)
+    }
+    assert "body" not in listed[0] and listed[0]["runId"] == run["id"]
+    events = (await api.get("/v1/events", params={"jobId": hook["id"]})).json()["items"]
+    assert [(e["type"], e["actor"]) for e in events] == [("webhook_created", "user:admin")]
+
+
+async def test_tries_that_fail_with_a_500_or_a_timeout_are_tried_again(
+    api: httpx.AsyncClient, backends: Backends, settings: Settings, register: Register
+) -> None:
+    await register("t_noop")
+
+    def flaky(request: Request, earlier: list[Request]) -> Answer:
+        # Two 500s, then an answer later than the notifier's 1 s timeout, then a 200.
+        answers: list[Answer] = [(500, {}, 0.0), (500, {}, 0.0), (200, {}, 1.5)]
+        return answers[len(earlier)] if len(earlier) < len(answers) else (200, {}, 0.0)
+
+    settings = hook_settings(settings)
+    async with serving(Receiver(answer=flaky)) as receiver, notifying(backends, settings):
+        hook = await subscribe(api, receiver.url, ["run.succeeded"])
+        runs = [(await api.post("/v1/runs", json=RUN)).json()["id"] for _ in range(3)]
+        async with running(backends, settings):
+            await settled(backends.store, runs)
+        await received(receiver, lambda r: len(r.received) == 12)
+        await until(lambda: _all(api, hook["id"], lambda d: d["status"] == "succeeded"), within=10)
+    assert len(receiver.ids()) == 3, "one message per run, the same id on every try"
+    listed = await deliveries(api, hook["id"])
+    assert {(d["attempts"], d["lastStatusCode"], d["lastError"]) for d in listed} == {
+        (4, 200, None)
+    }
+
+
+async def _all(api: httpx.AsyncClient, hook_id: str, holds: Any) -> bool:
+    """Whether the webhook has deliveries and each `holds`."""
+    found = await deliveries(api, hook_id)
+    return bool(found) and all(holds(d) for d in found)
+
+
+async def test_an_endpoint_that_was_down_receives_every_event_once_it_is_back(
+    api: httpx.AsyncClient, backends: Backends, settings: Settings, register: Register
+) -> None:
+    await register("t_noop")
+    settings = hook_settings(settings, webhook_retry_seconds=[0, 0.5, 1, 1, 1, 1, 1, 1, 1, 1])
+    receiver = Receiver()
+    async with notifying(backends, settings):
+        hook = await subscribe(api, receiver.url, ["run.succeeded", "run.created"])
+        runs = [(await api.post("/v1/runs", json=RUN)).json()["id"] for _ in range(5)]
+        async with running(backends, settings):
+            await settled(backends.store, runs)
+        await until(
+            lambda: _all(api, hook["id"], lambda d: d["attempts"] >= 2 and d["lastError"]),
+            within=15,
+        )
+        async with serving(receiver):
+            await received(receiver, lambda r: len(r.ids()) == 10, within=15)
+    assert len(receiver.received) == 10, "each message once, when the endpoint came back"
+    got = {(r.message["type"], r.message["data"]["run"]["id"]) for r in receiver.received}
+    assert got == {(t, run) for t in ("run.created", "run.succeeded") for run in runs}
+
+
+async def test_retry_after_is_honoured_and_a_410_disables_the_webhook(
+    api: httpx.AsyncClient, backends: Backends, settings: Settings, register: Register
+) -> None:
+    await register("t_noop")
+
+    def busy_then_gone(request: Request, earlier: list[Request]) -> Answer:
+        if not earlier:
+            return 429, {"retry-after": "2"}, 0.0
+        return 410, {}, 0.0
+
+    settings = hook_settings(settings)
+    async with serving(Receiver(answer=busy_then_gone)) as receiver, notifying(backends, settings):
+        hook = await subscribe(api, receiver.url, ["run.created"])
+        await api.post("/v1/runs", json=RUN)
+        await received(receiver, lambda r: len(r.received) == 2, within=15)
+        await until(lambda: _all(api, hook["id"], lambda d: d["status"] == "failed"))
+        second = (await api.post("/v1/runs", json=RUN)).json()
+        await asyncio.sleep(1.0)
+    first, then = receiver.received
+    assert then.at - first.at >= 1.9, "the retry waited as Retry-After said, not 0.2 s"
+    shown = (await api.get(f"/v1/webhooks/{hook['id']}")).json()
+    assert not shown["enabled"] and "410" in shown["disabledReason"]
+    [failed] = await deliveries(api, hook["id"])
+    assert (failed["status"], failed["lastStatusCode"], failed["nextAttemptAt"]) == (
+        "failed",
+        410,
+        None,
+    )
+    assert all(r.message["data"]["run"]["id"] != second["id"] for r in receiver.received)
+    events = (await api.get("/v1/events", params={"jobId": hook["id"]})).json()["items"]
+    assert [(e["type"], e["actor"]) for e in events][-1] == ("webhook_disabled", "notifier")
+    enabled = await api.patch(f"/v1/webhooks/{hook['id']}", json={"enabled": True})
+    assert enabled.status_code == 200 and enabled.json()["enabled"], enabled.text
+    assert enabled.json()["disabledReason"] is None
+
+
+async def test_a_spent_schedule_fails_the_delivery_and_a_redelivery_tries_again(
+    api: httpx.AsyncClient, backends: Backends, settings: Settings, register: Register
+) -> None:
+    await register("t_noop")
+    failing = True
+
+    def answer(request: Request, earlier: list[Request]) -> Answer:
+        return (500 if failing else 204), {}, 0.0
+
+    settings = hook_settings(settings, webhook_retry_seconds=[0, 0.1, 0.1])
+    async with serving(Receiver(answer=answer)) as receiver, notifying(backends, settings):
+        hook = await subscribe(api, receiver.url, ["run.created"])
+        await api.post("/v1/runs", json=RUN)
+        await until(lambda: _all(api, hook["id"], lambda d: d["status"] == "failed"))
+        [spent] = await deliveries(api, hook["id"])
+        assert (spent["attempts"], spent["lastStatusCode"]) == (3, 500)
+        assert spent["lastError"] == "the endpoint answered 500"
+        failing = False
+        again = await api.post(f"/v1/webhooks/{hook['id']}/deliveries/{spent['id']}/redeliver")
+        assert again.status_code == 200 and again.json()["status"] == "pending", again.text
+        await until(lambda: _all(api, hook["id"], lambda d: d["status"] == "succeeded"))
+    [done] = await deliveries(api, hook["id"])
+    assert (done["attempts"], done["lastStatusCode"]) == (4, 204)
+    assert len(receiver.ids()) == 1 and len(receiver.received) == 4
+    missing = await api.post(f"/v1/webhooks/{hook['id']}/deliveries/{'0' * 24}/redeliver")
+    error_of(missing, 404, "NotFound")
+
+
+async def test_a_rotated_secret_signs_beside_the_new_one(
+    api: httpx.AsyncClient, backends: Backends, settings: Settings, register: Register
+) -> None:
+    await register("t_noop")
+    settings = hook_settings(settings)
+    async with serving(Receiver()) as receiver, notifying(backends, settings):
+        hook = await subscribe(api, receiver.url, ["run.created"])
+        rotated = await api.post(f"/v1/webhooks/{hook['id']}/rotate-secret")
+        assert rotated.status_code == 200, rotated.text
+        new = rotated.json()["secret"]
+        assert new != hook["secret"] and new.startswith("whsec_")
+        await api.post("/v1/runs", json=RUN)
+        await received(receiver, lambda r: len(r.received) == 1)
+    [request] = receiver.received
+    assert len(request.headers["webhook-signature"].split(" ")) == 2
+    assert request.verified(new) == request.verified(hook["secret"])
+
+
+async def test_a_user_key_subscribes_and_sees_only_its_own_scopes(
+    api: httpx.AsyncClient,
+    client_for: Client,
+    backends: Backends,
+    settings: Settings,
+    register: Register,
+) -> None:
+    await register("t_noop")
+    made = await api.post(
+        "/v1/api-keys", json={"name": "alice", "role": "user", "scopes": ["user:u1"]}
+    )
+    alice = client_for(made.json()["key"])
+    auditor_key = await api.post("/v1/api-keys", json={"name": "aud", "role": "auditor"})
+    auditor = client_for(auditor_key.json()["key"])
+    author_key = await api.post("/v1/api-keys", json={"name": "auth", "role": "author"})
+    author = client_for(author_key.json()["key"])
+    settings = hook_settings(settings)
+    async with serving(Receiver()) as receiver, notifying(backends, settings):
+        own = await subscribe(alice, receiver.url, ["run.created"])
+        other = await subscribe(api, receiver.url, ["run.created"], scope_id="u2")
+        refused = await alice.post(
+            "/v1/webhooks",
+            json={"url": receiver.url, "events": ["*"], "scope": "user", "scopeId": "u2"},
+        )
+        error_of(refused, 403, "Forbidden")
+        error_of(await author.get("/v1/webhooks"), 403, "Forbidden")
+        await api.post("/v1/runs", json=RUN)
+        await api.post("/v1/runs", json=RUN | {"scopeId": "u2"})
+        await received(receiver, lambda r: len(r.received) == 2)
+        await asyncio.sleep(0.3)
+    listed = (await alice.get("/v1/webhooks")).json()["items"]
+    assert [h["id"] for h in listed] == [own["id"]]
+    assert {h["id"] for h in (await auditor.get("/v1/webhooks")).json()["items"]} == {
+        own["id"],
+        other["id"],
+    }
+    for path in ("", "/deliveries"):
+        error_of(await alice.get(f"/v1/webhooks/{other['id']}{path}"), 404, "NotFound")
+    error_of(await alice.delete(f"/v1/webhooks/{other['id']}"), 404, "NotFound")
+    error_of(await auditor.delete(f"/v1/webhooks/{other['id']}"), 403, "Forbidden")
+    [mine] = await deliveries(alice, own["id"])
+    [theirs] = await deliveries(api, other["id"])
+    by_url = {r.message["data"]["run"]["scopeId"] for r in receiver.received}
+    assert by_url == {"u1", "u2"}
+    assert mine["runId"] != theirs["runId"], "each webhook got its own scope's run only"
+    gone = await alice.delete(f"/v1/webhooks/{own['id']}")
+    assert gone.status_code == 200, gone.text
+    error_of(await alice.get(f"/v1/webhooks/{own['id']}"), 404, "NotFound")
+    events = (await alice.get("/v1/events", params={"jobId": own["id"]})).json()["items"]
+    assert [e["type"] for e in events] == ["webhook_created", "webhook_deleted"]
+
+
+@pytest.mark.parametrize(
+    ("body", "pointer"),
+    [
+        ({"url": "ftp://example.com/hook"}, "/url"),
+        ({"url": "http://user:pw@example.com/hook"}, "/url"),
+        ({"url": "not a url"}, "/url"),
+        ({"events": ["run.exploded"]}, "/events/0"),
+        ({"events": []}, "/events"),
+        ({"scopeId": "has space"}, "/scopeId"),
+    ],
+)
+async def test_a_malformed_webhook_is_refused_with_a_pointer(
+    api: httpx.AsyncClient, body: dict[str, Any], pointer: str
+) -> None:
+    base = {"url": "https://example.com/hook", "events": ["*"], "scope": "user", "scopeId": "u1"}
+    refused = await api.post("/v1/webhooks", json=base | body)
+    assert pointer in pointers(error_of(refused, 422, "ValidationFailed"))
+    assert (await api.get("/v1/webhooks")).json()["items"] == [], "nothing half-written"
+
+
+async def test_deliveries_to_internal_addresses_are_refused_after_resolution(
+    api: httpx.AsyncClient, backends: Backends, settings: Settings, register: Register
+) -> None:
+    await register("t_noop")
+    settings = hook_settings(settings, webhook_allow_private=False)
+    receiver = Receiver()
+    async with serving(receiver), notifying(backends, settings):
+        by_name = await subscribe(api, f"http://localhost:{receiver.port}/hook", ["run.created"])
+        by_address = await subscribe(api, receiver.url, ["run.created"])
+        await api.post("/v1/runs", json=RUN)
+        for hook in (by_name, by_address):
+            await until(lambda h=hook: _all(api, h["id"], lambda d: d["lastError"]))
+    assert receiver.received == [], "nothing reached the loopback receiver"
+    for hook in (by_name, by_address):
+        [refused] = await deliveries(api, hook["id"])
+        assert "a loopback address" in refused["lastError"], refused
