@@ -15,8 +15,8 @@ from jobplane.settings import Settings
 def environment(settings: Settings, **extra: str) -> dict[str, str]:
     env = dict(os.environ)
     for name, value in settings.model_dump(exclude_none=True).items():
-        if name in {"queues", "handlers"}:
-            value = ",".join(value)
+        if isinstance(value, list):  # comma-separated in the environment
+            value = ",".join(map(str, value))
         env[f"JOBPLANE_{name.upper()}"] = str(value)
     env.update(extra)
     return env

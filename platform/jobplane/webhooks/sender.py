@@ -33,7 +33,7 @@ log = logging.getLogger("jobplane.notifier")
 PER_WEBHOOK = 16
 # Beyond the timeout, how long a claimed try may take (writing its outcome) before another
 # notifier may take it over.
-CLAIM_MARGIN_SECONDS = 30.0
+CLAIM_MARGIN_SECONDS = 10.0
 # How often due deliveries are looked for when nothing wakes the sender sooner: retries
 # coming due, and deliveries another notifier's fan-out stored.
 POLL_SECONDS = 1.0
