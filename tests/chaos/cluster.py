@@ -1,8 +1,9 @@
 """A jobplane cluster of real processes for a chaos scenario, the load it is put under, and
 the faults injected into it.
 
-Every process is `python -m jobplane api|worker|scheduler`; MongoDB and Redis are real
-servers, Redis the scenario's own so that it can be killed or flushed.
+Every process is `python -m jobplane api|worker|scheduler|notifier`; MongoDB and Redis are
+real servers, Redis the scenario's own so that it can be killed or flushed. The notifiers
+deliver the end of every run to a webhook receiver in this process (`hooks.py`).
 """
 
 import asyncio
@@ -27,6 +28,8 @@ from jobplane.devstack import RedisServer, free_port
 from jobplane.devstack.topologies import RedisClusterNodes, SentinelGroup
 from jobplane.model import ACTIVE
 from jobplane.settings import Settings
+from tests.chaos.hooks import Receiver, serving
+from tests.chaos.invariants import ENDED, ends_to_deliver
 from tests.integration.processes import spawn, terminate
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -165,12 +168,17 @@ def quick(settings: Settings) -> Settings:
             "poll_seconds": 0.2,
             "scheduler_lock_seconds": 2,
             "admin_key": ADMIN,
+            # The receiver is on 127.0.0.1; a try cut short (a notifier killed or frozen, a
+            # failover) is tried again within seconds, for a while.
+            "webhook_allow_private": True,
+            "webhook_retry_seconds": [0, 0.5, 1, *[2] * 9],
+            "webhook_timeout_seconds": 5,
         }
     )
 
 
 class Cluster:
-    """The API, worker and scheduler processes of one scenario."""
+    """The API, worker, scheduler and notifier processes of one scenario."""
 
     def __init__(self, settings: Settings, folder: Path) -> None:
         self.settings = settings
@@ -181,6 +189,7 @@ class Cluster:
         self.api: subprocess.Popen[bytes] | None = None
         self.workers: list[subprocess.Popen[bytes]] = []
         self.schedulers: list[subprocess.Popen[bytes]] = []
+        self.notifiers: list[subprocess.Popen[bytes]] = []
         # Processes a fault ended on purpose; reaped at close.
         self.dead: list[subprocess.Popen[bytes]] = []
         # The workers that offer `chaos.far` (every other one).
@@ -202,10 +211,11 @@ class Cluster:
             self.far.append(proc)
         return proc
 
-    async def start(self, workers: int, schedulers: int) -> None:
+    async def start(self, workers: int, schedulers: int, notifiers: int = 2) -> None:
         self.api = self.spawn("api")
         self.workers = [self.spawn("worker", far=i % 2 == 0) for i in range(workers)]
         self.schedulers = [self.spawn("scheduler") for _ in range(schedulers)]
+        self.notifiers = [self.spawn("notifier") for _ in range(notifiers)]
         async with httpx.AsyncClient() as http, asyncio.timeout(60):
             while True:
                 self.check()
@@ -218,7 +228,7 @@ class Cluster:
 
     def check(self) -> None:
         """Fail if a process exited that no fault ended."""
-        for proc in [self.api, *self.workers, *self.schedulers]:
+        for proc in [self.api, *self.workers, *self.schedulers, *self.notifiers]:
             if proc is not None and proc.poll() is not None:
                 logs = "\n".join(
                     f"--- {p.name}\n{p.read_text()[-3000:]}" for p in self.folder.glob("*.log")
@@ -226,19 +236,18 @@ class Cluster:
                 raise AssertionError(f"process {proc.pid} exited with {proc.returncode}:\n{logs}")
 
     def kill(self, proc: subprocess.Popen[bytes]) -> subprocess.Popen[bytes]:
-        """SIGKILL a worker or scheduler, and start another in its place."""
+        """SIGKILL a worker, scheduler or notifier, and start another in its place."""
         proc.send_signal(signal.SIGKILL)
         proc.wait()
         self.dead.append(proc)
-        crew, command = (
-            (self.workers, "worker") if proc in self.workers else (self.schedulers, "scheduler")
-        )
+        crews = {"worker": self.workers, "scheduler": self.schedulers, "notifier": self.notifiers}
+        [(command, crew)] = [(c, crew) for c, crew in crews.items() if proc in crew]
         fresh = self.spawn(command, far=proc in self.far)
         crew[crew.index(proc)] = fresh
         return fresh
 
     def close(self) -> None:
-        for proc in [*self.workers, *self.schedulers, self.api]:
+        for proc in [*self.workers, *self.schedulers, *self.notifiers, self.api]:
             if proc is not None:
                 proc.send_signal(signal.SIGCONT)  # a frozen process cannot hear SIGTERM
                 terminate(proc)
@@ -362,6 +371,7 @@ class Stage:
     load: Load
     db: AsyncDatabase[Doc]
     redis: Redis
+    receiver: Receiver
     began: datetime = field(default_factory=lambda: datetime.now(UTC))
     # The windows of the faults that took locks from their holders, for the audit.
     locks_lost: list[tuple[datetime, datetime]] = field(default_factory=list)
@@ -389,6 +399,36 @@ class Stage:
                 await asyncio.sleep(POLL)
         return asyncio.get_running_loop().time() - began
 
+    async def following(self, within: float = 60) -> None:
+        """Wait until a notifier follows the trail: the events before that reach no webhook."""
+        async with asyncio.timeout(within):
+            while await self.db.job_meta.find_one({"_id": "webhook_feed"}) is None:
+                self.cluster.check()
+                await asyncio.sleep(POLL)
+
+    async def ends(self) -> list[Doc]:
+        """The trail's run ends in the scopes of the receiver's webhooks."""
+        scopes = [{"scope": s, "scopeId": i} for s, i in sorted(self.receiver.subscribed)]
+        find = {"type": "status_changed", "to": {"$in": sorted(ENDED)}, "$or": scopes}
+        fields = {"type": 1, "to": 1, "jobId": 1, "scope": 1, "scopeId": 1}
+        return await self.db.job_events.find(find, fields).to_list()
+
+    async def delivered(self, within: float) -> tuple[list[Doc], float]:
+        """Wait until every run's end in a subscribed scope reached its webhook, up to
+        `within` seconds; return the ends (as then) and how long the wait took."""
+        loop = asyncio.get_running_loop()
+        began = loop.time()
+        while True:
+            ends = await self.ends()
+            expected = ends_to_deliver(ends, self.receiver.subscribed)
+            got = set(self.receiver.received)
+            if all(((e["scope"], e["scopeId"]), m) in got for m, e in expected.items()):
+                break
+            if loop.time() - began > within:
+                break
+            await asyncio.sleep(POLL * 5)
+        return ends, loop.time() - began
+
     async def longest_stall(self) -> float:
         """The longest time, since the scenario began, in which no run finished."""
         ends = [self.began]
@@ -411,8 +451,8 @@ async def staged(
     **load: Any,
 ) -> AsyncIterator[Stage]:
     """Start a Redis of the scenario's own (one server unless `redis` names another topology),
-    then the cluster (each worker running up to `slots` runs at once); register the
-    templates."""
+    the webhook receiver, then the cluster (each worker running up to `slots` runs at once);
+    register the templates, and subscribe a webhook to the runs' ends in each scope."""
     redis = redis or RedisServer(folder / "redis", free_port(), folder / "redis.log")
     redis.start()
     settings = quick(
@@ -427,6 +467,7 @@ async def staged(
     cluster = Cluster(settings, folder)
     async with AsyncExitStack() as stack:
         stack.callback(redis.stop)
+        receiver = await stack.enter_async_context(serving(Receiver()))
         stack.callback(cluster.close)
         await cluster.start(workers, schedulers)
         headers = {"authorization": f"Bearer {ADMIN}"}
@@ -440,6 +481,9 @@ async def staged(
         stack.push_async_callback(http.aclose)
         mongo: AsyncMongoClient[Doc] = AsyncMongoClient(mongodb_url)
         stack.push_async_callback(mongo.close)
-        stage = Stage(cluster, Load(http, random.Random(seed), **load), mongo[db], redis)
+        stage = Stage(cluster, Load(http, random.Random(seed), **load), mongo[db], redis, receiver)
         await stage.load.register()
+        # Before the load: a webhook receives only what happens after it was made.
+        await receiver.subscribe(http)
+        await stage.following()
         yield stage

@@ -11,11 +11,14 @@ recorded from one event to another is open from its start up to, not including, 
 holder's end and the start it made room for may fall in one millisecond, and no tolerance
 beyond that is needed, because each start below is stamped after the ends it relied on (each
 check says why).
+
+The notifier's promise is checked against what a webhook receiver got (`webhook_deliveries`):
+every run's end in a subscribed scope reached its webhook at least once, and nothing else did.
 """
 
 import json
 from collections import Counter, defaultdict
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 from dataclasses import dataclass, field, replace
 from datetime import UTC, datetime, timedelta
 from typing import Any
@@ -563,3 +566,48 @@ def _value(run: Doc, part: str) -> Any:
     for name in part.split(".")[1:]:
         value = value.get(name) if isinstance(value, dict) else None
     return value
+
+
+# A webhook's scope: (scope, scope id).
+Subscribed = tuple[str, str]
+
+
+def ends_to_deliver(events: Iterable[Doc], subscribed: Collection[Subscribed]) -> dict[str, Doc]:
+    """By the message id it is delivered under (`msg_<event id>`), each run's end (a
+    `status_changed` event to a terminal status) in a scope a webhook subscribed to."""
+    return {
+        f"msg_{event['_id']}": event
+        for event in events
+        if event["type"] == "status_changed"
+        and event.get("to") in ENDED
+        and (event["scope"], event["scopeId"]) in subscribed
+    }
+
+
+def webhook_deliveries(
+    events: Iterable[Doc],
+    subscribed: Collection[Subscribed],
+    received: Iterable[tuple[Subscribed, str]],
+) -> list[str]:
+    """Every run's end in a subscribed scope reached that scope's webhook, and nothing else
+    did: `events` are trail events (`job_events`), `received` the webhook (its scope) and the
+    `webhook-id` of each verified request the receiver got. At least once: a message received
+    more than once is no violation."""
+    expected = ends_to_deliver(events, subscribed)
+    got = set(received)
+    bad = []
+    for where, message in sorted(got):
+        if (ended := expected.get(message)) is None:
+            what = "not the end of a run of a subscribed scope"
+        elif (ended["scope"], ended["scopeId"]) != where:
+            what = f"the end of a run of {ended['scope']} {ended['scopeId']}"
+        else:
+            continue
+        bad.append(f"the webhook of {where[0]} {where[1]} received {message}, {what}")
+    bad += [
+        f"run {event['jobId']}: its end ({event['to']}, event {event['_id']}) never reached the "
+        f"webhook of {event['scope']} {event['scopeId']}"
+        for message, event in expected.items()
+        if ((event["scope"], event["scopeId"]), message) not in got
+    ]
+    return bad

@@ -27,7 +27,7 @@ from jobplane.devstack import RedisServer, ReplicaSet, free_port
 from jobplane.devstack.topologies import RedisClusterNodes, SentinelGroup
 from jobplane.queue.keys import Keys
 from tests.chaos.cluster import Stage, as_read, staged
-from tests.chaos.invariants import Audit, audit
+from tests.chaos.invariants import ENDED, Audit, audit, ends_to_deliver, webhook_deliveries
 from tests.chaos.steps import traces
 
 
@@ -46,6 +46,9 @@ class Scale:
 
 SHORT = Scale(runs=400, rate=30, every=1.5, drain=90, election_ms=2_000)
 FULL = Scale(runs=5_000, rate=100, every=3.0, drain=300, election_ms=10_000)
+# How long after the drain the runs' ends may take to reach their webhooks: a try cut short
+# by a fault is claimed for the notifiers' timeout and a margin (15 s) before it is retried.
+DELIVERED_WITHIN = 60.0
 
 
 @dataclass
@@ -93,19 +96,75 @@ async def faulting(stage: Stage, scale: Scale, inject: Callable[[], Awaitable[No
 async def outcome(
     stage: Stage, name: str, faults: int, scale: Scale, began: float, extra: list[str]
 ) -> Outcome:
-    """Wait for the backlog to drain after the last fault, then audit."""
+    """Wait for the backlog to drain after the last fault, then audit, and wait for the runs'
+    ends to reach their webhooks."""
     drained = await stage.settled(scale.drain)
     found = await audit(stage.db, stage.load.accepted.values(), locks_lost=stage.locks_lost)
+    hooks, delivery_notes = await _webhooks(stage)
     return Outcome(
         scenario=name,
         runs=found.runs,
         faults=faults,
-        violations=[*stage.load.broken, *found.violations, *extra],
+        violations=[*stage.load.broken, *found.violations, *hooks, *extra],
         stall=await stage.longest_stall(),
         drain=drained,
         seconds=time.monotonic() - began,
-        notes=[*_notes(stage, found), await _waits(stage)],
+        notes=[*_notes(stage, found), await _waits(stage), *delivery_notes],
     )
+
+
+async def _webhooks(stage: Stage) -> tuple[list[str], list[str]]:
+    """Wait until every run's end in `job_events` reached its scope's webhook; the violations
+    (lost, misdelivered, not verified) and notes (received twice, tried again, and how each
+    lost one's delivery stands)."""
+    ends, waited = await stage.delivered(DELIVERED_WITHIN)
+    receiver = stage.receiver
+    bad = webhook_deliveries(ends, receiver.subscribed, receiver.received)
+    bad += receiver.forged.values()
+    expected = ends_to_deliver(ends, receiver.subscribed)
+    got = {message for _, message in receiver.received}
+    deliveries = stage.db.job_webhook_deliveries
+    retried = await deliveries.count_documents({"attempts": {"$gt": 1}})
+    notes = [
+        f"{len(expected)} runs' ends reached their webhooks {waited:.1f} s after the drain; "
+        f"{len(receiver.received) - len(set(receiver.received))} received more than once "
+        f"(at least once), {retried} deliveries tried more than once"
+    ]
+    if uncopied := await _ends_not_copied(stage):
+        notes.append(f"{uncopied} runs' ends are in their trails, not yet in job_events")
+    for message in [m for m in expected if m not in got][:10]:
+        delivery = await deliveries.find_one({"messageId": message}, {"body": 0}) or {}
+        fields = ("status", "attempts", "lastStatusCode", "lastError", "nextAttemptAt")
+        stands = {k: delivery[k] for k in fields if k in delivery} if delivery else "not stored"
+        notes.append(f"lost {message}: its delivery is {stands}")
+    return bad, notes
+
+
+async def _ends_not_copied(stage: Stage) -> int:
+    """The runs' ends in the webhooks' scopes that are not in `job_events` (their writer died
+    before it copied them, and the scheduler's sweep, once a minute, did not yet): they reach
+    the notifier once swept, and are not waited for."""
+    scopes = [{"scope": s, "scopeId": i} for s, i in sorted(stage.receiver.subscribed)]
+    cursor = await stage.db.job_runs.aggregate(
+        [
+            {"$match": {"$or": scopes}},
+            {"$unwind": "$trail"},
+            {"$match": {"trail.type": "status_changed", "trail.to": {"$in": sorted(ENDED)}}},
+            {
+                "$lookup": {
+                    "from": "job_events",
+                    "localField": "trail._id",
+                    "foreignField": "_id",
+                    "as": "copy",
+                    "pipeline": [{"$project": {"_id": 1}}],
+                }
+            },
+            {"$match": {"copy": {"$size": 0}}},
+            {"$count": "n"},
+        ]
+    )
+    counted = await cursor.to_list()
+    return int(counted[0]["n"]) if counted else 0
 
 
 def _notes(stage: Stage, found: Audit) -> list[str]:
@@ -138,12 +197,14 @@ async def _waits(stage: Stage) -> str:
 
 
 async def workers_die(where: Where, scale: Scale) -> Outcome:
-    """SIGKILL a random worker every few seconds, and start another in its place."""
+    """SIGKILL a random worker every few seconds, and start another in its place; one time in
+    three, a random notifier instead (perhaps mid-fan-out, or mid-try)."""
     began, rng = time.monotonic(), random.Random(1)
     async with staged(where.folder, where.mongodb_url, where.db, workers=3) as stage:
 
         async def kill() -> None:
-            stage.cluster.kill(rng.choice(stage.cluster.workers))
+            crew = stage.cluster.notifiers if rng.random() < 1 / 3 else stage.cluster.workers
+            stage.cluster.kill(rng.choice(crew))
 
         faults = await faulting(stage, scale, kill)
         return await outcome(stage, "workers die", faults, scale, began, [])
@@ -151,7 +212,8 @@ async def workers_die(where: Where, scale: Scale) -> Outcome:
 
 async def zombies(where: Where, scale: Scale) -> Outcome:
     """SIGSTOP a random worker past its lease, then SIGCONT it: it wakes up holding leases
-    that other workers may have taken since, and must not write over them."""
+    that other workers may have taken since, and must not write over them. One time in three,
+    a random notifier instead: it wakes up past its lock and its tries' claims."""
     began, rng = time.monotonic(), random.Random(2)
     async with staged(
         where.folder, where.mongodb_url, where.db, workers=3, nap=(0.2, 1.0)
@@ -159,18 +221,20 @@ async def zombies(where: Where, scale: Scale) -> Outcome:
         frozen_for = stage.cluster.settings.lease_seconds * 2
         loop = asyncio.get_running_loop()
 
-        def wake(worker: subprocess.Popen[bytes], frozen_at: datetime) -> None:
-            worker.send_signal(signal.SIGCONT)
-            # Its steps' locks expired meanwhile: it may wake inside a step whose lock another
-            # run took, and finish it before a renewal finds the lock gone.
-            stage.locks_lost.append((frozen_at, as_read()))
+        def wake(proc: subprocess.Popen[bytes], frozen_at: datetime) -> None:
+            proc.send_signal(signal.SIGCONT)
+            # A worker's steps' locks expired meanwhile: it may wake inside a step whose lock
+            # another run took, and finish it before a renewal finds the lock gone.
+            if proc in stage.cluster.workers:
+                stage.locks_lost.append((frozen_at, as_read()))
 
         async def freeze() -> None:
-            worker = rng.choice(stage.cluster.workers)
+            crew = stage.cluster.notifiers if rng.random() < 1 / 3 else stage.cluster.workers
+            proc = rng.choice(crew)
             frozen_at = as_read()
-            worker.send_signal(signal.SIGSTOP)
+            proc.send_signal(signal.SIGSTOP)
             # Woken later, while the faults go on.
-            loop.call_later(frozen_for, wake, worker, frozen_at)
+            loop.call_later(frozen_for, wake, proc, frozen_at)
 
         faults = await faulting(stage, scale, freeze)
         return await outcome(stage, "zombies", faults, scale, began, [])

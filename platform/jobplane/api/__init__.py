@@ -23,7 +23,7 @@ async def serve(settings: Settings) -> None:
     with contextlib.suppress(Stopped):
         async with open_backends(settings, stop=stop) as backends:
             config = uvicorn.Config(
-                create_app(settings, backends),
+                create_app(settings, backends, stop),
                 host=settings.host,
                 port=settings.port,
                 timeout_graceful_shutdown=math.ceil(settings.close_seconds),

@@ -1,5 +1,6 @@
 """The FastAPI application."""
 
+import asyncio
 from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
@@ -9,6 +10,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from jobplane.api import errors
+from jobplane.api.live import RunChanges
 from jobplane.api.routes import (
     events,
     external,
@@ -29,21 +31,29 @@ from jobplane.templates.loader import MAX_TEMPLATE_BYTES
 from jobplane.ui import Dashboard
 
 
-def create_app(settings: Settings, backends: Backends | None = None) -> FastAPI:
-    """Build the app; it opens its own backends unless given some (tests, `jobplane dev`)."""
+def create_app(
+    settings: Settings, backends: Backends | None = None, stop: asyncio.Event | None = None
+) -> FastAPI:
+    """Build the app; it opens its own backends unless given some (tests, `jobplane dev`).
+    Its live streams end when `stop` is set (a process's stop), before the server waits for
+    the requests in flight."""
+
+    def attach(app: FastAPI, opened: Backends) -> None:
+        app.state.store, app.state.queue = opened.store, opened.queue
+        app.state.waiting = Waiting(opened.store, opened.queue)
+        app.state.run_changes = RunChanges(opened.store)
 
     @asynccontextmanager
     async def lifespan(app: FastAPI) -> AsyncIterator[None]:
         async with open_backends(settings) as opened:
-            app.state.store, app.state.queue = opened.store, opened.queue
-            app.state.waiting = Waiting(opened.store, opened.queue)
+            attach(app, opened)
             yield
 
     app = FastAPI(title="jobplane", version="1", lifespan=None if backends else lifespan)
     app.state.settings = settings
+    app.state.stop = stop or asyncio.Event()
     if backends is not None:
-        app.state.store, app.state.queue = backends.store, backends.queue
-        app.state.waiting = Waiting(backends.store, backends.queue)
+        attach(app, backends)
     errors.install(app)
     routers = (
         health,

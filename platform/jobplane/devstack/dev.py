@@ -78,7 +78,7 @@ async def _serve(
     exit_after_demo: bool,
 ) -> int:
     config = uvicorn.Config(
-        create_app(settings, backends),
+        create_app(settings, backends, stop),
         host=settings.host,
         port=settings.port,
         log_level="warning",

@@ -11,6 +11,7 @@ from datetime import datetime
 from typing import Any
 
 from bson import ObjectId
+from pymongo.asynchronous.change_stream import AsyncChangeStream
 from pymongo.errors import BulkWriteError, DuplicateKeyError
 
 from jobplane.groupcommit import GroupCommit
@@ -29,6 +30,7 @@ from jobplane.model import (
 from jobplane.store import convert
 from jobplane.store.convert import DUPLICATE_KEY, NO_TRAIL, Doc, listed, object_id, owner
 from jobplane.store.types import (
+    WATCH_WAIT_MS,
     ChildOf,
     DuplicateRun,
     KeyHeld,
@@ -73,6 +75,19 @@ class MongoRunStore:
         """Write many new runs in one unordered bulk insert; each item gets its run or the
         `DuplicateRun` / `KeyHeld` it collided with, and one bad item does not stop the rest."""
         return await self._insert_many([(new, actor) for new in news])
+
+    async def watch(self, run_ids: Sequence[str], after: Any) -> AsyncChangeStream[Doc]:
+        """Which of these runs change, as they do (each change names only the run: a reader
+        reads it), after the change whose resume token is `after`, or from now on. A wait for
+        the next change returns within `WATCH_WAIT_MS` even if there is none."""
+        ids = [oid for run_id in run_ids if (oid := object_id(run_id)) is not None]
+        pipeline: list[Doc] = [
+            {"$match": {"documentKey._id": {"$in": ids}}},
+            {"$project": {"documentKey": 1, "operationType": 1}},
+        ]
+        return await self._db.runs.watch(
+            pipeline, start_after=after, max_await_time_ms=WATCH_WAIT_MS
+        )
 
     async def get(self, run_id: str) -> Run | None:
         """The run, live or archived."""

@@ -25,7 +25,7 @@ from jobplane.model import Event, Schedule
 from jobplane.store import convert
 from jobplane.store.convert import DUPLICATE_KEY, OWNER_FIELDS, Doc, listed, owner
 from jobplane.store.database import Collections
-from jobplane.store.types import EventQuery
+from jobplane.store.types import WATCH_WAIT_MS, EventQuery
 
 log = logging.getLogger("jobplane.store")
 
@@ -109,6 +109,29 @@ class MongoTrailStore:
         or the sweep copied it, so this sees each event once: late, if the sweep copied it."""
         match = {"operationType": "insert", "fullDocument.type": {"$in": list(types)}}
         return await self._db.events.watch([{"$match": match}], start_after=after)
+
+    async def watch_audit(
+        self, query: EventQuery, within: Sequence[tuple[str, str]] | None, after: Any
+    ) -> AsyncChangeStream[Doc]:
+        """Events matching `query` (its equality filters) in `within`'s scopes unless it is
+        None, as they reach `job_events`: after the change whose resume token is `after`, or
+        from now on."""
+        find = self.audit_filter(
+            EventQuery(query.job_id, query.type, query.scope, query.scope_id, query.actor), within
+        )
+        match: Doc = {"operationType": "insert"}
+        for field, value in find.items():
+            if field == "$or":
+                match["$or"] = [{f"fullDocument.{k}": v for k, v in o.items()} for o in value]
+            else:
+                match[f"fullDocument.{field}"] = value
+        return await self._db.events.watch(
+            [{"$match": match}], start_after=after, max_await_time_ms=WATCH_WAIT_MS
+        )
+
+    def event_of(self, doc: Doc) -> Event:
+        """An event as `watch_audit` brings it."""
+        return convert.event_model(doc)
 
     def since(self, at: datetime, types: Sequence[str]) -> AsyncCursor[Doc]:
         """Events of `types` written at `at` or later, oldest first: what a reader whose

@@ -206,6 +206,11 @@ class ScheduleQuery:
     before: str | None = None
 
 
+# A reader of a change stream (`RunStore.watch`, `TrailStore.watch_audit`) that waits for a
+# change also looks, this often, at whether it should stop or watch something else.
+WATCH_WAIT_MS = 100
+
+
 @dataclass(frozen=True)
 class EventQuery:
     """Filters of the audit query; `after` is the (createAt, id) the previous page ended at."""

@@ -2,9 +2,10 @@
 
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Query
+from fastapi import APIRouter, Header, Query, Request
+from sse_starlette.sse import EventSourceResponse
 
-from jobplane.api import pages
+from jobplane.api import live, pages
 from jobplane.api.deps import EventReader, StoreDep
 from jobplane.api.errors import ERROR_RESPONSES
 from jobplane.api.pages import Cursor, Limit, Page
@@ -43,3 +44,32 @@ async def search(
     last = items[-1] if more else None
     next_cursor = pages.event_cursor(last.create_at, last.id) if last else None
     return Page(items=items, next_cursor=next_cursor)
+
+
+@router.get(
+    "/stream",
+    summary="Stream new trail entries (Server-Sent Events)",
+    response_class=EventSourceResponse,
+    responses={200: {"content": {"text/event-stream": {}}, "description": "an SSE stream"}},
+)
+async def stream(
+    store: StoreDep,
+    caller: EventReader,
+    request: Request,
+    job_id: Annotated[str | None, Query(alias="jobId")] = None,
+    type_: Annotated[str | None, Query(alias="type")] = None,
+    scope: Literal["user", "account", "system"] | None = None,
+    scope_id: Annotated[str | None, Query(alias="scopeId")] = None,
+    actor: str | None = None,
+    last_event_id: Annotated[str | None, Header(max_length=2000, pattern="^[0-9A-Fa-f]+$")] = None,
+) -> EventSourceResponse:
+    """Entries as they reach the trail (event `event`), under the filters and scope rules of
+    `GET /v1/events`. Each `id` is a position in the trail: reconnecting with it as
+    `Last-Event-ID` sends every entry after it, those written meanwhile included, as far back
+    as MongoDB's oplog reaches (409 beyond). Comments keep it alive."""
+    if scope is not None and scope_id is not None:
+        caller.may_act_in(scope, scope_id)
+    query = EventQuery(job_id, type_, scope, scope_id, actor)
+    opened = await live.open_trail(store, query, caller.within, last_event_id)
+    entries = live.trail_changes(store, query, caller.within, opened, request.app.state.stop)
+    return EventSourceResponse(entries, ping=live.KEEP_ALIVE_SECONDS)

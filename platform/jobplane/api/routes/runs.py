@@ -2,10 +2,11 @@
 
 from typing import Annotated, Literal
 
-from fastapi import APIRouter, Query, Response
+from fastapi import APIRouter, Query, Request, Response
 from pydantic import Field, StrictStr
+from sse_starlette.sse import EventSourceResponse
 
-from jobplane.api import pages
+from jobplane.api import live, pages
 from jobplane.api.auth import Caller
 from jobplane.api.deps import (
     RunReader,
@@ -160,6 +161,24 @@ async def get(run_id: str, runs: RunsDep, caller: RunReader, waiting: WaitingDep
     """The run; `waitingFor` says why, if it could start but does not."""
     [run] = await waiting.explain([caller.visible(await runs.get(run_id))])
     return run
+
+
+@router.get(
+    "/{run_id}/stream",
+    summary="Stream a run's changes (Server-Sent Events)",
+    response_class=EventSourceResponse,
+    responses={200: {"content": {"text/event-stream": {}}, "description": "an SSE stream"}},
+)
+async def stream(
+    run_id: str, runs: RunsDep, caller: RunReader, store: StoreDep, request: Request
+) -> EventSourceResponse:
+    """The run as `GET /v1/runs/{id}` shows it (event `run`, `id` its version), now and after
+    each change (status, step, progress); the stream ends after a terminal status. Comments
+    keep it alive."""
+    run = caller.visible(await runs.get(run_id))
+    state = request.app.state
+    changes = live.run_changes(run, store, state.run_changes, state.waiting, state.stop)
+    return EventSourceResponse(changes, ping=live.KEEP_ALIVE_SECONDS)
 
 
 @router.post(
