@@ -377,7 +377,8 @@ async def _step_down(port: int) -> None:
 
 async def schedulers_fight(where: Where, scale: Scale) -> Outcome:
     """Two schedulers and a schedule firing every second: alternately SIGKILL the lock's
-    holder (a new standby starts) and SIGSTOP it past the lock's TTL, then SIGCONT it."""
+    holder (a new standby starts) and SIGSTOP it past the lock's TTL, then SIGCONT it. The
+    holder of the notifiers' lock (the one fanning the trail out) goes with it."""
     began = time.monotonic()
     async with staged(where.folder, where.mongodb_url, where.db, workers=2, schedulers=2) as stage:
         tick = await stage.load.http.post(
@@ -392,21 +393,30 @@ async def schedulers_fight(where: Where, scale: Scale) -> Outcome:
         assert tick.status_code == 201, tick.text
         schedule_id = tick.json()["id"]
         turn = 0
-        lock = Keys(stage.cluster.settings.redis_prefix).singleton_lock("scheduler")
+        keys = Keys(stage.cluster.settings.redis_prefix)
+        crews = [
+            (keys.singleton_lock("scheduler"), stage.cluster.schedulers),
+            (keys.singleton_lock("notifier"), stage.cluster.notifiers),
+        ]
         frozen_for = stage.cluster.settings.scheduler_lock_seconds * 2
 
         async def fault() -> None:
             nonlocal turn
             turn += 1
-            holder = await _holder(stage, lock)
-            if holder is None:
+            holders = [
+                h for lock, crew in crews if (h := await _holder(stage, lock, crew)) is not None
+            ]
+            if not holders:
                 return
             if turn % 2:
-                stage.cluster.kill(holder)
+                for holder in holders:
+                    stage.cluster.kill(holder)
             else:
-                holder.send_signal(signal.SIGSTOP)
+                for holder in holders:
+                    holder.send_signal(signal.SIGSTOP)
                 await asyncio.sleep(frozen_for)
-                holder.send_signal(signal.SIGCONT)
+                for holder in holders:
+                    holder.send_signal(signal.SIGCONT)
 
         faults = await faulting(stage, scale, fault)
         paused = await stage.load.http.post(f"/v1/schedules/{schedule_id}/pause")
@@ -415,15 +425,17 @@ async def schedulers_fight(where: Where, scale: Scale) -> Outcome:
         return await outcome(stage, "schedulers fight", faults, scale, began, missed)
 
 
-async def _holder(stage: Stage, lock: str) -> subprocess.Popen[bytes] | None:
-    """The scheduler process holding the lock; its owner string is `scheduler-<pid>-<hex>`."""
+async def _holder(
+    stage: Stage, lock: str, crew: list[subprocess.Popen[bytes]]
+) -> subprocess.Popen[bytes] | None:
+    """The process of `crew` holding the lock; its owner string is `<command>-<pid>-<hex>`."""
     async with aioredis.Redis.from_url(stage.redis.url) as client:
         owner = await client.get(lock)
     if owner is None:
         return None
     text = owner.decode() if isinstance(owner, bytes) else owner
     pid = int(text.split("-")[1])
-    return next((p for p in stage.cluster.schedulers if p.pid == pid), None)
+    return next((p for p in crew if p.pid == pid), None)
 
 
 async def _missed_fires(stage: Stage, schedule_id: str) -> list[str]:

@@ -20,6 +20,7 @@ from tests.chaos.invariants import (
     over_max_running,
     peak,
     started_spans,
+    webhook_deliveries,
 )
 
 NOW = datetime(2026, 11, 21, tzinfo=UTC)
@@ -516,3 +517,51 @@ def test_a_map_step_that_succeeded_under_fail_has_only_succeeded_children() -> N
     failed = [(0, "succeeded", [(0, 1)]), (1, "failed", [(1, 2)]), (2, "succeeded", [(2, 3)])]
     assert any("did not" in v for v in map_families(*_family(failed)))
     assert map_families(*_family(failed, parent_step="failed")) == []
+
+
+A0, A1, A2 = ("account", "a0"), ("account", "a1"), ("account", "a2")
+
+
+def ended(event_id: int, scope: tuple[str, str], to: str = "succeeded") -> Doc:
+    """A run's end, as `job_events` holds it."""
+    return {
+        "_id": event_id,
+        "jobId": f"run{event_id}",
+        "type": "status_changed",
+        "to": to,
+        "scope": scope[0],
+        "scopeId": scope[1],
+    }
+
+
+def test_every_run_end_of_a_subscribed_scope_reaches_its_webhook_at_least_once() -> None:
+    events = [
+        ended(1, A0),
+        ended(2, A1, "failed"),
+        ended(3, A0, "cancelled"),
+        ended(4, A1, "expired"),
+        # Not ends: a move that is not terminal, and an event of another kind.
+        {**ended(5, A0), "to": "running"},
+        {**ended(6, A0), "type": "step_finished"},
+        # An end in a scope no webhook subscribed to.
+        ended(7, A2),
+    ]
+    subscribed = {A0, A1}
+    received = [(A0, "msg_1"), (A1, "msg_2"), (A0, "msg_3"), (A1, "msg_4")]
+    assert webhook_deliveries(events, subscribed, received) == []
+    # At least once: a message received again is no violation.
+    assert webhook_deliveries(events, subscribed, [*received, (A0, "msg_1")]) == []
+    [lost] = webhook_deliveries(events, subscribed, received[1:])
+    assert "run run1" in lost and "never reached" in lost and "a0" in lost
+
+
+def test_a_message_no_subscribed_run_end_explains_is_a_violation() -> None:
+    events = [ended(1, A0), {**ended(5, A0), "to": "running"}, ended(7, A2)]
+    received = [(A0, "msg_1")]
+    for stray in [(A0, "msg_5"), (A0, "msg_7"), (A0, "msg_99")]:
+        [wrong] = webhook_deliveries(events, {A0}, [*received, stray])
+        assert stray[1] in wrong and "not the end of a run of a subscribed scope" in wrong
+    # An end delivered to another scope's webhook: misdelivered there, and lost for its own.
+    wrong, lost = webhook_deliveries([ended(1, A0)], {A0, A1}, [(A1, "msg_1")])
+    assert "webhook of account a1 received msg_1, the end of a run of account a0" in wrong
+    assert "never reached the webhook of account a0" in lost

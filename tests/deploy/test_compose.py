@@ -19,7 +19,7 @@ from tests.deploy.conftest import COMPOSE_MISSING
 ROOT = Path(__file__).parents[2]
 BASE = "compose/docker-compose.yml"
 WORKER_IMAGE = "compose/worker-image.yml"
-JOBPLANE = ("api", "worker", "scheduler")
+JOBPLANE = ("api", "worker", "scheduler", "notifier")
 SENTINEL_URL = "redis+sentinel://sentinel-1:26379,sentinel-2:26379,sentinel-3:26379/mymaster/0"
 CLUSTER_URL = "redis+cluster://redis-1:6379,redis-2:6379,redis-3:6379"
 

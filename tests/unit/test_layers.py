@@ -22,10 +22,19 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     # Services, below the processes that run them.
     "jobplane.runs": ("jobplane.worker", "jobplane.scheduler", "jobplane.api", "jobplane.cli"),
     "jobplane.schedules": ("jobplane.worker", "jobplane.scheduler", "jobplane.api"),
-    # Processes: none reaches into another.
-    "jobplane.worker": ("jobplane.api", "jobplane.scheduler", "jobplane.cli"),
-    "jobplane.scheduler": ("jobplane.api", "jobplane.worker", "jobplane.cli"),
-    "jobplane.api": ("jobplane.worker", "jobplane.scheduler", "jobplane.cli"),
+    # Processes: none reaches into another. The API checks a webhook's URL as the notifier
+    # will (`webhooks.guard`), and nothing else of the notifier's.
+    "jobplane.worker": ("jobplane.api", "jobplane.scheduler", "jobplane.cli", "jobplane.webhooks"),
+    "jobplane.scheduler": ("jobplane.api", "jobplane.worker", "jobplane.cli", "jobplane.webhooks"),
+    "jobplane.webhooks": ("jobplane.api", "jobplane.worker", "jobplane.scheduler", "jobplane.cli"),
+    "jobplane.api": (
+        "jobplane.worker",
+        "jobplane.scheduler",
+        "jobplane.cli",
+        "jobplane.webhooks.fanout",
+        "jobplane.webhooks.sender",
+        "jobplane.webhooks.notifier",
+    ),
     # The public client is the run service's, not the API's.
     "jobplane.client": ("jobplane.api", "jobplane.worker", "jobplane.cli", "fastapi"),
 }
