@@ -78,7 +78,9 @@ async def audit(
     templates = {(t["type"], t["version"]): t async for t in db.job_templates.find({})}
     copies: defaultdict[str, list[Doc]] = defaultdict(list)
     async for event in db.job_events.find({}):
-        copies[event["jobId"]].append(event)
+        # A webhook's life is written to `job_events` alone, under the webhook's id.
+        if not event["type"].startswith("webhook_"):
+            copies[event["jobId"]].append(event)
     runs: dict[str, Doc] = {}
     for collection in (db.job_runs, db.job_runs_archive):
         async for run in collection.find({}):

@@ -6,11 +6,13 @@ import csv
 import io
 import re
 import time
+from collections.abc import Callable
 from typing import Any
+from urllib.parse import urlparse
 
 import httpx
 import pytest
-from playwright.sync_api import Locator, Page, expect
+from playwright.sync_api import Locator, Page, Request, Route, expect
 
 from tests.ui.conftest import PAUSABLE_QUEUE, sign_in
 from tests.ui.stack import Stack
@@ -516,3 +518,138 @@ def test_a_map_step_counts_its_children_and_links_to_their_list(
     expect(page).to_have_url(re.compile(f"parentRunId={run_id}"))
     listed = page.get_by_role("region", name="Runs")
     expect(listed.get_by_role("link", name=re.compile(r"^run "))).to_have_count(3)
+
+
+# -- live streams: the run page and the overview follow the API's streams, and poll while a
+# stream is down.
+
+
+def live_note(page: Page, name: str) -> Locator:
+    """How a page says it follows changes: `data-live` is "live" or "polling"."""
+    return page.locator(f"#{name}-live")
+
+
+def paths(requests: list[Request], path: str) -> list[Request]:
+    return [r for r in requests if urlparse(r.url).path == path]
+
+
+def started(admin: httpx.Client, run_id: str) -> None:
+    """Once `run_id` runs: from then on, only the stream says how it moves."""
+    for _ in range(200):
+        if admin.get(f"/v1/runs/{run_id}").json()["status"] == "running":
+            return
+        time.sleep(0.05)
+    pytest.fail(f"run {run_id} did not start")
+
+
+def test_the_run_page_follows_the_run_s_stream_without_polling(
+    page: Page, stack: Stack, scope_id: str
+) -> None:
+    with stack.admin() as admin:
+        run_id = create_run(admin, "ui_steps", scope_id, sleepSeconds=1)
+        started(admin, run_id)
+    asked: list[Request] = []
+    page.on("request", asked.append)
+    sign_in(page, stack)
+    page.goto(f"{stack.dashboard}#/runs/{run_id}")
+    expect(live_note(page, "run")).to_have_attribute("data-live", "live")
+    expect(live_note(page, "run")).to_have_text(" · live")
+    expect(run_status(page)).to_have_text("succeeded", timeout=15_000)
+    expect(page.get_by_role("progressbar", name="Run progress")).to_have_attribute(
+        "aria-valuenow", "100"
+    )
+    timeline = page.get_by_role("list", name="Events, oldest first")
+    expect(timeline).to_contain_text("running → succeeded")
+    expect(live_note(page, "run")).to_have_count(0)  # a finished run is followed no more
+    page.wait_for_timeout(1_500)  # longer than a poll's interval
+    # The page's first read; the stream said the rest.
+    assert len(paths(asked, f"/v1/runs/{run_id}")) == 1
+    assert len(paths(asked, f"/v1/runs/{run_id}/stream")) == 1
+
+
+BREAKS: dict[str, Callable[[Route], None]] = {
+    "unreachable": lambda route: route.abort(),
+    "refused": lambda route: route.fulfill(status=500, json={"error": {"code": "Internal"}}),
+    # Accepted, then ended before the run did.
+    "cut short": lambda route: route.fulfill(
+        status=200, content_type="text/event-stream", body=": ping\r\n\r\n"
+    ),
+}
+
+
+@pytest.mark.parametrize("how", BREAKS)
+def test_the_run_page_polls_while_its_stream_is_down_then_follows_it_again(
+    page: Page, stack: Stack, scope_id: str, how: str
+) -> None:
+    tries: list[str] = []
+
+    def once(route: Route) -> None:
+        tries.append(route.request.url)
+        if len(tries) == 1:
+            BREAKS[how](route)
+        else:
+            route.continue_()
+
+    page.route("**/v1/runs/*/stream", once)
+    with stack.admin() as admin:
+        # Long enough for the stream to be opened again (5 s after it broke) before the end.
+        run_id = create_run(admin, "ui_steps", scope_id, sleepSeconds=4)
+    asked: list[Request] = []
+    page.on("request", asked.append)
+    sign_in(page, stack)
+    page.goto(f"{stack.dashboard}#/runs/{run_id}")
+    note = live_note(page, "run")
+    expect(note).to_have_attribute("data-live", "polling")
+    expect(note).to_have_text(" · refreshes every 1 s")
+    expect(note).to_have_attribute("data-live", "live", timeout=10_000)
+    polled = len(paths(asked, f"/v1/runs/{run_id}"))
+    assert polled >= 3, "the page polled while the stream was down"
+    expect(run_status(page)).to_have_text("succeeded", timeout=15_000)
+    page.wait_for_timeout(1_500)  # longer than a poll's interval
+    assert len(tries) == 2
+    # Once the stream was open again, no more polls, bar one under way as it opened.
+    assert len(paths(asked, f"/v1/runs/{run_id}")) <= polled + 1
+
+
+def test_the_overview_refreshes_when_the_trail_s_stream_says_something_happened(
+    page: Page, stack: Stack, scope_id: str
+) -> None:
+    # A key of this test's scope, whose overview and trail nothing else touches.
+    body = {"name": f"live-{scope_id}", "role": "user", "scopes": [f"user:{scope_id}"]}
+    with stack.admin() as admin:
+        key = admin.post("/v1/api-keys", json=body).json()["key"]
+    asked: list[Request] = []
+    page.on("request", asked.append)
+    sign_in(page, stack, key)
+    expect(live_note(page, "overview")).to_have_attribute("data-live", "live")
+    queued = page.locator("#tile-queued")
+    expect(queued).to_have_attribute("aria-label", "0 queued")
+    before = len(paths(asked, "/v1/overview"))
+    with stack.admin() as admin:
+        run_id = create_run(admin, "ui_unserved", scope_id)  # stays queued
+    expect(queued).to_have_attribute("aria-label", "1 queued")
+    page.wait_for_timeout(5_500)  # longer than a poll's interval
+    # One refresh for the run's entries, which come in a burst; no poll.
+    assert len(paths(asked, "/v1/overview")) - before in (1, 2)
+    assert len(paths(asked, "/v1/events/stream")) == 1
+    with stack.admin() as admin:
+        admin.post(f"/v1/runs/{run_id}/cancel", json={})
+
+
+def test_the_overview_polls_while_the_trail_s_stream_is_down(
+    page: Page, stack: Stack, scope_id: str
+) -> None:
+    page.route("**/v1/events/stream*", lambda route: route.abort())
+    body = {"name": f"poll-{scope_id}", "role": "user", "scopes": [f"user:{scope_id}"]}
+    with stack.admin() as admin:
+        key = admin.post("/v1/api-keys", json=body).json()["key"]
+    sign_in(page, stack, key)
+    note = live_note(page, "overview")
+    expect(note).to_have_attribute("data-live", "polling")
+    expect(note).to_have_text(" · refreshes every 5 s")
+    queued = page.locator("#tile-queued")
+    expect(queued).to_have_attribute("aria-label", "0 queued")
+    with stack.admin() as admin:
+        run_id = create_run(admin, "ui_unserved", scope_id)
+        expect(queued).to_have_attribute("aria-label", "1 queued", timeout=12_000)
+        admin.post(f"/v1/runs/{run_id}/cancel", json={})

@@ -7,11 +7,11 @@ import re
 import socket
 from collections.abc import AsyncIterator
 
-import httpx
+import aiohttp
 import pytest
 
 from jobplane.webhooks import guard
-from jobplane.webhooks.guard import GuardedBackend, Refused, check_url, client, refused
+from jobplane.webhooks.guard import check_url, refused
 
 
 def test_check_url_accepts_http_and_https() -> None:
@@ -103,87 +103,68 @@ async def server() -> AsyncIterator[tuple[int, list[bytes]]]:
         yield listener.sockets[0].getsockname()[1], received
 
 
-@pytest.mark.parametrize(
-    ("host", "message"),
-    [
-        ("127.0.0.1", "refused to connect to 127.0.0.1: a loopback address"),
-        ("localhost", "refused to connect to localhost: it resolves to "),
-    ],
-)
-async def test_the_guarded_client_refuses_loopback(
-    server: tuple[int, list[bytes]], host: str, message: str
+@pytest.mark.parametrize("host", ["127.0.0.1", "localhost"])
+async def test_the_guarded_session_refuses_loopback(
+    server: tuple[int, list[bytes]], host: str
 ) -> None:
     port, received = server
-    async with client(5, allow_private=False) as http:
-        with pytest.raises(httpx.ConnectError, match=re.escape(message)) as caught:
-            await http.post(f"http://{host}:{port}/", content=b"{}")
-    assert "a loopback address" in str(caught.value)
-    assert isinstance(caught.value.__cause__, Refused)
+    async with guard.session(5, allow_private=False) as http:
+        with pytest.raises(aiohttp.ClientConnectorError) as caught:
+            await http.post(f"http://{host}:{port}/", data=b"{}")
+    assert "a loopback address" in str(caught.value.os_error)
     assert received == []
 
 
 async def test_allow_private_connects(server: tuple[int, list[bytes]]) -> None:
     port, received = server
-    async with client(5, allow_private=True) as http:
-        response = await http.post(f"http://127.0.0.1:{port}/", content=b"{}")
-    assert response.status_code == 200
+    async with (
+        guard.session(5, allow_private=True) as http,
+        http.post(f"http://127.0.0.1:{port}/", data=b"{}") as response,
+    ):
+        assert response.status == 200
     assert len(received) == 1
 
 
-async def test_one_internal_address_refuses_the_name(
+async def test_the_address_checked_is_the_one_connected_to(
     server: tuple[int, list[bytes]], monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A name answering a public and an internal address is refused, whichever comes first."""
+    """The check sees the address the socket connects to, resolved from the name, and the
+    request still names the host of the URL."""
     port, received = server
-
-    async def resolve(host: str, port: int) -> list[guard.Address]:
-        return [ipaddress.ip_address("93.184.216.34"), ipaddress.ip_address("10.1.2.3")]
-
-    monkeypatch.setattr(guard, "_resolve", resolve)
-    async with client(5, allow_private=False) as http:
-        with pytest.raises(
-            httpx.ConnectError, match=re.escape("resolves to 10.1.2.3, a private address")
-        ):
-            await http.get(f"http://hooks.example:{port}/")
-    assert received == []
-
-
-async def test_the_checked_address_is_the_one_connected_to(
-    server: tuple[int, list[bytes]], monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """The connection goes to the address resolved and checked, not to a fresh lookup of the
-    name, and the request still names the host of the URL."""
-    port, received = server
-    checked: list[guard.Address] = []
-
-    async def resolve(host: str, port: int) -> list[guard.Address]:
-        assert host == "hooks.example"
-        return [ipaddress.ip_address("127.0.0.1")]
+    checked: list[str] = []
 
     def allow(address: guard.Address) -> None:
-        checked.append(address)
+        checked.append(str(address))
 
-    monkeypatch.setattr(guard, "_resolve", resolve)
     monkeypatch.setattr(guard, "refused", allow)
-    async with client(5, allow_private=False) as http:
-        response = await http.get(f"http://hooks.example:{port}/")
-    assert response.status_code == 200
-    assert checked == [ipaddress.ip_address("127.0.0.1")]
-    assert f"Host: hooks.example:{port}\r\n".encode() in received[0]
+    async with (
+        guard.session(5, allow_private=False) as http,
+        http.get(f"http://localhost:{port}/") as response,
+    ):
+        assert response.status == 200
+    assert checked[-1] in ("127.0.0.1", "::1")
+    assert f"Host: localhost:{port}\r\n".encode() in received[0]
 
 
-async def test_a_name_that_does_not_resolve_is_a_connect_error(
-    monkeypatch: pytest.MonkeyPatch,
-) -> None:
-    def unknown(*args: object, **kwargs: object) -> None:
-        raise socket.gaierror(socket.EAI_NONAME, "Name or service not known")
+@pytest.mark.parametrize(
+    ("address", "refusal"),
+    [
+        ("10.1.2.3", "refused to connect to 10.1.2.3: a private address"),
+        ("fe80::1%eth0", "refused to connect to fe80::1: a link-local or metadata address"),
+    ],
+)
+def test_a_socket_to_an_internal_address_is_never_made(address: str, refusal: str) -> None:
+    family = socket.AF_INET6 if ":" in address else socket.AF_INET
+    with pytest.raises(guard.Refused, match=re.escape(refusal)):
+        guard._socket((family, socket.SOCK_STREAM, 6, "", (address, 443)))
 
-    monkeypatch.setattr(socket, "getaddrinfo", unknown)  # what the event loop's resolver calls
-    async with client(5, allow_private=False) as http:
-        with pytest.raises(httpx.ConnectError, match=re.escape("cannot resolve nowhere.invalid")):
+
+def test_a_socket_to_a_public_address_is_made() -> None:
+    made = guard._socket((socket.AF_INET, socket.SOCK_STREAM, 6, "", ("93.184.216.34", 443)))
+    made.close()
+
+
+async def test_a_name_that_does_not_resolve_is_a_connect_error() -> None:
+    async with guard.session(5, allow_private=False) as http:
+        with pytest.raises(aiohttp.ClientConnectorError):
             await http.get("http://nowhere.invalid/")
-
-
-async def test_unix_sockets_are_refused() -> None:
-    with pytest.raises(Refused, match="Unix socket"):
-        await GuardedBackend().connect_unix_socket("/run/docker.sock")

@@ -7,25 +7,21 @@ the URL's host when it is submitted is not enough: a name is resolved again at e
 and its owner can make it answer a public address to the check and 127.0.0.1 to the connection
 (DNS rebinding), or use a numeric form only the resolver understands (`http://0x7f.1/`).
 
-So the decision is made where the connection is made. `GuardedBackend` is the network backend
-of the delivery client's connection pool: it resolves the host itself, refuses if any address it
-gets is internal, and connects to an address it checked, by that address, so nothing is resolved
-between the check and the connect. TLS is unaffected: httpcore starts it on the returned stream
-with the URL's host name as `server_hostname`, so the certificate is still verified against the
-name. `check_url` only refuses URLs that are malformed or not plain HTTP(S) when they are
-submitted; it resolves nothing.
+So the decision is made where the connection is made: the delivery session's connector makes
+each socket through `_socket`, which is handed the very address the socket will connect to
+(resolved from the name, or written in the URL) and refuses an internal one. Nothing is
+resolved between the check and the connect. TLS is unaffected: it is started with the URL's
+host name, so the certificate is still verified against the name. `check_url` only refuses URLs
+that are malformed or not plain HTTP(S) when they are submitted; it resolves nothing.
 """
 
-import asyncio
-import contextlib
-import functools
+import errno
 import ipaddress
 import socket
-import ssl
-from collections.abc import AsyncIterable, AsyncIterator, Iterable, Iterator
 
-import httpcore
+import aiohttp
 import httpx
+from aiohappyeyeballs import AddrInfoType
 
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 
@@ -113,181 +109,30 @@ def _tunnelled_ipv4(address: ipaddress.IPv6Address) -> list[ipaddress.IPv4Addres
     return []
 
 
-class Refused(httpcore.ConnectError):
-    """A delivery's destination is internal. httpx raises it as `httpx.ConnectError`."""
+class Refused(OSError):
+    """A delivery's destination is internal. aiohttp raises it as a connection error."""
 
 
-class GuardedBackend(httpcore.AsyncNetworkBackend):
-    """httpcore's network backend, connecting only to addresses `refused` allows (asyncio)."""
-
-    def __init__(self) -> None:
-        self._backend = httpcore.AnyIOBackend()
-
-    async def connect_tcp(
-        self,
-        host: str,
-        port: int,
-        timeout: float | None = None,  # noqa: ASYNC109 (httpcore's signature)
-        local_address: str | None = None,
-        socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None,
-    ) -> httpcore.AsyncNetworkStream:
-        loop = asyncio.get_running_loop()
-        deadline = None if timeout is None else loop.time() + timeout
-        try:
-            async with asyncio.timeout(timeout):
-                addresses = await _resolve(host, port)
-        except TimeoutError:
-            raise httpcore.ConnectTimeout(f"resolving {host} timed out") from None
-        # Any internal address refuses the host: which one a connection would get is the
-        # resolver's (and so the name's owner's) choice.
-        for address in addresses:
-            if reason := refused(address):
-                said = "" if host == str(address) else f"it resolves to {address}, "
-                raise Refused(f"refused to connect to {host}: {said}{reason}")
-        error: httpcore.ConnectError | None = None
-        for address in addresses:  # in the resolver's order, as a connection by name would
-            remaining = None if deadline is None else max(deadline - loop.time(), 0.0)
-            try:
-                return await self._backend.connect_tcp(
-                    str(address),
-                    port,
-                    timeout=remaining,
-                    local_address=local_address,
-                    socket_options=socket_options,
-                )
-            except httpcore.ConnectError as exc:
-                error = exc
-        assert error is not None  # `_resolve` returns at least one address
-        raise error
-
-    async def connect_unix_socket(
-        self,
-        path: str,
-        timeout: float | None = None,  # noqa: ASYNC109 (httpcore's signature)
-        socket_options: Iterable[httpcore.SOCKET_OPTION] | None = None,
-    ) -> httpcore.AsyncNetworkStream:
-        raise Refused("refused to connect to a Unix socket")
-
-    async def sleep(self, seconds: float) -> None:
-        await self._backend.sleep(seconds)
+def _socket(addr_info: AddrInfoType) -> socket.socket:
+    """The socket of one connection attempt, if its address may be connected to."""
+    family, type_, proto, _, sockaddr = addr_info
+    host = str(sockaddr[0]).split("%", 1)[0]  # an IPv6 scope (fe80::1%eth0) is no part of it
+    if reason := refused(ipaddress.ip_address(host)):
+        raise Refused(errno.EACCES, f"refused to connect to {host}: {reason}")
+    return socket.socket(family, type_, proto)
 
 
-async def _resolve(host: str, port: int) -> list[Address]:
-    """`host`'s addresses, in the resolver's order, without repeats."""
-    try:
-        infos = await asyncio.get_running_loop().getaddrinfo(host, port, type=socket.SOCK_STREAM)
-    except OSError as exc:
-        raise httpcore.ConnectError(f"cannot resolve {host}: {exc}") from None
-    addresses = [
-        ipaddress.ip_address(info[4][0])
-        for info in infos
-        if info[0] in (socket.AF_INET, socket.AF_INET6)
-    ]
-    if not addresses:
-        raise httpcore.ConnectError(f"cannot resolve {host}: no IP address")
-    return list(dict.fromkeys(addresses))
-
-
-def client(timeout: float, allow_private: bool) -> httpx.AsyncClient:
-    """An HTTP client for deliveries: guarded (unless `allow_private`), no redirects followed
-    (a redirect would be a second, unchecked URL), no proxy or settings from the environment."""
-    transport: httpx.AsyncBaseTransport = (
-        httpx.AsyncHTTPTransport(verify=_ssl_context(), trust_env=False)
-        if allow_private
-        else _GuardedTransport()
+def session(timeout: float, allow_private: bool) -> aiohttp.ClientSession:
+    """An HTTP session for deliveries: guarded (unless `allow_private`), and no proxy or
+    settings from the environment. Callers pass `allow_redirects=False`: a redirect would be a
+    second URL, one nobody submitted."""
+    connector = aiohttp.TCPConnector(
+        limit=0,  # the sender bounds its tries in flight itself
+        socket_factory=None if allow_private else _socket,
     )
-    return httpx.AsyncClient(
-        transport=transport, timeout=timeout, follow_redirects=False, trust_env=False
+    return aiohttp.ClientSession(
+        connector=connector,
+        timeout=aiohttp.ClientTimeout(total=timeout),
+        trust_env=False,
+        auto_decompress=False,
     )
-
-
-@functools.cache
-def _ssl_context() -> ssl.SSLContext:
-    return httpx.create_ssl_context(trust_env=False)  # made once: it reads the CA bundle
-
-
-class _GuardedTransport(httpx.AsyncBaseTransport):
-    """`httpx.AsyncHTTPTransport` on `GuardedBackend`. httpx takes no network backend, so this
-    mirrors its transport (httpx 0.28, `_transports/default.py`), without proxies."""
-
-    def __init__(self) -> None:
-        self._pool = httpcore.AsyncConnectionPool(
-            ssl_context=_ssl_context(),
-            # httpx's default limits
-            max_connections=100,
-            max_keepalive_connections=20,
-            keepalive_expiry=5.0,
-            network_backend=GuardedBackend(),
-        )
-
-    async def handle_async_request(self, request: httpx.Request) -> httpx.Response:
-        assert isinstance(request.stream, httpx.AsyncByteStream)
-        core_request = httpcore.Request(
-            method=request.method,
-            url=httpcore.URL(
-                scheme=request.url.raw_scheme,
-                host=request.url.raw_host,
-                port=request.url.port,
-                target=request.url.raw_path,
-            ),
-            headers=request.headers.raw,
-            content=request.stream,
-            extensions=request.extensions,
-        )
-        with _httpx_errors():
-            response = await self._pool.handle_async_request(core_request)
-        assert isinstance(response.stream, AsyncIterable)
-        return httpx.Response(
-            status_code=response.status,
-            headers=response.headers,
-            stream=_ResponseStream(response.stream),
-            extensions=response.extensions,
-        )
-
-    async def aclose(self) -> None:
-        await self._pool.aclose()
-
-
-class _ResponseStream(httpx.AsyncByteStream):
-    def __init__(self, stream: AsyncIterable[bytes]) -> None:
-        self._stream = stream
-
-    async def __aiter__(self) -> AsyncIterator[bytes]:
-        with _httpx_errors():
-            async for part in self._stream:
-                yield part
-
-    async def aclose(self) -> None:
-        # httpcore's response streams close; `AsyncIterable` says nothing of it.
-        aclose = getattr(self._stream, "aclose", None)
-        if aclose is not None:
-            await aclose()
-
-
-# httpcore's exceptions as httpx raises them, each before its base class.
-_ERRORS: tuple[tuple[type[Exception], type[httpx.TransportError]], ...] = (
-    (httpcore.ConnectTimeout, httpx.ConnectTimeout),
-    (httpcore.ReadTimeout, httpx.ReadTimeout),
-    (httpcore.WriteTimeout, httpx.WriteTimeout),
-    (httpcore.PoolTimeout, httpx.PoolTimeout),
-    (httpcore.TimeoutException, httpx.TimeoutException),
-    (httpcore.ConnectError, httpx.ConnectError),
-    (httpcore.ReadError, httpx.ReadError),
-    (httpcore.WriteError, httpx.WriteError),
-    (httpcore.NetworkError, httpx.NetworkError),
-    (httpcore.LocalProtocolError, httpx.LocalProtocolError),
-    (httpcore.RemoteProtocolError, httpx.RemoteProtocolError),
-    (httpcore.ProtocolError, httpx.ProtocolError),
-    (httpcore.UnsupportedProtocol, httpx.UnsupportedProtocol),
-)
-
-
-@contextlib.contextmanager
-def _httpx_errors() -> Iterator[None]:
-    try:
-        yield
-    except Exception as exc:
-        for core, mapped in _ERRORS:
-            if isinstance(exc, core):
-                raise mapped(str(exc)) from exc
-        raise

@@ -17,7 +17,7 @@ import random
 from collections import Counter
 from datetime import datetime, timedelta
 
-import httpx
+import aiohttp
 from standardwebhooks.webhooks import Webhook as Signer
 
 from jobplane.clock import Clock
@@ -37,6 +37,9 @@ CLAIM_MARGIN_SECONDS = 10.0
 # How often due deliveries are looked for when nothing wakes the sender sooner: retries
 # coming due, and deliveries another notifier's fan-out stored.
 POLL_SECONDS = 1.0
+# How stale the sender's list of enabled webhooks may be: a new one's first deliveries, or a
+# disabled one's last tries, wait up to this long.
+HOOKS_SECONDS = 1.0
 # A webhook whose deliveries have all failed this long is disabled.
 DISABLE_AFTER = timedelta(days=5)
 # The longest `Retry-After` honoured.
@@ -63,12 +66,14 @@ class Sender:
         self._rng = rng or random.Random()
         self._in_flight: Counter[str] = Counter()
         self._tries: set[asyncio.Task[None]] = set()
+        self._hooks: dict[str, SignedWebhook] = {}
+        self._read_at = -HOOKS_SECONDS
 
     async def run(self, stop: asyncio.Event) -> None:
         """Send until `stop`; tries in flight then get `close_seconds` to finish (one cut short
         is tried again once its claim runs out)."""
         timeout = self.settings.webhook_timeout_seconds
-        async with guard.client(timeout, self.settings.webhook_allow_private) as http:
+        async with guard.session(timeout, self.settings.webhook_allow_private) as http:
             try:
                 while not stop.is_set():
                     self.wake.clear()
@@ -92,13 +97,13 @@ class Sender:
                     gathered = asyncio.gather(*self._tries, return_exceptions=True)
                     await finish_within(gathered, self.settings.close_seconds, "webhook tries")
 
-    async def send_due(self, http: httpx.AsyncClient) -> bool:
+    async def send_due(self, http: aiohttp.ClientSession) -> bool:
         """Start a try of each due delivery there is room for; True if the room ran out
         first (more may be due)."""
         room = self.settings.webhook_concurrency - len(self._tries)
         if room <= 0:
             return False
-        hooks = {h.id: h for h in await self.store.webhooks.enabled()}
+        hooks = await self._enabled()
         open_ = [i for i in hooks if self._in_flight[i] < PER_WEBHOOK]
         if not open_:
             return False
@@ -116,30 +121,42 @@ class Sender:
             task.add_done_callback(functools.partial(self._done, hook.id))
         return len(claimed) == limit
 
+    async def _enabled(self) -> dict[str, SignedWebhook]:
+        """The enabled webhooks, read again at most every `HOOKS_SECONDS`."""
+        now = asyncio.get_running_loop().time()
+        if now - self._read_at >= HOOKS_SECONDS:
+            self._hooks = {h.id: h for h in await self.store.webhooks.enabled()}
+            self._read_at = now
+        return self._hooks
+
     def _done(self, webhook_id: str, task: asyncio.Task[None]) -> None:
         self._tries.discard(task)
         self._in_flight[webhook_id] -= 1
         self.wake.set()  # room for the next try
 
-    async def attempt(self, http: httpx.AsyncClient, hook: SignedWebhook, claimed: Claimed) -> None:
+    async def attempt(
+        self, http: aiohttp.ClientSession, hook: SignedWebhook, claimed: Claimed
+    ) -> None:
         """One try of one delivery, and its outcome written."""
         headers = self.signed(hook, claimed)
         try:
-            response = await http.post(hook.url, content=claimed.body, headers=headers)
-        except httpx.HTTPError as exc:
+            async with http.post(
+                hook.url, data=claimed.body.encode(), headers=headers, allow_redirects=False
+            ) as response:
+                code, retry_after = response.status, response.headers.get("retry-after", "")
+        except (aiohttp.ClientError, TimeoutError) as exc:
             await self._failed(hook, claimed, None, _describe(exc), None)
             return
         except Exception:
             log.exception("trying delivery %s failed", claimed.delivery.id)
             await self._failed(hook, claimed, None, "the try failed in the notifier", None)
             return
-        code = response.status_code
         if 200 <= code < 300:
             await self._succeeded(hook, claimed, code)
         elif code == 410:
             await self._gone(hook, claimed)
         else:
-            wait = _retry_after(response) if code in (429, 503) else None
+            wait = _retry_after(retry_after) if code in (429, 503) else None
             await self._failed(hook, claimed, code, f"the endpoint answered {code}", wait)
 
     def signed(self, hook: SignedWebhook, claimed: Claimed) -> dict[str, str]:
@@ -175,8 +192,8 @@ class Sender:
         """A 410: the receiver says the endpoint is gone for good."""
         error = "the endpoint answered 410 Gone; the webhook was disabled"
         outcome = {"status": "failed", "lastStatusCode": 410, "lastError": error}
-        if await self.store.webhooks.tried(claimed, outcome | {"nextAttemptAt": None}):
-            await self._disable(hook, "the endpoint answered 410 Gone")
+        await self.store.webhooks.tried(claimed, outcome | {"nextAttemptAt": None})
+        await self._disable(hook, "the endpoint answered 410 Gone")
 
     async def _failed(
         self,
@@ -191,8 +208,7 @@ class Sender:
         outcome = {"lastStatusCode": code, "lastError": error, "nextAttemptAt": next_at}
         if next_at is None:
             outcome["status"] = "failed"
-        if not await self.store.webhooks.tried(claimed, outcome):
-            return
+        await self.store.webhooks.tried(claimed, outcome)
         since = await self.store.webhooks.note_failing(hook.id, now)
         if since is not None and now - since >= DISABLE_AFTER:
             await self._disable(hook, f"every delivery failed since {since.isoformat()}")
@@ -216,9 +232,10 @@ class Sender:
             log.warning("webhook %s (%s) disabled: %s", hook.id, hook.url, reason)
 
 
-def _retry_after(response: httpx.Response) -> float | None:
-    """The wait a 429 or 503 asks for, in seconds or as a date; None if it asks for none."""
-    value = response.headers.get("retry-after", "").strip()
+def _retry_after(header: str) -> float | None:
+    """The wait a 429's or 503's `Retry-After` asks for, in seconds or as a date; None if it
+    asks for none."""
+    value = header.strip()
     if not value:
         return None
     if value.isdigit():
@@ -234,7 +251,10 @@ def _retry_after(response: httpx.Response) -> float | None:
     return min(max(seconds, 0.0), MAX_RETRY_AFTER)
 
 
-def _describe(exc: httpx.HTTPError) -> str:
-    if isinstance(exc, httpx.TimeoutException):
+def _describe(exc: Exception) -> str:
+    if isinstance(exc, TimeoutError):
         return "no answer within the timeout"
+    if isinstance(exc, aiohttp.ClientConnectorError):
+        # Its own text names the OS error's code only; the error says why (an address refused).
+        return f"cannot connect to {exc.host}:{exc.port}: {exc.os_error}"[:500]
     return f"{type(exc).__name__}: {exc}"[:500]

@@ -137,6 +137,15 @@ export function progressBar(percentage, { label, status, thin = false } = {}) {
   );
 }
 
+// Says, after a page's other facts, how it follows changes: "live" while an API stream brings
+// them, or how often it asks while the stream is down. `data-live` holds the mode.
+export function following(note, mode, everyMs) {
+  const live = mode === "live";
+  note.dataset.live = mode;
+  note.title = live ? "Changes show as they happen." : "The live stream is down: this page asks again, and retries the stream.";
+  note.textContent = live ? " · live" : ` · refreshes every ${everyMs / 1000} s`;
+}
+
 export function json(value) {
   return h("pre", { class: "json" }, JSON.stringify(value, null, 2));
 }

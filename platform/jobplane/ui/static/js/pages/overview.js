@@ -1,28 +1,74 @@
 // Overview: runs by status, the last hour per minute, queues, failing templates, workers and
-// the scheduler, from GET /v1/overview, refreshed every 5 seconds.
+// the scheduler, from GET /v1/overview. Read again soon after entries reach the audit trail's
+// stream (GET /v1/events/stream), and every 30 seconds for what the trail does not record
+// (workers coming and going, the progress of held runs, the scheduler's ticks); every 5
+// seconds while that stream is down, or for a key that may not read it.
 
-import { get } from "../api.js";
+import { get, session } from "../api.js";
 import { runsChart } from "../chart.js";
-import { ago, badge, card, duration, facts, fill, h, localTime, pageHead, progressBar, runLink, table, time } from "../dom.js";
+import { ago, badge, card, duration, facts, fill, following, h, localTime, pageHead, progressBar, runLink, table, time } from "../dom.js";
+import { follow } from "../sse.js";
 
 const REFRESH_MS = 5000;
+const LIVE_REFRESH_MS = 30000;
+// Entries come in bursts (a run's start writes several): one refresh at most this often.
+const GAP_MS = 500;
 
 export async function render(ctx) {
-  const data = await get("/v1/overview", {}, { signal: ctx.signal });
-  draw(ctx, data);
-  ctx.every(REFRESH_MS, async () => {
-    const focused = document.activeElement?.id;
-    draw(ctx, await get("/v1/overview", {}, { signal: ctx.signal }));
-    if (focused) document.getElementById(focused)?.focus();
+  const note = h("span", { class: "live-note", id: "overview-live" });
+  draw(ctx, await get("/v1/overview", {}, { signal: ctx.signal }), note);
+  let last = Date.now();
+  let wanted = false;
+  let refreshing = false;
+  // A refresh GAP_MS after the last one began, never two at once; one asked for meanwhile
+  // follows the one under way, which may have read the overview before what it was asked for.
+  const refresh = async () => {
+    wanted = true;
+    if (refreshing) return;
+    refreshing = true;
+    while (wanted && !ctx.signal.aborted) {
+      await new Promise((resolve) => setTimeout(resolve, Math.max(0, last + GAP_MS - Date.now())));
+      wanted = false;
+      last = Date.now();
+      try {
+        const focused = document.activeElement?.id;
+        draw(ctx, await get("/v1/overview", {}, { signal: ctx.signal }), note);
+        if (focused) document.getElementById(focused)?.focus();
+      } catch (error) {
+        if (error.name !== "AbortError") console.warn("refresh failed", error);
+      }
+    }
+    refreshing = false;
+  };
+
+  let live = false;
+  if (session.can("events:read")) {
+    let missed = false;
+    follow("/v1/events/stream", {
+      signal: ctx.signal,
+      onMessage: () => { refresh(); },
+      onMode: (mode) => {
+        // What reached the trail while the stream was down, it did not say.
+        if (mode === "live" && missed) refresh();
+        missed = mode === "polling";
+        live = mode === "live";
+        following(note, mode, REFRESH_MS);
+      },
+    });
+  } else {
+    following(note, "polling", REFRESH_MS);
+  }
+  ctx.every(REFRESH_MS, () => {
+    if (!live || Date.now() - last >= LIVE_REFRESH_MS) refresh();
   });
 }
 
-function draw(ctx, data) {
+function draw(ctx, data, note) {
   const refresh = h("button", { type: "button", class: "btn", id: "overview-refresh" }, "Refresh");
-  refresh.addEventListener("click", async () => draw(ctx, await get("/v1/overview", {}, { signal: ctx.signal })));
+  refresh.addEventListener("click", async () => draw(ctx, await get("/v1/overview", {}, { signal: ctx.signal }), note));
   const sections = [
     pageHead("Overview", {
-      sub: `Updated ${localTime(data.generatedAt).slice(11)} · refreshes every ${REFRESH_MS / 1000} s`,
+      sub: [`Updated ${localTime(data.generatedAt).slice(11)}`, note],
       actions: [refresh],
     }),
   ];

@@ -1,26 +1,34 @@
 // One run: its steps as live progress bars, payload, result and the error it ended with, the
-// errors of earlier attempts, attempts and lease, its event trail, and cancel / rerun. GET /v1/runs/{id} is polled every second while the run
-// is active (the trail is read again whenever the run's version moves).
+// errors of earlier attempts, attempts and lease, its event trail, and cancel / rerun. The run's
+// stream (GET /v1/runs/{id}/stream) brings each change while the run is active; GET
+// /v1/runs/{id} is polled every second while the stream is down, and while the run waits to
+// start. The trail is read again whenever the run's version moves.
 
 import { ApiError, get, post, session } from "../api.js";
-import { announce, badge, card, confirmDialog, duration, errorBox, facts, fill, h, json, pageHead, progressBar, runLink, table, TERMINAL, time, toast } from "../dom.js";
+import { announce, badge, card, confirmDialog, duration, errorBox, facts, fill, following, h, json, pageHead, progressBar, runLink, table, TERMINAL, time, toast } from "../dom.js";
+import { follow } from "../sse.js";
 
 const POLL_MS = 1000;
+// The statuses of a run that could start: the only ones with a `waitingFor`.
+const CLAIMABLE = new Set(["pending", "queued"]);
 
 export async function render(ctx) {
   const id = ctx.params[0];
-  let run = await get(`/v1/runs/${encodeURIComponent(id)}`, {}, { signal: ctx.signal });
+  const path = `/v1/runs/${encodeURIComponent(id)}`;
+  let run = await get(path, {}, { signal: ctx.signal });
   const [template, events] = await Promise.all([
     get(`/v1/templates/${encodeURIComponent(run.templateType)}/versions/${run.templateVersion}`, {}, { signal: ctx.signal }).catch(() => null),
-    get(`/v1/runs/${encodeURIComponent(id)}/events`, {}, { signal: ctx.signal }),
+    get(`${path}/events`, {}, { signal: ctx.signal }),
   ]);
   const view = new RunView(ctx, template);
   view.update(run, events);
 
-  ctx.every(POLL_MS, async () => {
-    const fresh = await get(`/v1/runs/${encodeURIComponent(id)}`, {}, { signal: ctx.signal });
+  // The stream and a poll may answer out of order: a run older than the one shown is dropped.
+  const show = async (fresh) => {
+    if (fresh.version < run.version) return;
     if (fresh.version !== run.version) {
-      const trail = await get(`/v1/runs/${encodeURIComponent(id)}/events`, {}, { signal: ctx.signal });
+      const trail = await get(`${path}/events`, {}, { signal: ctx.signal });
+      if (fresh.version < run.version) return;
       view.update(fresh, trail);
     } else if (JSON.stringify(fresh.waitingFor) !== JSON.stringify(run.waitingFor)) {
       // Why a run waits is not stored, so it changes without the run's version: a queue
@@ -28,6 +36,22 @@ export async function render(ctx) {
       view.update(fresh);
     }
     run = fresh;
+  };
+  let live = false;
+  follow(`${path}/stream`, {
+    signal: ctx.signal,
+    onMessage: (message) => show(JSON.parse(message.data)),
+    onMode: (mode) => {
+      live = mode === "live";
+      view.follows(mode);
+    },
+    // The stream ends after a terminal status; otherwise it broke.
+    done: () => TERMINAL.has(run.status),
+  });
+  ctx.every(POLL_MS, async () => {
+    // The stream sends the run only when its version moves, so it never says a new
+    // `waitingFor`: a run waiting to start is asked for all the same.
+    if (!live || CLAIMABLE.has(run.status)) await show(await get(path, {}, { signal: ctx.signal }));
     // A finished run does not change again; its page stops asking.
     return !TERMINAL.has(run.status);
   });
@@ -42,6 +66,7 @@ class RunView {
     this.template = template;
     this.run = null;
     this.onChange = () => {};
+    this.note = h("span", { class: "live-note", id: "run-live" });
     this.head = h("div");
     this.summary = h("section", { class: "card", "aria-label": "Progress" });
     this.details = h("div", { class: "grid cols-2" });
@@ -82,9 +107,14 @@ class RunView {
         h("span", { id: "run-status" }, badge(run.status)), " ",
         h("a", { href: `#/templates/${encodeURIComponent(run.templateType)}?v=${run.templateVersion}` }, name),
         ` v${run.templateVersion} · ${run.scope}:${run.scopeId}`,
-        run.phase && !TERMINAL.has(run.status) ? ` · step ${run.phase}` : ""),
+        run.phase && !TERMINAL.has(run.status) ? ` · step ${run.phase}` : "",
+        TERMINAL.has(run.status) ? null : this.note),
     );
     document.title = `Run ${run.id} · jobplane`;
+  }
+
+  follows(mode) {
+    following(this.note, mode, POLL_MS);
   }
 
   drawProgress(run) {
