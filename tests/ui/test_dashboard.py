@@ -548,9 +548,11 @@ def test_the_run_page_follows_the_run_s_stream_without_polling(
     with stack.admin() as admin:
         run_id = create_run(admin, "ui_steps", scope_id, sleepSeconds=1)
         started(admin, run_id)
-    asked: list[Request] = []
-    page.on("request", asked.append)
     sign_in(page, stack)
+    # Signed in first: a page asked for while the dashboard starts is drawn twice.
+    expect(page.get_by_role("heading", name="Overview")).to_be_visible()
+    asked: list[Request] = []
+    page.on("request", lambda request: asked.append(request))
     page.goto(f"{stack.dashboard}#/runs/{run_id}")
     expect(live_note(page, "run")).to_have_attribute("data-live", "live")
     expect(live_note(page, "run")).to_have_text(" · live")
@@ -594,9 +596,10 @@ def test_the_run_page_polls_while_its_stream_is_down_then_follows_it_again(
     with stack.admin() as admin:
         # Long enough for the stream to be opened again (5 s after it broke) before the end.
         run_id = create_run(admin, "ui_steps", scope_id, sleepSeconds=4)
-    asked: list[Request] = []
-    page.on("request", asked.append)
     sign_in(page, stack)
+    expect(page.get_by_role("heading", name="Overview")).to_be_visible()
+    asked: list[Request] = []
+    page.on("request", lambda request: asked.append(request))
     page.goto(f"{stack.dashboard}#/runs/{run_id}")
     note = live_note(page, "run")
     expect(note).to_have_attribute("data-live", "polling")
@@ -619,7 +622,7 @@ def test_the_overview_refreshes_when_the_trail_s_stream_says_something_happened(
     with stack.admin() as admin:
         key = admin.post("/v1/api-keys", json=body).json()["key"]
     asked: list[Request] = []
-    page.on("request", asked.append)
+    page.on("request", lambda request: asked.append(request))
     sign_in(page, stack, key)
     expect(live_note(page, "overview")).to_have_attribute("data-live", "live")
     queued = page.locator("#tile-queued")

@@ -5,7 +5,7 @@ import json
 import os
 import sys
 import time
-from collections.abc import Callable, Coroutine
+from collections.abc import Callable, Coroutine, Iterator
 from datetime import datetime
 from functools import partial
 from pathlib import Path
@@ -27,7 +27,16 @@ from jobplane.cli.render import (
     schedule_line,
     template_line,
 )
-from jobplane.model import TERMINAL, ApiKeyPublic, Event, Run, RunStatus, Schedule, Template
+from jobplane.model import (
+    CLAIMABLE,
+    TERMINAL,
+    ApiKeyPublic,
+    Event,
+    Run,
+    RunStatus,
+    Schedule,
+    Template,
+)
 from jobplane.settings import Settings, refusal
 
 
@@ -319,15 +328,44 @@ def _runs_watch(args: argparse.Namespace, client: APIClient) -> None:
     _watch(client, args.run_id, args.interval)
 
 
+# How long after a run's stream broke `runs watch` opens it again; it polls meanwhile.
+STREAM_RETRY_SECONDS = 5.0
+
+
 def _watch(client: APIClient, run_id: str, interval: float) -> None:
     view = LiveView(sys.stdout.isatty())
-    while True:
-        run = Run.model_validate(client.call("GET", f"/v1/runs/{_segment(run_id)}"))
+    for run in _followed(client, run_id, interval):
         view.show(run)
         if run.status == RunStatus.SUCCEEDED:
             return
         if run.status in TERMINAL:  # a script waiting on the run learns it from the exit code
             raise CLIError("RunNotSucceeded", f"run {run.id} ended {run.status.value}")
+
+
+def _followed(client: APIClient, run_id: str, interval: float) -> Iterator[Run]:
+    """The run now, then each time it changes, for as long as the caller reads.
+
+    Its stream says each change as it happens. While the run waits to start, it is read every
+    `interval` seconds instead: why it waits (`waitingFor`) changes without the run (a queue
+    paused, a worker gone), so its stream does not say. A stream that broke, or ended before
+    the run did, is polled for too, and opened again STREAM_RETRY_SECONDS later, so that a
+    long watch outlives a restart of the API without polling to the end."""
+    path = f"/v1/runs/{_segment(run_id)}"
+    retry_at = 0.0
+    while True:
+        run = Run.model_validate(client.call("GET", path))
+        yield run
+        if run.status not in CLAIMABLE and time.monotonic() >= retry_at:
+            try:
+                for data in client.messages(f"{path}/stream"):
+                    run = Run.model_validate_json(data)
+                    yield run
+                    if run.status in CLAIMABLE:
+                        break
+                else:  # it ended before the run did
+                    retry_at = time.monotonic() + STREAM_RETRY_SECONDS
+            except CLIError:  # it broke, or was refused; a poll says if the run is gone
+                retry_at = time.monotonic() + STREAM_RETRY_SECONDS
         time.sleep(interval)
 
 

@@ -62,6 +62,26 @@ class APIClient:
                 "Unavailable", f"{response.url} answered {response.status_code} without JSON"
             ) from exc
 
+    def messages(self, path: str) -> Iterator[str]:
+        """The data of each message of the Server-Sent Events stream at `path`, until the server
+        ends it; a refusal is the API's error, and a stream that breaks is `Unavailable`."""
+        try:
+            with self.http.stream("GET", path, headers={"accept": "text/event-stream"}) as response:
+                if response.status_code >= 400:
+                    response.read()
+                    raise api_error(response)
+                data: list[str] = []
+                for line in response.iter_lines():
+                    if line == "":  # a message ends
+                        if data:
+                            yield "\n".join(data)
+                        data = []
+                    elif line.startswith("data:"):  # the other fields the CLI does not need
+                        data.append(line.removeprefix("data:").removeprefix(" "))
+        except httpx.HTTPError as exc:
+            reason = f"{type(exc).__name__}: {exc}" if str(exc) else type(exc).__name__
+            raise CLIError("Unavailable", f"the stream {path} broke ({reason})") from exc
+
     def pages(self, path: str, params: dict[str, Any], every: bool) -> Iterator[Any]:
         """The pages of a list: the first one, or with `every` each one to the end."""
         while True:

@@ -168,26 +168,28 @@ class MongoWebhookStore:
                 found[str(doc["_id"])] = (convert.run(doc), order)
         return found
 
-    async def add(self, deliveries: Sequence[Doc]) -> None:
-        """Store new deliveries; one of a (webhook, event) stored already is left as it is."""
+    async def add(self, deliveries: Sequence[Doc]) -> list[Claimed]:
+        """Store new deliveries; one of a (webhook, event) stored already (by this notifier
+        before a restart, or by another) is left as it was. Returns the claims of the new ones
+        stored claimed (with a `claim`), which their writer tries at once."""
         if not deliveries:
-            return
-        writes = [
-            UpdateOne(
-                {"webhookId": d["webhookId"], "eventId": d["eventId"]},
-                {"$setOnInsert": d},
-                upsert=True,
-            )
-            for d in deliveries
-        ]
+            return []
+        new = deliveries
         try:
-            await self._db.deliveries.bulk_write(writes, ordered=False)
+            await self._db.deliveries.insert_many(deliveries, ordered=False)
         except BulkWriteError as exc:
-            # Two notifiers' upserts of one delivery: the loser's is a duplicate, a no-op.
+            errors = exc.details["writeErrors"]
             if exc.details.get("writeConcernErrors") or any(
-                e["code"] != DUPLICATE_KEY for e in exc.details["writeErrors"]
+                e["code"] != DUPLICATE_KEY for e in errors
             ):
                 raise
+            stored = {e["index"] for e in errors}
+            new = [d for i, d in enumerate(deliveries) if i not in stored]
+        return [
+            Claimed(convert.delivery(d), d["body"], d["tries"], str(d["claim"]))
+            for d in new
+            if "claim" in d
+        ]
 
     async def claim(
         self, now: datetime, webhook_ids: Sequence[str], until: datetime, limit: int
@@ -196,21 +198,24 @@ class MongoWebhookStore:
         `until`. A claim a notifier made before it died is due again at its `until`."""
         due = {"status": "pending", "nextAttemptAt": {"$lte": now}}
         due["webhookId"] = {"$in": list(webhook_ids)}
-        candidates = self._db.deliveries.find(due, {"_id": 1}).sort("nextAttemptAt", 1)
-        ids = [d["_id"] async for d in candidates.limit(limit)]
-        if not ids:
+        candidates = self._db.deliveries.find(due).sort("nextAttemptAt", 1).limit(limit)
+        found = {d["_id"]: d async for d in candidates}
+        if not found:
             return []
         token = ObjectId()
-        await self._db.deliveries.update_many(
-            {"_id": {"$in": ids}, **due},
-            {
-                "$set": {"nextAttemptAt": until, "claim": token, "lastAttemptAt": now},
-                "$inc": {"attempts": 1, "tries": 1},
-            },
+        fields = {"nextAttemptAt": until, "claim": token, "lastAttemptAt": now}
+        done = await self._db.deliveries.update_many(
+            {"_id": {"$in": list(found)}, **due},
+            {"$set": fields, "$inc": {"attempts": 1, "tries": 1}},
         )
-        claimed = self._db.deliveries.find({"_id": {"$in": ids}, "claim": token})
+        if done.modified_count < len(found):  # another notifier claimed some meanwhile
+            ours = self._db.deliveries.find({"_id": {"$in": list(found)}, "claim": token})
+            found = {d["_id"]: d async for d in ours}
+        else:
+            for doc in found.values():
+                doc |= fields | {"attempts": doc["attempts"] + 1, "tries": doc["tries"] + 1}
         return [
-            Claimed(convert.delivery(d), d["body"], d["tries"], str(token)) async for d in claimed
+            Claimed(convert.delivery(d), d["body"], d["tries"], str(token)) for d in found.values()
         ]
 
     async def tried(self, claimed: Claimed, outcome: Doc) -> None:

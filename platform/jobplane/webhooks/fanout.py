@@ -16,8 +16,9 @@ import asyncio
 import contextlib
 import json
 import logging
+from collections import Counter
 from collections.abc import Sequence
-from datetime import timedelta
+from datetime import datetime, timedelta
 from typing import Any
 
 from bson import ObjectId
@@ -29,6 +30,7 @@ from jobplane.model.webhooks import SignedWebhook
 from jobplane.settings import Settings
 from jobplane.store import Store
 from jobplane.webhooks.events import SOURCE_TYPES, webhook_type
+from jobplane.webhooks.sender import Sender
 
 log = logging.getLogger("jobplane.notifier")
 
@@ -47,12 +49,13 @@ RETRY_SECONDS = 1.0
 
 
 class Fanout:
-    def __init__(self, store: Store, settings: Settings, clock: Clock, wake: asyncio.Event):
+    def __init__(self, store: Store, settings: Settings, clock: Clock, sender: Sender):
         self.store = store
         self.settings = settings
         self.clock = clock
-        # Set when new deliveries are stored: the sender tries them at once.
-        self.wake = wake
+        # Tries the new deliveries at once: those the fan-out stores claimed, in room the
+        # sender reserved for them, and the others when woken.
+        self.sender = sender
 
     async def run(self, stop: asyncio.Event) -> None:
         """Follow the trail until `stop`, from where the last notifier left it."""
@@ -125,7 +128,7 @@ class Fanout:
         runs = await self.store.webhooks.runs_of([e["jobId"] for e, _, _ in matched])
         now = self.clock.now()
         first_try = now + timedelta(seconds=self.settings.webhook_retry_seconds[0])
-        deliveries = []
+        deliveries: list[Doc] = []
         for event, kind, hook in matched:
             found = runs.get(event["jobId"])
             if found is None:  # no run can lose its document; say so if one did
@@ -133,7 +136,6 @@ class Fanout:
                 continue
             run, order = found
             sequence = order.get(str(event["_id"]), 0)
-            body = _body(event, kind, run, sequence)
             deliveries.append(
                 {
                     "_id": ObjectId(),
@@ -149,13 +151,37 @@ class Fanout:
                     "attempts": 0,
                     "tries": 0,
                     "nextAttemptAt": first_try,
-                    "body": body,
+                    "body": _body(event, kind, run, sequence),
                     "createAt": now,
                 }
             )
-        await self.store.webhooks.add(deliveries)
-        self.wake.set()
+        unused = self._claim_first_tries(deliveries, now) if first_try <= now else Counter()
+        try:
+            claimed = await self.store.webhooks.add(deliveries)
+            by_id = {h.id: h for h in hooks}
+            for each in claimed:
+                unused[each.delivery.webhook_id] -= 1
+                self.sender.hand(by_id[each.delivery.webhook_id], each)
+        finally:
+            # Room reserved for deliveries stored before (no claim of ours), or not stored.
+            for webhook_id, count in unused.items():
+                self.sender.unreserve(webhook_id, count)
+        self.sender.wake.set()
         return len(deliveries)
+
+    def _claim_first_tries(self, deliveries: list[Doc], now: datetime) -> Counter[str]:
+        """Store as many deliveries claimed as the sender has room for, so that their first
+        try needs no claim of its own; returns the room reserved, by webhook."""
+        token, until = ObjectId(), self.sender.claim_until(now)
+        wanted = Counter(d["webhookId"] for d in deliveries)
+        room = Counter({w: self.sender.reserve(w, n) for w, n in wanted.items()})
+        left = room.copy()
+        for doc in deliveries:
+            if left[doc["webhookId"]] > 0:
+                left[doc["webhookId"]] -= 1
+                doc |= {"claim": token, "nextAttemptAt": until, "lastAttemptAt": now}
+                doc |= {"attempts": 1, "tries": 1}
+        return room
 
 
 def _wants(hook: SignedWebhook, event: Doc, kind: str) -> bool:

@@ -36,9 +36,8 @@ class Notifier:
         self.settings = settings
         self.clock = clock or SystemClock()
         self.owner = owner or f"notifier-{os.getpid()}-{os.urandom(4).hex()}"
-        wake = asyncio.Event()
-        self.fanout = Fanout(store, settings, self.clock, wake)
-        self.sender = Sender(store, settings, self.clock, wake)
+        self.sender = Sender(store, settings, self.clock, asyncio.Event())
+        self.fanout = Fanout(store, settings, self.clock, self.sender)
 
     async def run(self, stop: asyncio.Event) -> None:
         log.info("notifier %s started", self.owner)

@@ -11,7 +11,6 @@ Signatures follow the Standard Webhooks specification, computed by its reference
 
 import asyncio
 import email.utils
-import functools
 import logging
 import random
 from collections import Counter
@@ -64,16 +63,20 @@ class Sender:
         self.clock = clock
         self.wake = wake
         self._rng = rng or random.Random()
+        # Tries whose request is in flight, by webhook (their outcomes may still be written).
         self._in_flight: Counter[str] = Counter()
         self._tries: set[asyncio.Task[None]] = set()
         self._hooks: dict[str, SignedWebhook] = {}
         self._read_at = -HOOKS_SECONDS
+        # The session while the sender runs: the fan-out hands it tries only then.
+        self._http: aiohttp.ClientSession | None = None
 
     async def run(self, stop: asyncio.Event) -> None:
         """Send until `stop`; tries in flight then get `close_seconds` to finish (one cut short
         is tried again once its claim runs out)."""
         timeout = self.settings.webhook_timeout_seconds
         async with guard.session(timeout, self.settings.webhook_allow_private) as http:
+            self._http = http
             try:
                 while not stop.is_set():
                     self.wake.clear()
@@ -93,6 +96,7 @@ class Sender:
                         waking.cancel()
                         stopping.cancel()
             finally:
+                self._http = None
                 if self._tries:
                     gathered = asyncio.gather(*self._tries, return_exceptions=True)
                     await finish_within(gathered, self.settings.close_seconds, "webhook tries")
@@ -100,7 +104,7 @@ class Sender:
     async def send_due(self, http: aiohttp.ClientSession) -> bool:
         """Start a try of each due delivery there is room for; True if the room ran out
         first (more may be due)."""
-        room = self.settings.webhook_concurrency - len(self._tries)
+        room = self.settings.webhook_concurrency - self._in_flight.total()
         if room <= 0:
             return False
         hooks = await self._enabled()
@@ -108,18 +112,46 @@ class Sender:
         if not open_:
             return False
         now = self.clock.now()
-        until = now + timedelta(
-            seconds=self.settings.webhook_timeout_seconds + CLAIM_MARGIN_SECONDS
-        )
         limit = min(room, PER_WEBHOOK)
-        claimed = await self.store.webhooks.claim(now, open_, until, limit)
+        claimed = await self.store.webhooks.claim(now, open_, self.claim_until(now), limit)
         for each in claimed:
             hook = hooks[each.delivery.webhook_id]
             self._in_flight[hook.id] += 1
-            task = asyncio.create_task(self.attempt(http, hook, each))
-            self._tries.add(task)
-            task.add_done_callback(functools.partial(self._done, hook.id))
+            self._start(http, hook, each)
         return len(claimed) == limit
+
+    def claim_until(self, now: datetime) -> datetime:
+        """Until when a try claimed at `now` holds its delivery."""
+        return now + timedelta(seconds=self.settings.webhook_timeout_seconds + CLAIM_MARGIN_SECONDS)
+
+    def reserve(self, webhook_id: str, wanted: int) -> int:
+        """Room for up to `wanted` tries to the webhook, taken now for tries the fan-out claims
+        as it stores them (`hand`) or gives back (`unreserve`); how many there is room for."""
+        if self._http is None:
+            return 0
+        room = min(
+            wanted,
+            PER_WEBHOOK - self._in_flight[webhook_id],
+            self.settings.webhook_concurrency - self._in_flight.total(),
+        )
+        room = max(room, 0)
+        self._in_flight[webhook_id] += room
+        return room
+
+    def unreserve(self, webhook_id: str, count: int) -> None:
+        self._in_flight[webhook_id] -= count
+
+    def hand(self, hook: SignedWebhook, claimed: Claimed) -> None:
+        """Try a delivery the fan-out stored claimed, in room it reserved."""
+        if self._http is None:  # stopped meanwhile: its claim runs out, and another tries it
+            self._in_flight[hook.id] -= 1
+            return
+        self._start(self._http, hook, claimed)
+
+    def _start(self, http: aiohttp.ClientSession, hook: SignedWebhook, claimed: Claimed) -> None:
+        task = asyncio.create_task(self.attempt(http, hook, claimed))
+        self._tries.add(task)
+        task.add_done_callback(self._tries.discard)
 
     async def _enabled(self) -> dict[str, SignedWebhook]:
         """The enabled webhooks, read again at most every `HOOKS_SECONDS`."""
@@ -129,15 +161,11 @@ class Sender:
             self._read_at = now
         return self._hooks
 
-    def _done(self, webhook_id: str, task: asyncio.Task[None]) -> None:
-        self._tries.discard(task)
-        self._in_flight[webhook_id] -= 1
-        self.wake.set()  # room for the next try
-
     async def attempt(
         self, http: aiohttp.ClientSession, hook: SignedWebhook, claimed: Claimed
     ) -> None:
-        """One try of one delivery, and its outcome written."""
+        """One try of one delivery, and its outcome written. Its place among the webhook's
+        tries in flight is free once the receiver answered, while the outcome is written."""
         headers = self.signed(hook, claimed)
         try:
             async with http.post(
@@ -145,12 +173,15 @@ class Sender:
             ) as response:
                 code, retry_after = response.status, response.headers.get("retry-after", "")
         except (aiohttp.ClientError, TimeoutError) as exc:
+            self._answered(hook)
             await self._failed(hook, claimed, None, _describe(exc), None)
             return
         except Exception:
+            self._answered(hook)
             log.exception("trying delivery %s failed", claimed.delivery.id)
             await self._failed(hook, claimed, None, "the try failed in the notifier", None)
             return
+        self._answered(hook)
         if 200 <= code < 300:
             await self._succeeded(hook, claimed, code)
         elif code == 410:
@@ -158,6 +189,10 @@ class Sender:
         else:
             wait = _retry_after(retry_after) if code in (429, 503) else None
             await self._failed(hook, claimed, code, f"the endpoint answered {code}", wait)
+
+    def _answered(self, hook: SignedWebhook) -> None:
+        self._in_flight[hook.id] -= 1
+        self.wake.set()  # room for the next try
 
     def signed(self, hook: SignedWebhook, claimed: Claimed) -> dict[str, str]:
         """The headers of a try: a `v1,` signature with each live secret (a rotated secret's
