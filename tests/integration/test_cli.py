@@ -13,7 +13,9 @@ import sys
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 
 from jobplane.backends import Backends
@@ -322,6 +324,125 @@ async def test_watch_shows_earlier_attempts_and_an_error_only_for_a_failed_run(
     # The attempt it failed with is its error, not an earlier attempt.
     tail = [line.split(":")[0] for line in spent.lines[-2:]]
     assert tail == ["  attempt 1 failed", "  error"]
+
+
+class Wire:
+    """What the in-process CLI sends, as `METHOD /path`; and runs' streams broken the next
+    `breaks` times, as `how` says: as a proxy that buffers or refuses them, or an API going
+    away, would."""
+
+    def __init__(self, send: Callable[..., httpx.Response]) -> None:
+        self._send = send
+        self.sent: list[str] = []
+        self.breaks = 0
+        self.how = "refused"
+
+    def send(self, client: httpx.Client, request: httpx.Request, **kwargs: Any) -> httpx.Response:
+        self.sent.append(f"{request.method} {request.url.path}")
+        if not (request.url.path.endswith("/stream") and self.breaks):
+            return self._send(client, request, **kwargs)
+        self.breaks -= 1
+        if self.how == "unreachable":
+            raise httpx.ConnectError("connection refused", request=request)
+        if self.how == "refused":
+            body = {"error": {"code": "BadGateway", "message": "no streams here"}}
+            return httpx.Response(502, json=body, request=request)
+        # Cut short: accepted, then ended before the run did.
+        sse = {"content-type": "text/event-stream"}
+        return httpx.Response(200, headers=sse, content=b": ping\r\n\r\n", request=request)
+
+
+@pytest.fixture
+def wire(monkeypatch: pytest.MonkeyPatch) -> Wire:
+    made = Wire(httpx.Client.send)
+    monkeypatch.setattr(httpx.Client, "send", lambda *args, **kwargs: made.send(*args, **kwargs))
+    return made
+
+
+async def started(backends: Backends, run_id: str) -> None:
+    async with asyncio.timeout(10):
+        while True:
+            run = await backends.store.runs.get(run_id)
+            if run is not None and run.status == "running":
+                return
+            await asyncio.sleep(0.02)
+
+
+NAP = [{"id": "nap", "handler": "builtin.sleep"}, {"id": "after", "handler": "builtin.echo"}]
+
+
+async def test_watch_follows_the_run_s_stream_to_its_end(
+    cli: CLI, register: Register, backends: Backends, settings: Settings, wire: Wire
+) -> None:
+    await register("t_nap", steps=NAP)
+    async with running(backends, settings):
+        run_id = await created(cli, "t_nap", "--payload", '{"sleepSeconds": 1}')
+        await started(backends, run_id)
+        wire.sent.clear()
+        watched = ok(await cli("runs", "watch", run_id, "--interval", "0.1"))
+        # The first read draws it at once; then the stream says each change, to the end.
+        assert wire.sent == [f"GET /v1/runs/{run_id}", f"GET /v1/runs/{run_id}/stream"]
+        assert f"run {run_id}  t_nap v1  succeeded" in watched.lines
+
+        # A run waiting to start is read until it starts (why it waits changes unsaid), then
+        # followed by its stream.
+        wire.sent.clear()
+        payload = '{"sleepSeconds": 1}'
+        made = ok(await cli("runs", "create", "t_nap", "--payload", payload, "--watch"))
+    run_id = made.lines[0]
+    assert f"run {run_id}  t_nap v1  succeeded" in made.lines
+    assert wire.sent[0] == "POST /v1/runs" and wire.sent[-1] == f"GET /v1/runs/{run_id}/stream"
+    assert set(wire.sent[1:-1]) == {f"GET /v1/runs/{run_id}"}
+
+
+@pytest.mark.parametrize("how", ["unreachable", "refused", "cut short"])
+async def test_watch_polls_while_the_stream_is_down_then_follows_it_again(
+    cli: CLI,
+    register: Register,
+    backends: Backends,
+    settings: Settings,
+    wire: Wire,
+    monkeypatch: pytest.MonkeyPatch,
+    how: str,
+) -> None:
+    monkeypatch.setattr("jobplane.cli.STREAM_RETRY_SECONDS", 0.5)
+    await register("t_nap", steps=NAP)
+    async with running(backends, settings):
+        run_id = await created(cli, "t_nap", "--payload", '{"sleepSeconds": 1.5}')
+        await started(backends, run_id)
+        wire.sent.clear()
+        wire.breaks, wire.how = 1, how
+        watched = ok(await cli("runs", "watch", run_id, "--interval", "0.1"))
+    assert f"run {run_id}  t_nap v1  succeeded" in watched.lines
+    run, stream = f"GET /v1/runs/{run_id}", f"GET /v1/runs/{run_id}/stream"
+    # Polled for half a second after the stream broke, then followed by it to the end.
+    assert wire.sent[:2] == [run, stream] and wire.sent[-1] == stream
+    assert wire.sent.count(stream) == 2 and wire.sent.count(run) >= 3
+
+
+async def test_watch_polls_to_the_end_when_the_stream_is_always_refused(
+    cli: CLI,
+    register: Register,
+    backends: Backends,
+    settings: Settings,
+    wire: Wire,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    monkeypatch.setattr("jobplane.cli.STREAM_RETRY_SECONDS", 0.3)
+    steps = [{"id": "nap", "handler": "builtin.sleep"}, {"id": "boom", "handler": "builtin.fail"}]
+    await register("t_nap_fail", steps=steps)
+    wire.breaks = 1000
+    async with running(backends, settings):
+        payload = '{"sleepSeconds": 1, "fatal": true}'
+        run_id = await created(cli, "t_nap_fail", "--payload", payload)
+        await started(backends, run_id)
+        spent = await cli("runs", "watch", run_id, "--interval", "0.1")
+    # The exit code says how the run ended, as ever.
+    assert spent.code == 1 and f"run {run_id}  t_nap_fail v1  failed" in spent.lines
+    assert spent.err.startswith(f"error: RunNotSucceeded: run {run_id} ended failed")
+    stream = f"GET /v1/runs/{run_id}/stream"
+    assert wire.sent.count(stream) >= 2, "tried again"
+    assert wire.sent[-1] == f"GET /v1/runs/{run_id}", "the end, read by a poll"
 
 
 async def test_events_with_filters(cli: CLI, register: Register, backends: Backends) -> None:

@@ -76,7 +76,7 @@ class RunChanges:
                         token = stream.resume_token
                         if change is not None:
                             self._wake([str(change["documentKey"]["_id"])])
-            except PyMongoError as exc:
+            except Exception as exc:
                 log.warning("the runs' change stream failed (%s); opening it again", exc)
                 if isinstance(exc, OperationFailure):
                     token = None  # a token it cannot resume from; readers read afresh

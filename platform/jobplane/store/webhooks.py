@@ -7,7 +7,8 @@ notifier that reads an event twice (after a restart, say) adds nothing.
 
 A delivery is claimed before each try by moving its `nextAttemptAt` a lease ahead: a notifier
 killed mid-try leaves it due again once the lease passes, and another tries it (at least once).
-Each outcome is written only by the claim that tried (`claim`, a token per try).
+Each outcome is written only by the claim that tried (`claim`, a token per try). Claims and
+outcomes are written with `w: 1`: a lost one costs a repeated try, never a delivery.
 """
 
 from collections.abc import Awaitable, Callable, Sequence
@@ -19,6 +20,7 @@ from bson import ObjectId
 from pymongo import AsyncMongoClient, ReturnDocument, UpdateOne
 from pymongo.asynchronous.client_session import AsyncClientSession
 from pymongo.errors import BulkWriteError
+from pymongo.write_concern import WriteConcern
 
 from jobplane.clock import Clock
 from jobplane.groupcommit import GroupCommit
@@ -64,6 +66,10 @@ class MongoWebhookStore:
         self._clock = clock
         self._trail = trail
         self._outcomes = GroupCommit(self._write_outcomes)
+        # Claims and outcomes of tries wait for no majority: one lost in a failover sends its
+        # delivery once more (deliveries are at least once), it never loses one. A delivery's
+        # creation does wait: the notifier's position in the trail moves past it after.
+        self._tries = db.deliveries.with_options(write_concern=WriteConcern(w=1))
 
     # -- webhooks ------------------------------------------------------------------------------
 
@@ -204,7 +210,7 @@ class MongoWebhookStore:
             return []
         token = ObjectId()
         fields = {"nextAttemptAt": until, "claim": token, "lastAttemptAt": now}
-        done = await self._db.deliveries.update_many(
+        done = await self._tries.update_many(
             {"_id": {"$in": list(found)}, **due},
             {"$set": fields, "$inc": {"attempts": 1, "tries": 1}},
         )
@@ -232,7 +238,7 @@ class MongoWebhookStore:
             )
             for claimed, outcome in items
         ]
-        await self._db.deliveries.bulk_write(writes, ordered=False)
+        await self._tries.bulk_write(writes, ordered=False)
         return [None] * len(items)
 
     async def page_deliveries(

@@ -22,7 +22,7 @@ from datetime import datetime, timedelta
 from typing import Any
 
 from bson import ObjectId
-from pymongo.errors import OperationFailure, PyMongoError
+from pymongo.errors import OperationFailure
 
 from jobplane.clock import Clock
 from jobplane.model import Run
@@ -62,8 +62,9 @@ class Fanout:
         while not stop.is_set():
             try:
                 await self._follow(stop)
-            except PyMongoError:
-                log.warning("the trail's change stream failed; following it again", exc_info=True)
+            except Exception:
+                # Whatever failed, the saved position is before everything not yet fanned out.
+                log.warning("following the trail failed; following it again", exc_info=True)
                 with contextlib.suppress(TimeoutError):
                     await asyncio.wait_for(stop.wait(), RETRY_SECONDS)
 
