@@ -108,7 +108,9 @@ class MongoTrailStore:
         Every event reaches `job_events` once (a second copy is a no-op), whether its writer
         or the sweep copied it, so this sees each event once: late, if the sweep copied it."""
         match = {"operationType": "insert", "fullDocument.type": {"$in": list(types)}}
-        return await self._db.events.watch([{"$match": match}], start_after=after)
+        return await self._db.events.watch(
+            [{"$match": match}], start_after=after, max_await_time_ms=WATCH_WAIT_MS
+        )
 
     async def watch_audit(
         self, query: EventQuery, within: Sequence[tuple[str, str]] | None, after: Any

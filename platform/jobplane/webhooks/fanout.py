@@ -84,7 +84,7 @@ class Fanout:
             saved = asyncio.get_running_loop().time()
             while not stop.is_set():
                 batch: list[Doc] = []
-                # `try_next` waits up to a second for a change the server has not sent yet.
+                # `try_next` waits a moment (`WATCH_WAIT_MS`) for a change not yet sent.
                 while len(batch) < BATCH and (change := await stream.try_next()) is not None:
                     batch.append(change)
                     if stop.is_set():
