@@ -214,3 +214,19 @@ async def _served(
     finally:
         stop.set()
         await task
+
+
+async def test_a_waiting_run_s_stream_says_when_why_it_waits_changes(
+    url: str, backends: Backends, register: Register
+) -> None:
+    """A paused queue changes no run, yet a queued run's stream says it now waits for it."""
+    await register("t_noop", queue="reports")
+    async with httpx.AsyncClient(base_url=url, headers=ADMIN, timeout=30) as client:
+        run = (await client.post("/v1/runs", json=RUN)).json()
+        reading = asyncio.create_task(collect(client, f"/v1/runs/{run['id']}/stream", 2))
+        await asyncio.sleep(0.3)
+        await client.post("/v1/queues/reports/pause", json={"reason": "maintenance"})
+        first, paused = await asyncio.wait_for(reading, 30)
+    assert first.data["waitingFor"]["reason"] == "handler", "no worker runs"
+    assert paused.data["waitingFor"]["reason"] == "queue_paused"
+    assert first.id == paused.id, "the run itself did not change"

@@ -69,6 +69,8 @@ async def test_a_user_key_counts_only_its_own_scopes(
             "schedules:read",
             "schedules:write",
             "templates:read",
+            "webhooks:read",
+            "webhooks:write",
         ],
     }
     runs = mine["runs"]

@@ -23,7 +23,7 @@ from pymongo.asynchronous.change_stream import AsyncChangeStream
 from pymongo.errors import OperationFailure, PyMongoError
 
 from jobplane.errors import ResourceInvalidState
-from jobplane.model import TERMINAL, Run
+from jobplane.model import CLAIMABLE, TERMINAL, Run
 from jobplane.runs.waiting import Waiting
 from jobplane.store import EventQuery, Store
 
@@ -33,6 +33,8 @@ log = logging.getLogger("jobplane.api")
 RETRY_SECONDS = 0.5
 # How often an idle stream sends a comment, so that proxies keep it open.
 KEEP_ALIVE_SECONDS = 15
+# How often a stream of a run waiting to start looks at why it waits.
+WAITING_SECONDS = 1.0
 
 
 class RunChanges:
@@ -92,23 +94,27 @@ async def run_changes(
     run: Run, store: Store, changes: RunChanges, waiting: Waiting, stop: asyncio.Event
 ) -> AsyncIterator[dict[str, str]]:
     """SSE events of `run` (as read, visible to the caller): now, then at each change, until a
-    terminal status or `stop`."""
+    terminal status or `stop`. While the run waits to start, why it waits (`waitingFor`) can
+    change without the run (a queue paused, a worker gone): it is looked at every second."""
     async with changes.watch(run.id) as woken:
-        last: int | None = None
+        sent: Run | None = None
         while not stop.is_set():
             woken.clear()
-            if last is not None:
+            if sent is not None:
                 found = await store.runs.get(run.id)
                 if found is None:  # a run is never deleted; say so if one was
                     return
                 run = found
-            if run.version != last:
-                last = run.version
-                [shown] = await waiting.explain([run])
+            [shown] = await waiting.explain([run])
+            if sent is None or (shown.version, shown.waiting_for) != (
+                sent.version,
+                sent.waiting_for,
+            ):
+                sent = shown
                 yield {"event": "run", "id": str(run.version), "data": _json(shown)}
             if run.status in TERMINAL:
                 return
-            await _either(woken, stop)
+            await _either(woken, stop, WAITING_SECONDS if run.status in CLAIMABLE else None)
 
 
 async def open_trail(
@@ -157,10 +163,10 @@ async def trail_changes(
         await stream.close()
 
 
-async def _either(woken: asyncio.Event, stop: asyncio.Event) -> None:
+async def _either(woken: asyncio.Event, stop: asyncio.Event, at_most: float | None) -> None:
     waits = [asyncio.create_task(woken.wait()), asyncio.create_task(stop.wait())]
     try:
-        await asyncio.wait(waits, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait(waits, timeout=at_most, return_when=asyncio.FIRST_COMPLETED)
     finally:
         for wait in waits:
             wait.cancel()

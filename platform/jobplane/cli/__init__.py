@@ -364,7 +364,7 @@ def _followed(client: APIClient, run_id: str, interval: float) -> Iterator[Run]:
                         break
                 else:  # it ended before the run did
                     retry_at = time.monotonic() + STREAM_RETRY_SECONDS
-            except ValueError:  # it broke, or was refused; a poll says if the run is gone
+            except CLIError:  # it broke, or was refused; a poll says if the run is gone
                 retry_at = time.monotonic() + STREAM_RETRY_SECONDS
         time.sleep(interval)
 

@@ -64,7 +64,8 @@ class APIClient:
 
     def messages(self, path: str) -> Iterator[str]:
         """The data of each message of the Server-Sent Events stream at `path`, until the server
-        ends it; a refusal is the API's error, and a stream that breaks is `Unavailable`."""
+        ends it; a refusal is the API's error, and a stream that breaks is `Unavailable`. The
+        API's keep-alives (every 15 s) keep an idle stream within the client's read timeout."""
         try:
             with self.http.stream("GET", path, headers={"accept": "text/event-stream"}) as response:
                 if response.status_code >= 400:

@@ -10,7 +10,7 @@ const RETRY_MS = 5000;
 // Reads the stream at `path` until the server ends it; rejects when it breaks (a network
 // error, a refusal). `onOpen()` once the API accepted it, then `onMessage({event, id, data})`
 // for each message, awaited: the next message waits, so a page takes them in order.
-export async function stream(path, { signal, onOpen, onMessage }) {
+async function stream(path, { signal, onOpen, onMessage }) {
   const headers = { Accept: "text/event-stream", Authorization: `Bearer ${session.key}` };
   const response = await fetch(url(path), { headers, signal, cache: "no-store" });
   if (!response.ok) {
