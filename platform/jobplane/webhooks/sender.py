@@ -1,10 +1,10 @@
 """The sender: tries each due delivery, signed, and writes how the try went.
 
 Each try is its own task, at most `webhook_concurrency` of them in a notifier and 16 for one
-webhook, so a slow or dead endpoint holds its own sixteen and never another's. A try is claimed
-for its timeout and a margin; if the notifier dies mid-try, the delivery is due again once the
-claim runs out, and another notifier tries it: deliveries are at least once, and a receiver
-dedupes by `webhook-id`.
+webhook (more claimed wait their turn), so a slow or dead endpoint holds its own sixteen and
+never another's. A try is claimed for twice its timeout and a margin; if the notifier dies
+mid-try, the delivery is due again once the claim runs out, and another notifier tries it:
+deliveries are at least once, and a receiver dedupes by `webhook-id`.
 
 Signatures follow the Standard Webhooks specification, computed by its reference library.
 """
@@ -13,7 +13,7 @@ import asyncio
 import email.utils
 import logging
 import random
-from collections import Counter
+from collections import Counter, defaultdict, deque
 from datetime import datetime, timedelta
 
 import aiohttp
@@ -30,8 +30,8 @@ from jobplane.webhooks import guard
 log = logging.getLogger("jobplane.notifier")
 
 PER_WEBHOOK = 16
-# Beyond the timeout, how long a claimed try may take (writing its outcome) before another
-# notifier may take it over.
+# Beyond its wait and its timeout, how long a claimed try may take (writing its outcome) before
+# another notifier may take it over.
 CLAIM_MARGIN_SECONDS = 10.0
 # How often due deliveries are looked for when nothing wakes the sender sooner: retries
 # coming due, and deliveries another notifier's fan-out stored.
@@ -68,6 +68,8 @@ class Sender:
         self._tries: set[asyncio.Task[None]] = set()
         self._hooks: dict[str, SignedWebhook] = {}
         self._read_at = -HOOKS_SECONDS
+        # Tries claimed beyond their webhook's room, by webhook, in the order claimed.
+        self._waiting: defaultdict[str, deque[tuple[SignedWebhook, Claimed]]] = defaultdict(deque)
         # The session while the sender runs: the fan-out hands it tries only then.
         self._http: aiohttp.ClientSession | None = None
 
@@ -108,7 +110,7 @@ class Sender:
         if room <= 0:
             return False
         hooks = await self._enabled()
-        open_ = [i for i in hooks if self._in_flight[i] < PER_WEBHOOK]
+        open_ = [i for i in hooks if self._in_flight[i] + len(self._waiting[i]) < PER_WEBHOOK]
         if not open_:
             return False
         now = self.clock.now()
@@ -116,13 +118,18 @@ class Sender:
         claimed = await self.store.webhooks.claim(now, open_, self.claim_until(now), limit)
         for each in claimed:
             hook = hooks[each.delivery.webhook_id]
-            self._in_flight[hook.id] += 1
-            self._start(http, hook, each)
+            if self._in_flight[hook.id] < PER_WEBHOOK:
+                self._in_flight[hook.id] += 1
+                self._start(http, hook, each)
+            else:  # one claim may bring a webhook more than its room: they wait their turn
+                self._waiting[hook.id].append((hook, each))
         return len(claimed) == limit
 
     def claim_until(self, now: datetime) -> datetime:
-        """Until when a try claimed at `now` holds its delivery."""
-        return now + timedelta(seconds=self.settings.webhook_timeout_seconds + CLAIM_MARGIN_SECONDS)
+        """Until when a try claimed at `now` holds its delivery: a try waiting its turn waits
+        for one try of its webhook at most, then takes its own timeout."""
+        timeout = self.settings.webhook_timeout_seconds
+        return now + timedelta(seconds=2 * timeout + CLAIM_MARGIN_SECONDS)
 
     def reserve(self, webhook_id: str, wanted: int) -> int:
         """Room for up to `wanted` tries to the webhook, taken now for tries the fan-out claims
@@ -191,6 +198,10 @@ class Sender:
             await self._failed(hook, claimed, code, f"the endpoint answered {code}", wait)
 
     def _answered(self, hook: SignedWebhook) -> None:
+        waiting = self._waiting[hook.id]
+        if waiting and self._http is not None:
+            self._start(self._http, *waiting.popleft())  # its place passes to the next
+            return
         self._in_flight[hook.id] -= 1
         self.wake.set()  # room for the next try
 
