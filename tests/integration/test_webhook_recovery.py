@@ -176,3 +176,17 @@ async def test_two_fan_outs_of_the_same_events_store_each_delivery_once(
     assert counts == [25, 25, 25]
     assert len(await deliveries(api, first["id"])) == 20
     assert len(await deliveries(api, second["id"])) == 5
+
+
+async def test_a_webhook_made_before_any_notifier_ran_misses_nothing(
+    api: httpx.AsyncClient, backends: Backends, settings: Settings, register: Register
+) -> None:
+    await register("t_noop")
+    settings = hook_settings(settings)
+    async with serving(Receiver()) as receiver:
+        await subscribe(api, receiver.url, ["run.created"])
+        made = [(await api.post("/v1/runs", json=RUN)).json()["id"] for _ in range(2)]
+        await backends.store.trail.flush()
+        async with notifying(backends, settings):
+            await received(receiver, lambda r: len(r.received) == 2)
+    assert {r.message["data"]["run"]["id"] for r in receiver.received} == set(made)

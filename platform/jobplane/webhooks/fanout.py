@@ -9,7 +9,9 @@ no-ops (one per webhook and event, `store/webhooks.py`). Nothing is lost; nothin
 by the fan-out's doing.
 
 If the stream's history is gone when a notifier resumes (it was down longer than the oplog
-holds), it reads `job_events` again from a minute before the last event it fanned out.
+holds), it reads `job_events` again from a minute before the last event it fanned out. The
+first notifier ever reads it from the first webhook's creation, so that webhooks made before
+any notifier ran miss nothing.
 """
 
 import asyncio
@@ -77,9 +79,13 @@ class Fanout:
                 raise
             log.error("the trail's history since the last fan-out is gone (%s); reading it", exc)
             stream = await self.store.trail.watch(None, SOURCE_TYPES)
-            await self._replay()
+            at = await self.store.webhooks.feed_time()
+            await self._replay(None if at is None else at - REPLAY_SKEW)
         async with stream:
-            if position is None:  # the first notifier: from now on, kept from here
+            if position is None:  # the first notifier: from here on, once this is kept
+                # Webhooks made before any notifier ran get what happened since they were.
+                hooks = await self.store.webhooks.enabled()
+                await self._replay(min((h.create_at for h in hooks), default=None))
                 await self._save(stream.resume_token, None)
             saved = asyncio.get_running_loop().time()
             while not stop.is_set():
@@ -99,11 +105,12 @@ class Fanout:
                     await self._save(stream.resume_token, None)
                     saved = now
 
-    async def _replay(self) -> None:
-        at = await self.store.webhooks.feed_time()
-        if at is None:
+    async def _replay(self, since: datetime | None) -> None:
+        """Fan out the trail's events written `since` then, as `job_events` holds them (the
+        stream, opened before, brings what comes after; what both bring is stored once)."""
+        if since is None:
             return
-        cursor = self.store.trail.since(at - REPLAY_SKEW, SOURCE_TYPES)
+        cursor = self.store.trail.since(since, SOURCE_TYPES)
         batch: list[Doc] = []
         async for event in cursor:
             batch.append(event)
