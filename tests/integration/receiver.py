@@ -124,12 +124,14 @@ def hook_settings(settings: Settings, **fields: Any) -> Settings:
 
 @asynccontextmanager
 async def notifying(backends: Backends, settings: Settings) -> AsyncIterator[Notifier]:
-    """A notifier on this event loop until the block ends, from when it follows the trail."""
+    """A notifier on this event loop until the block ends. With a webhook enabled, from when it
+    follows the trail."""
     stop = asyncio.Event()
     notifier = Notifier(backends.store, backends.queue, settings)
     task = asyncio.create_task(notifier.run(stop))
     try:
-        await until(lambda: _following(backends))
+        if await backends.store.webhooks.enabled():
+            await until(lambda: _following(backends))
         yield notifier
     finally:
         stop.set()
@@ -148,4 +150,4 @@ async def received(
 
 
 async def _following(backends: Backends) -> bool:
-    return await backends.store.webhooks.feed_position() is not None
+    return (await backends.store.webhooks.feed()).token is not None

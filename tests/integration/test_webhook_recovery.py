@@ -105,7 +105,7 @@ async def test_a_notifier_sigkilled_mid_delivery_leaves_it_to_another(
 
 
 async def _following(backends: Backends) -> bool:
-    return await backends.store.webhooks.feed_position() is not None
+    return (await backends.store.webhooks.feed()).token is not None
 
 
 async def _delivered(api: httpx.AsyncClient, hook_id: str) -> bool:
@@ -190,3 +190,26 @@ async def test_a_webhook_made_before_any_notifier_ran_misses_nothing(
         async with notifying(backends, settings):
             await received(receiver, lambda r: len(r.received) == 2)
     assert {r.message["data"]["run"]["id"] for r in receiver.received} == set(made)
+
+
+async def test_with_no_webhook_the_trail_is_not_followed_and_a_new_one_misses_nothing(
+    api: httpx.AsyncClient, backends: Backends, settings: Settings, register: Register
+) -> None:
+    await register("t_noop")
+    settings = hook_settings(settings)
+    async with serving(Receiver()) as receiver, notifying(backends, settings):
+        await until(lambda: _idle(backends))
+        await api.post("/v1/runs", json=RUN)  # before any webhook: never delivered
+        hook = await subscribe(api, receiver.url, ["run.created"])
+        made = (await api.post("/v1/runs", json=RUN)).json()["id"]
+        await received(receiver, lambda r: len(r.received) == 1)
+        await until(lambda: _following(backends))
+        await api.delete(f"/v1/webhooks/{hook['id']}")
+        await until(lambda: _idle(backends))
+    [delivered] = receiver.received
+    assert delivered.message["data"]["run"]["id"] == made
+
+
+async def _idle(backends: Backends) -> bool:
+    feed = await backends.store.webhooks.feed()
+    return feed.token is None and feed.idle_since is not None

@@ -2,16 +2,19 @@
 Webhooks reference library: retries, a receiver that was down, Retry-After, 410, scopes, SSRF."""
 
 import asyncio
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 import httpx
 import pytest
+from bson import ObjectId
 from standardwebhooks.webhooks import WebhookVerificationError
 
 from jobplane.backends import Backends
 from jobplane.settings import Settings
 from tests.integration.api_client import error_of, pointers
 from tests.integration.conftest import Client, Register
+from tests.integration.db import raw
 from tests.integration.flow import until
 from tests.integration.receiver import (
     Answer,
@@ -309,3 +312,58 @@ async def test_deliveries_to_internal_addresses_are_refused_after_resolution(
     for hook in (by_name, by_address):
         [refused] = await deliveries(api, hook["id"])
         assert "a loopback address" in refused["lastError"], refused
+
+
+async def test_a_dead_endpoint_delays_no_other_endpoint(
+    api: httpx.AsyncClient, backends: Backends, settings: Settings, register: Register
+) -> None:
+    """An endpoint that never answers holds at most 16 tries, each until the timeout; another
+    endpoint's deliveries go out meanwhile, at once."""
+    await register("t_noop")
+
+    def hangs(request: Request, earlier: list[Request]) -> Answer:
+        return 200, {}, 30.0
+
+    settings = hook_settings(settings, webhook_timeout_seconds=5)
+    async with (
+        serving(Receiver(answer=hangs)) as dead,
+        serving(Receiver()) as alive,
+        notifying(backends, settings),
+    ):
+        await subscribe(api, dead.url, ["run.created"])
+        await subscribe(api, alive.url, ["run.created"])
+        for _ in range(30):
+            await api.post("/v1/runs", json=RUN)
+        await received(alive, lambda r: len(r.received) == 30, within=4)
+        assert len(dead.received) == 16, "the dead endpoint holds 16 tries, no more"
+
+
+async def test_a_webhook_failing_for_five_days_is_disabled(
+    api: httpx.AsyncClient, backends: Backends, settings: Settings, register: Register
+) -> None:
+    await register("t_noop")
+
+    def fails(request: Request, earlier: list[Request]) -> Answer:
+        return 500, {}, 0.0
+
+    settings = hook_settings(settings)
+    async with serving(Receiver(answer=fails)) as receiver, notifying(backends, settings):
+        hook = await subscribe(api, receiver.url, ["run.created"])
+        await api.post("/v1/runs", json=RUN)
+        await until(lambda: _all(api, hook["id"], lambda d: d["attempts"] >= 2))
+        shown = (await api.get(f"/v1/webhooks/{hook['id']}")).json()
+        assert shown["enabled"] and shown["failingSince"] is not None
+        # As if its first failure were six days old: the next failed try disables it.
+        six_days_ago = datetime.now(UTC) - timedelta(days=6)
+        await raw(backends.store).webhooks.update_one(
+            {"_id": ObjectId(hook["id"])}, {"$set": {"failingSince": six_days_ago}}
+        )
+        await until(lambda: _disabled(api, hook["id"]))
+    shown = (await api.get(f"/v1/webhooks/{hook['id']}")).json()
+    assert shown["disabledReason"].startswith("every delivery failed since")
+    events = (await api.get("/v1/events", params={"jobId": hook["id"]})).json()["items"]
+    assert [(e["type"], e["actor"]) for e in events][-1] == ("webhook_disabled", "notifier")
+
+
+async def _disabled(api: httpx.AsyncClient, hook_id: str) -> bool:
+    return not (await api.get(f"/v1/webhooks/{hook_id}")).json()["enabled"]

@@ -43,6 +43,17 @@ _FEED = "webhook_feed"
 
 
 @dataclass(frozen=True)
+class Feed:
+    """Where the notifier is in the trail: the change stream's resume token after the last
+    events it fanned out (None before the first notifier, or while idle), the time of the last
+    of them, and since when it has been idle (no webhook enabled, so nothing followed)."""
+
+    token: Any
+    at: datetime | None
+    idle_since: datetime | None
+
+
+@dataclass(frozen=True)
 class Claimed:
     """A delivery claimed for one try: the body to send, which try of its round this is, and
     the claim that alone may write the try's outcome."""
@@ -287,20 +298,23 @@ class MongoWebhookStore:
 
     # -- where the notifier is in the trail ----------------------------------------------------
 
-    async def feed_position(self) -> Any:
-        """The change stream's resume token after the last events the notifier fanned out."""
-        doc = await self._db.meta.find_one({"_id": _FEED})
-        return doc.get("token") if doc else None
-
-    async def feed_time(self) -> datetime | None:
-        """When the last event the notifier fanned out was written."""
-        doc = await self._db.meta.find_one({"_id": _FEED})
-        return doc.get("at") if doc else None
+    async def feed(self) -> Feed:
+        """Where the notifier is in the trail."""
+        doc = await self._db.meta.find_one({"_id": _FEED}) or {}
+        return Feed(doc.get("token"), doc.get("at"), doc.get("idleSince"))
 
     async def save_feed_position(self, token: Any, at: datetime | None) -> None:
         """Save the stream's position, and with `at` the time of the last event before it."""
-        fields: Doc = {"token": token} if at is None else {"token": token, "at": at}
+        fields: Doc = {"token": token, "idleSince": None}
+        if at is not None:
+            fields["at"] = at
         await self._db.meta.update_one({"_id": _FEED}, {"$set": fields}, upsert=True)
+
+    async def feed_idle(self, since: datetime) -> None:
+        """The notifier stopped following the trail at `since`: no webhook was enabled."""
+        await self._db.meta.update_one(
+            {"_id": _FEED}, {"$set": {"token": None, "idleSince": since}}, upsert=True
+        )
 
 
 def _webhook_event(

@@ -9,9 +9,12 @@ no-ops (one per webhook and event, `store/webhooks.py`). Nothing is lost; nothin
 by the fan-out's doing.
 
 If the stream's history is gone when a notifier resumes (it was down longer than the oplog
-holds), it reads `job_events` again from a minute before the last event it fanned out. The
-first notifier ever reads it from the first webhook's creation, so that webhooks made before
-any notifier ran miss nothing.
+holds), it reads `job_events` again from a minute before the last event it fanned out.
+
+With no webhook enabled, nothing is followed: the trail is not read at all, and the position is
+dropped. When a webhook appears (or the first notifier ever starts), the stream starts anew and
+`job_events` is read from the webhook's creation (or from when the fan-out went idle), so that
+nothing a webhook asked for is missed.
 """
 
 import asyncio
@@ -46,6 +49,8 @@ IDLE_SAVE_SECONDS = 10.0
 # How far before its last fanned-out event a notifier that lost the stream's history reads
 # `job_events` again: the writers' clocks may disagree by that much.
 REPLAY_SKEW = timedelta(minutes=1)
+# How often the fan-out looks whether any webhook is enabled: with none, it reads nothing.
+IDLE_SECONDS = 1.0
 # After a failure, the fan-out waits this long before it tries again.
 RETRY_SECONDS = 1.0
 
@@ -71,23 +76,36 @@ class Fanout:
                     await asyncio.wait_for(stop.wait(), RETRY_SECONDS)
 
     async def _follow(self, stop: asyncio.Event) -> None:
-        position = await self.store.webhooks.feed_position()
-        try:
-            stream = await self.store.trail.watch(position, SOURCE_TYPES)
-        except OperationFailure as exc:
-            if position is None:
-                raise
-            log.error("the trail's history since the last fan-out is gone (%s); reading it", exc)
+        """Follow the trail while a webhook is enabled; with none, nothing is read at all."""
+        feed = await self.store.webhooks.feed()
+        hooks = await self.store.webhooks.enabled()
+        if not hooks:
+            if feed.idle_since is None:
+                await self.store.webhooks.feed_idle(self.clock.now())
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), IDLE_SECONDS)
+            return
+        if feed.token is None:  # the first notifier, or the first webhook since it was idle
             stream = await self.store.trail.watch(None, SOURCE_TYPES)
-            at = await self.store.webhooks.feed_time()
-            await self._replay(None if at is None else at - REPLAY_SKEW)
+            # What happened since the webhooks were made (or since the notifier went idle),
+            # before the stream began.
+            since = min(h.create_at for h in hooks)
+            if feed.idle_since is not None:
+                since = max(since, feed.idle_since - REPLAY_SKEW)
+            await self._replay(since)
+        else:
+            try:
+                stream = await self.store.trail.watch(feed.token, SOURCE_TYPES)
+            except OperationFailure as exc:
+                log.error(
+                    "the trail's history since the last fan-out is gone (%s); reading it", exc
+                )
+                stream = await self.store.trail.watch(None, SOURCE_TYPES)
+                await self._replay(None if feed.at is None else feed.at - REPLAY_SKEW)
         async with stream:
-            if position is None:  # the first notifier: from here on, once this is kept
-                # Webhooks made before any notifier ran get what happened since they were.
-                hooks = await self.store.webhooks.enabled()
-                await self._replay(min((h.create_at for h in hooks), default=None))
-                await self._save(stream.resume_token, None)
-            saved = asyncio.get_running_loop().time()
+            await self._save(stream.resume_token, None)
+            loop = asyncio.get_running_loop()
+            saved = looked = loop.time()
             while not stop.is_set():
                 batch: list[Doc] = []
                 # `try_next` waits a moment (`WATCH_WAIT_MS`) for a change not yet sent.
@@ -95,7 +113,7 @@ class Fanout:
                     batch.append(change)
                     if stop.is_set():
                         break
-                now = asyncio.get_running_loop().time()
+                now = loop.time()
                 if batch:
                     events = [c["fullDocument"] for c in batch]
                     await self.fan_out(events)
@@ -104,10 +122,14 @@ class Fanout:
                 elif now - saved >= IDLE_SAVE_SECONDS:
                     await self._save(stream.resume_token, None)
                     saved = now
+                if now - looked >= IDLE_SECONDS:
+                    looked = now
+                    if not await self.store.webhooks.enabled():
+                        return  # the next pass goes idle
 
     async def _replay(self, since: datetime | None) -> None:
-        """Fan out the trail's events written `since` then, as `job_events` holds them (the
-        stream, opened before, brings what comes after; what both bring is stored once)."""
+        """Fan out the trail's events written `since` then, as `job_events` holds them: the
+        stream, opened before, brings what comes after (what both bring is stored once)."""
         if since is None:
             return
         cursor = self.store.trail.since(since, SOURCE_TYPES)
