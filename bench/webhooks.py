@@ -5,8 +5,8 @@ Variants (within each round one after another, each on a fresh database and Redi
 machine that speeds up or slows down moves them all):
 
 none            no notifier, no webhook: throughput.py's end-to-end workload as it is
-idle_notifier   a `jobplane notifier` follows the trail, no webhook: the price of the change
-                stream on `job_events` and of the fan-out reading every batch with nothing to send
+idle_notifier   a `jobplane notifier` runs, no webhook: with none enabled it follows nothing, so
+                this is the price of the process looking once a second whether one appeared
 webhook         one webhook subscribed to `*` of the runs' scope, a notifier, and a receiver on
                 127.0.0.1 answering 204: 4 signed deliveries per no-op run (run.created,
                 run.started, step.succeeded, run.succeeded)

@@ -45,6 +45,8 @@ class RunChanges:
         self._woken: dict[str, set[asyncio.Event]] = {}
         # Set when a run joins: the change stream is opened again to include it.
         self._joined = asyncio.Event()
+        # The runs that joined since the stream was last opened.
+        self._new: set[str] = set()
         self._follower: asyncio.Task[None] | None = None
 
     @asynccontextmanager
@@ -53,8 +55,10 @@ class RunChanges:
         once more when the change stream starts to include the run: what changed before
         that, a reader reads then."""
         woken = asyncio.Event()
+        if run_id not in self._woken:
+            self._new.add(run_id)
+            self._joined.set()
         self._woken.setdefault(run_id, set()).add(woken)
-        self._joined.set()
         if self._follower is None or self._follower.done():
             self._follower = asyncio.create_task(self._follow())
         try:
@@ -69,10 +73,13 @@ class RunChanges:
         token: Any = None
         while self._woken:
             self._joined.clear()
-            run_ids = list(self._woken)
+            run_ids, new = list(self._woken), list(self._new)
+            self._new.clear()
             try:
                 async with await self._store.runs.watch(run_ids, token) as stream:
-                    self._wake(run_ids)
+                    # The stream resumes where the last one ended for the runs it had; a run
+                    # new to it may have changed before it began: its readers read it again.
+                    self._wake(new if token is not None else run_ids)
                     while self._woken and not self._joined.is_set():
                         change = await stream.try_next()
                         token = stream.resume_token
@@ -80,6 +87,7 @@ class RunChanges:
                             self._wake([str(change["documentKey"]["_id"])])
             except Exception as exc:
                 log.warning("the runs' change stream failed (%s); opening it again", exc)
+                self._new.update(new)
                 if isinstance(exc, OperationFailure):
                     token = None  # a token it cannot resume from; readers read afresh
                 await asyncio.sleep(RETRY_SECONDS)
