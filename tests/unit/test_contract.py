@@ -35,7 +35,16 @@ V1_ERRORS = {
     "503": "Unavailable",
 }
 # POST routes that take no body: the path says it all.
-NO_BODY = {"/rerun", "/enable", "/disable", "/pause", "/resume", "/trigger"}
+NO_BODY = {
+    "/rerun",
+    "/enable",
+    "/disable",
+    "/pause",
+    "/resume",
+    "/trigger",
+    "/rotate-secret",
+    "/redeliver",
+}
 
 
 @pytest.fixture(scope="module")

@@ -29,6 +29,8 @@ from jobplane.store import EventQuery, Store
 
 log = logging.getLogger("jobplane.api")
 
+# The OpenAPI description of a stream's answer: SSE text, each message's data a JSON document.
+SSE_SCHEMA = {"schema": {"type": "string", "description": "Server-Sent Events, data in JSON"}}
 # A failed change stream is opened again after this long.
 RETRY_SECONDS = 0.5
 # How often an idle stream sends a comment, so that proxies keep it open.

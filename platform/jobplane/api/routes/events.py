@@ -50,7 +50,9 @@ async def search(
     "/stream",
     summary="Stream new trail entries (Server-Sent Events)",
     response_class=EventSourceResponse,
-    responses={200: {"content": {"text/event-stream": {}}, "description": "an SSE stream"}},
+    responses={
+        200: {"content": {"text/event-stream": live.SSE_SCHEMA}, "description": "an SSE stream"}
+    },
 )
 async def stream(
     store: StoreDep,

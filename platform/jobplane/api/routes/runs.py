@@ -167,7 +167,9 @@ async def get(run_id: str, runs: RunsDep, caller: RunReader, waiting: WaitingDep
     "/{run_id}/stream",
     summary="Stream a run's changes (Server-Sent Events)",
     response_class=EventSourceResponse,
-    responses={200: {"content": {"text/event-stream": {}}, "description": "an SSE stream"}},
+    responses={
+        200: {"content": {"text/event-stream": live.SSE_SCHEMA}, "description": "an SSE stream"}
+    },
 )
 async def stream(
     run_id: str, runs: RunsDep, caller: RunReader, store: StoreDep, request: Request
