@@ -8,19 +8,17 @@ each verified one, and answers 200; a request it cannot verify is answered 400 a
 a violation. `invariants.webhook_deliveries` then compares what it got with the trail.
 """
 
-import asyncio
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
 import httpx
-import uvicorn
 from standardwebhooks.webhooks import Webhook, WebhookVerificationError
 from starlette.types import Receive, Scope, Send
 
 from jobplane.devstack import free_port
-from jobplane.process import HTTPServer, serve_http
 from tests.chaos.invariants import Subscribed
+from tests.integration.receiver import body_of, serving
+
+__all__ = ["ENDS", "SCOPES", "Receiver", "serving"]
 
 # Every scope the load's runs use (`Load.request`: `acct<i % 7>`, a map's children in their
 # parent's, the schedule's runs in acct0), each with its webhook: every run's end is checked.
@@ -56,12 +54,7 @@ class Receiver:
 
     async def __call__(self, asgi: Scope, receive: Receive, send: Send) -> None:
         assert asgi["type"] == "http"
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body = await body_of(receive)
         headers = {k.decode("latin-1"): v.decode("latin-1") for k, v in asgi["headers"]}
         status = self.record(asgi["path"], headers, body)
         await send({"type": "http.response.start", "status": status, "headers": []})
@@ -83,31 +76,3 @@ class Receiver:
             return 400
         self.received.append((where, message_id))
         return 200
-
-
-@asynccontextmanager
-async def serving(receiver: Receiver) -> AsyncIterator[Receiver]:
-    """`receiver` listening on its port until the block ends."""
-    config = uvicorn.Config(
-        receiver,
-        host="127.0.0.1",
-        port=receiver.port,
-        log_config=None,
-        access_log=False,
-        ws="none",
-        lifespan="off",
-        timeout_graceful_shutdown=1,
-    )
-    server, stop = HTTPServer(config), asyncio.Event()
-    task = asyncio.create_task(serve_http(server, stop))
-    async with asyncio.timeout(30):
-        while not server.started:  # uvicorn exposes readiness only as a flag
-            if task.done():
-                task.result()
-                raise RuntimeError("the webhook receiver stopped before it started")
-            await asyncio.sleep(0.02)
-    try:
-        yield receiver
-    finally:
-        stop.set()
-        await task

@@ -6,7 +6,7 @@ import json
 from collections.abc import AsyncIterator, Callable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol, TypeVar
 
 import uvicorn
 from standardwebhooks.webhooks import Webhook as Verifier
@@ -66,12 +66,7 @@ class Receiver:
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         assert scope["type"] == "http"
-        body = b""
-        while True:
-            message = await receive()
-            body += message.get("body", b"")
-            if not message.get("more_body"):
-                break
+        body = await body_of(receive)
         headers = {k.decode(): v.decode() for k, v in scope["headers"]}
         request = Request(scope["path"], headers, body, asyncio.get_running_loop().time())
         earlier = [r for r in self.received if r.headers["webhook-id"] == headers["webhook-id"]]
@@ -83,8 +78,29 @@ class Receiver:
         await send({"type": "http.response.body", "body": b""})
 
 
+async def body_of(receive: Receive) -> bytes:
+    """A request's whole body, as ASGI hands it over in parts."""
+    body = b""
+    while True:
+        message = await receive()
+        body += bytes(message.get("body", b""))
+        if not message.get("more_body"):
+            return body
+
+
+class Listener(Protocol):
+    """An ASGI app that knows its port."""
+
+    port: int
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send, /) -> None: ...
+
+
+L = TypeVar("L", bound=Listener)
+
+
 @asynccontextmanager
-async def serving(receiver: Receiver) -> AsyncIterator[Receiver]:
+async def serving(receiver: L) -> AsyncIterator[L]:
     """`receiver` listening on its port until the block ends."""
     config = uvicorn.Config(
         receiver,
