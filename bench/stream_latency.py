@@ -22,11 +22,9 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import time
 from dataclasses import dataclass
-from pathlib import Path
 from typing import ClassVar
 
 import httpx
@@ -40,7 +38,7 @@ from jobplane.runs import RunService
 from jobplane.runs.service import RunRequest
 from jobplane.settings import Settings
 from jobplane.worker import StepContext, handler
-from latency import line
+from latency import let_workers_import_this, line
 from throughput import run_main
 
 HANDLER_MODULE = "stream_latency"  # this file, as the workers import it
@@ -155,12 +153,6 @@ async def main_async(bench: Bench) -> None:
     p99 = sorted(everything)[max(0, int(0.99 * len(everything) + 0.5) - 1)]
     verdict = "within" if p99 <= GOAL_P99_MS else "past"
     print(f"all rounds: {line(everything)}; p99 {verdict} the {GOAL_P99_MS:g} ms goal")
-
-
-def let_workers_import_this() -> None:
-    """The workers import this file by name (JOBPLANE_HANDLERS); they inherit our environment."""
-    here = str(Path(__file__).resolve().parent)
-    os.environ["PYTHONPATH"] = os.pathsep.join(p for p in (here, os.environ.get("PYTHONPATH")) if p)
 
 
 def main() -> None:

@@ -2,8 +2,9 @@
 
 import base64
 import binascii
+from collections.abc import Sequence
 from datetime import UTC, datetime
-from typing import Annotated, Generic, TypeVar
+from typing import Annotated, Generic, Protocol, TypeVar
 
 from bson import ObjectId
 from fastapi import Query
@@ -24,6 +25,22 @@ class Page(ResponseBody, Generic[T]):
 
 def run_cursor(run_id: str) -> str:
     return _encode(run_id)
+
+
+class Identified(Protocol):
+    @property
+    def id(self) -> str: ...
+
+
+Item = TypeVar("Item", bound=Identified)
+
+
+def newest_first(found: Sequence[Item], limit: int) -> "Page[Item]":
+    """A page of what a store read newest first, `limit + 1` of it: the one beyond the page
+    says there is more, and the page's last item is where the next starts."""
+    items = list(found[:limit])
+    more = len(found) > limit
+    return Page(items=items, next_cursor=run_cursor(items[-1].id) if more else None)
 
 
 def after_run(cursor: str) -> str:

@@ -62,10 +62,7 @@ async def list_keys(
     """Every stored key, newest first, revoked ones too (`revokedAt`, `revokedBy`); never a
     secret. The bootstrap key (`JOBPLANE_ADMIN_KEY`) is not stored, so not listed."""
     before = pages.after_run(cursor) if cursor else None
-    found = await store.keys.page(before, limit + 1)
-    items = found[:limit]
-    more = len(found) > limit
-    return Page(items=items, next_cursor=pages.run_cursor(items[-1].id) if more else None)
+    return pages.newest_first(await store.keys.page(before, limit + 1), limit)
 
 
 @router.delete(

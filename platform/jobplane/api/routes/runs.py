@@ -151,9 +151,8 @@ async def list_runs(
     before = pages.after_run(cursor) if cursor else None
     query = RunQuery(status, template_type, scope, scope_id, schedule_id, parent_run_id, before)
     found = await store.runs.page(query, caller.within, limit + 1)
-    more = len(found) > limit
-    items = await waiting.explain(found[:limit])
-    return Page(items=items, next_cursor=pages.run_cursor(items[-1].id) if more else None)
+    explained = await waiting.explain(found[:limit])
+    return pages.newest_first([*explained, *found[limit:]], limit)
 
 
 @router.get("/{run_id}", summary="Get a run", response_model=Run, response_model_by_alias=True)

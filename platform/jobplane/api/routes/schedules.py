@@ -63,10 +63,7 @@ async def list_schedules(
         caller.may_act_in(scope, scope_id)
     before = pages.after_run(cursor) if cursor else None
     query = ScheduleQuery(template_type, scope, scope_id, enabled, before)
-    found = await store.schedules.page(query, caller.within, limit + 1)
-    more = len(found) > limit
-    items = found[:limit]
-    return Page(items=items, next_cursor=pages.run_cursor(items[-1].id) if more else None)
+    return pages.newest_first(await store.schedules.page(query, caller.within, limit + 1), limit)
 
 
 @router.get(

@@ -119,10 +119,7 @@ async def list_webhooks(
     """The webhooks of the key's scopes (every scope for admin and auditor keys), newest
     first; never a secret."""
     before = pages.after_run(cursor) if cursor else None
-    found = await store.webhooks.page(caller.within, before, limit + 1)
-    items = found[:limit]
-    more = len(found) > limit
-    return Page(items=items, next_cursor=pages.run_cursor(items[-1].id) if more else None)
+    return pages.newest_first(await store.webhooks.page(caller.within, before, limit + 1), limit)
 
 
 @router.get(
@@ -223,9 +220,7 @@ async def deliveries(
     await _visible(store, caller, webhook_id)
     before = pages.after_run(cursor) if cursor else None
     found = await store.webhooks.page_deliveries(webhook_id, before, limit + 1)
-    items = found[:limit]
-    more = len(found) > limit
-    return Page(items=items, next_cursor=pages.run_cursor(items[-1].id) if more else None)
+    return pages.newest_first(found, limit)
 
 
 @router.post(
