@@ -82,8 +82,17 @@ class Sender:
             try:
                 while not stop.is_set():
                     self.wake.clear()
+                    # A stop does not wait on a MongoDB that does not answer (30 s).
+                    looking = asyncio.ensure_future(self.send_due(http))
+                    stopping = asyncio.ensure_future(stop.wait())
+                    await asyncio.wait([looking, stopping], return_when=asyncio.FIRST_COMPLETED)
+                    stopping.cancel()
+                    if not looking.done():
+                        seconds = self.settings.close_seconds
+                        await finish_within(looking, seconds, "looking for due deliveries")
+                        break
                     try:
-                        full = await self.send_due(http)
+                        full = looking.result()
                     except Exception:
                         log.exception("looking for due deliveries failed; looking again")
                         full = False
