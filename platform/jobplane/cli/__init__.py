@@ -347,9 +347,9 @@ def _followed(client: APIClient, run_id: str, interval: float) -> Iterator[Run]:
 
     Its stream says each change as it happens. While the run waits to start, it is read every
     `interval` seconds instead: why it waits (`waitingFor`) changes without the run (a queue
-    paused, a worker gone), so its stream does not say. A stream that broke, or ended before
-    the run did, is polled for too, and opened again STREAM_RETRY_SECONDS later, so that a
-    long watch outlives a restart of the API without polling to the end."""
+    paused, a worker gone), which its stream looks at only once a second. A stream that broke,
+    or ended before the run did, is polled for too, and opened again STREAM_RETRY_SECONDS
+    later, so that a long watch outlives a restart of the API without polling to the end."""
     path = f"/v1/runs/{_segment(run_id)}"
     retry_at = 0.0
     while True:
