@@ -95,7 +95,9 @@ def test_cli_against_a_running_dev_stack(tmp_path: Path) -> None:
         while True:
             assert dev.poll() is None, log.read_text()
             try:
-                if httpx.get(f"{url}/readyz").status_code == 200:
+                # Up as its banner says: the API answers, and the env for a second shell is
+                # written (just after the API starts answering).
+                if httpx.get(f"{url}/readyz").status_code == 200 and "Ctrl-C" in log.read_text():
                     break
             except httpx.HTTPError:
                 pass
