@@ -166,4 +166,4 @@ async def received(
 
 
 async def _following(backends: Backends) -> bool:
-    return (await backends.store.webhooks.feed()).token is not None
+    return (await backends.store.feed.position()).token is not None

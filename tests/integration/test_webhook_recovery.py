@@ -105,7 +105,7 @@ async def test_a_notifier_sigkilled_mid_delivery_leaves_it_to_another(
 
 
 async def _following(backends: Backends) -> bool:
-    return (await backends.store.webhooks.feed()).token is not None
+    return (await backends.store.feed.position()).token is not None
 
 
 async def _delivered(api: httpx.AsyncClient, hook_id: str) -> bool:
@@ -211,5 +211,5 @@ async def test_with_no_webhook_the_trail_is_not_followed_and_a_new_one_misses_no
 
 
 async def _idle(backends: Backends) -> bool:
-    feed = await backends.store.webhooks.feed()
+    feed = await backends.store.feed.position()
     return feed.token is None and feed.idle_since is not None

@@ -89,6 +89,40 @@ async def test_a_run_s_events_reach_the_endpoint_signed_with_a_sequence(
     assert [(e["type"], e["actor"]) for e in events] == [("webhook_created", "user:admin")]
 
 
+async def test_progress_reaches_a_webhook_that_asked_for_it_between_its_run_s_events(
+    api: httpx.AsyncClient, backends: Backends, settings: Settings, register: Register
+) -> None:
+    """`run.progress` comes from the runs' progress reports, which write no trail event; a
+    webhook that did not ask for it gets none, and a run's reports that arrive together are
+    sent once, as the latest."""
+    await register("t_sleep", steps=[{"id": "nap", "handler": "builtin.sleep"}])
+    settings = hook_settings(settings)
+    async with serving(Receiver()) as progress, serving(Receiver()) as ends:
+        async with notifying(backends, settings):
+            watched = await subscribe(api, progress.url, ["run.progress", "run.succeeded"])
+            await subscribe(api, ends.url, ["run.succeeded"])
+            body = RUN | {"templateType": "t_sleep", "payload": {"sleepSeconds": 1}}
+            run = (await api.post("/v1/runs", json=body)).json()
+            async with running(backends, settings):
+                await settled(backends.store, [run["id"]])
+            await received(progress, lambda r: bool(r.of_type("run.succeeded")))
+            await received(ends, lambda r: bool(r.of_type("run.succeeded")))
+            await asyncio.sleep(0.3)  # nothing more comes
+    bodies = [r.verified(watched["secret"]) for r in progress.received]
+    reports = [b for b in bodies if b["type"] == "run.progress"]
+    # The step reports 10 times, at most 4 a second; a busy notifier may send fewer.
+    assert 1 <= len(reports) <= 10
+    assert len({b["id"] for b in reports}) == len(reports), "one message per report"
+    seen = [b["data"]["run"]["progress"]["percentage"] for b in reports]
+    assert seen == sorted(seen) and all(b["data"]["run"]["id"] == run["id"] for b in reports)
+    assert all(b["data"]["run"]["progress"]["reportedAt"] for b in reports)
+    # The trail: created, started, step_started (3), step_finished, succeeded (5). A report
+    # has the place of the event before it.
+    [ended] = [b for b in bodies if b["type"] == "run.succeeded"]
+    assert {b["sequence"] for b in reports} == {3} and ended["sequence"] == 5
+    assert [r.message["type"] for r in ends.received] == ["run.succeeded"]
+
+
 async def test_tries_that_fail_with_a_500_or_a_timeout_are_tried_again(
     api: httpx.AsyncClient, backends: Backends, settings: Settings, register: Register
 ) -> None:

@@ -9,6 +9,7 @@ from typing import Any
 import pytest
 
 from jobplane.settings import Settings
+from jobplane.store.feed import PROGRESS_REPORTED
 from jobplane.webhooks.events import SOURCE_TYPES, webhook_type
 from jobplane.webhooks.sender import JITTER, MAX_RETRY_AFTER, Sender, _retry_after
 
@@ -45,6 +46,13 @@ def test_trail_events_become_webhook_events(trail: dict[str, Any], name: str | N
     assert webhook_type(trail) == name
     if name is not None:
         assert trail["type"] in SOURCE_TYPES, "the notifier reads the types that map"
+
+
+def test_a_progress_report_of_the_feed_is_run_progress() -> None:
+    """Progress writes no trail event: the feed brings it as its own type, read beside the
+    trail's (`store/feed.py`), never replayed from `job_events`."""
+    assert webhook_type(event(PROGRESS_REPORTED)) == "run.progress"
+    assert PROGRESS_REPORTED not in SOURCE_TYPES
 
 
 def sender(*waits: float) -> Sender:

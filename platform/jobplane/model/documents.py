@@ -359,6 +359,8 @@ class Progress(Document):
     summary: str = ""
     percentage: float = 0
     steps: list[StepProgress] = Field(default_factory=list)
+    # When a step last reported progress; None until one does.
+    reported_at: datetime | None = None
 
 
 WaitingReason = Literal[

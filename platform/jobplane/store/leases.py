@@ -145,14 +145,20 @@ class MongoLeaseStore:
         percentage: float,
         message: str | None,
     ) -> Lost | None:
-        """Progress is frequent, so it writes the run only; no event per tick."""
+        """Progress is frequent, so it writes the run only; no event per tick. Its
+        `reportedAt` is how the notifier's feed knows a report (`store/feed.py`)."""
+        now = self._clock.now()
         s = f"progress.steps.{index}"
-        update: Doc = {f"{s}.percentage": step_percentage, f"{s}.message": message}
+        update: Doc = {
+            f"{s}.percentage": step_percentage,
+            f"{s}.message": message,
+            "progress.reportedAt": now,
+        }
         if message is not None:
             update["progress.summary"] = message
         # $max: the run's progress never goes back, whatever order writes land in.
         write = {"$set": update, "$max": {"progress.percentage": percentage}}
-        return await self._writes.fenced(lease, "progress", write, [], self._clock.now())
+        return await self._writes.fenced(lease, "progress", write, [], now)
 
     async def locks_taken(self, lease: Lease) -> Lost | None:
         """The run took the locks it was handed back for: it waits for none now."""

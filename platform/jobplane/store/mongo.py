@@ -17,6 +17,7 @@ from jobplane.store import abc, indexes
 from jobplane.store.children import MongoChildStore
 from jobplane.store.convert import Doc
 from jobplane.store.database import Collections
+from jobplane.store.feed import MongoFeedStore
 from jobplane.store.gates import MongoGateStore
 from jobplane.store.keys import MongoKeyStore
 from jobplane.store.leases import MongoLeaseStore
@@ -68,6 +69,7 @@ class MongoStore:
         self.maintenance: abc.MaintenanceStore = MongoMaintenanceStore(db, self.clock)
         self.overview: abc.OverviewStore = MongoOverviewStore(db)
         self.webhooks: abc.WebhookStore = MongoWebhookStore(client, db, self.clock, trail)
+        self.feed: abc.FeedStore = MongoFeedStore(db)
 
     @classmethod
     def connect(

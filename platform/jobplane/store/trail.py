@@ -101,17 +101,6 @@ class MongoTrailStore:
         cursor = self._db.events.find(find).sort([("createAt", 1), ("_id", 1)]).limit(limit)
         return [convert.event_model(d) async for d in cursor]
 
-    async def watch(self, after: Any, types: Sequence[str]) -> AsyncChangeStream[Doc]:
-        """Events of `types` as they reach `job_events`, in the order they do: those after the
-        change whose resume token is `after`, or from now on if it is None.
-
-        Every event reaches `job_events` once (a second copy is a no-op), whether its writer
-        or the sweep copied it, so this sees each event once: late, if the sweep copied it."""
-        match = {"operationType": "insert", "fullDocument.type": {"$in": list(types)}}
-        return await self._db.events.watch(
-            [{"$match": match}], start_after=after, max_await_time_ms=WATCH_WAIT_MS
-        )
-
     async def watch_audit(
         self, query: EventQuery, within: Sequence[tuple[str, str]] | None, after: Any
     ) -> AsyncChangeStream[Doc]:

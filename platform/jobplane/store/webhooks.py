@@ -14,7 +14,7 @@ outcomes are written with `w: 1`: a lost one costs a repeated try, never a deliv
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import Any, TypeVar
+from typing import TypeVar
 
 from bson import ObjectId
 from pymongo import AsyncMongoClient, ReturnDocument, UpdateOne
@@ -24,7 +24,6 @@ from pymongo.write_concern import WriteConcern
 
 from jobplane.clock import Clock
 from jobplane.groupcommit import GroupCommit
-from jobplane.model import Run
 from jobplane.model.webhooks import Delivery, SignedWebhook, Webhook
 from jobplane.store import convert
 from jobplane.store.convert import DUPLICATE_KEY, Doc, listed, object_id
@@ -37,20 +36,6 @@ T = TypeVar("T")
 _NO_SECRETS = {"secrets": 0}
 # A delivery as listed: without the body it sends, and the claim of its try.
 _LISTED = {"body": 0, "claim": 0, "tries": 0}
-# The trail fields a delivery's `sequence` needs (a run's trail can be long).
-_TRAIL_ORDER = {"trail.metadata": 0, "trail.message": 0, "trail.actor": 0, "trail.from": 0}
-_FEED = "webhook_feed"
-
-
-@dataclass(frozen=True)
-class Feed:
-    """Where the notifier is in the trail: the change stream's resume token after the last
-    events it fanned out (None before the first notifier, or while idle), the time of the last
-    of them, and since when it has been idle (no webhook enabled, so nothing followed)."""
-
-    token: Any
-    at: datetime | None
-    idle_since: datetime | None
 
 
 @dataclass(frozen=True)
@@ -172,19 +157,6 @@ class MongoWebhookStore:
 
     # -- deliveries ----------------------------------------------------------------------------
 
-    async def runs_of(self, run_ids: Sequence[str]) -> dict[str, tuple[Run, dict[str, int]]]:
-        """The runs, each with its trail's order: event id to its place (1, 2, ...)."""
-        ids = [oid for r in set(run_ids) if (oid := object_id(r)) is not None]
-        found: dict[str, tuple[Run, dict[str, int]]] = {}
-        for collection in (self._db.runs, self._db.archive):
-            missing = [oid for oid in ids if str(oid) not in found]
-            if not missing:
-                break
-            async for doc in collection.find({"_id": {"$in": missing}}, _TRAIL_ORDER):
-                order = {str(e["_id"]): i for i, e in enumerate(doc.pop("trail", []), 1)}
-                found[str(doc["_id"])] = (convert.run(doc), order)
-        return found
-
     async def add(self, deliveries: Sequence[Doc]) -> list[Claimed]:
         """Store new deliveries; one of a (webhook, event) stored already (by this notifier
         before a restart, or by another) is left as it was. Returns the claims of the new ones
@@ -294,26 +266,6 @@ class MongoWebhookStore:
         await self._db.webhooks.update_one(
             {"_id": ObjectId(webhook_id), "failingSince": {"$ne": None}},
             {"$set": {"failingSince": None}},
-        )
-
-    # -- where the notifier is in the trail ----------------------------------------------------
-
-    async def feed(self) -> Feed:
-        """Where the notifier is in the trail."""
-        doc = await self._db.meta.find_one({"_id": _FEED}) or {}
-        return Feed(doc.get("token"), doc.get("at"), doc.get("idleSince"))
-
-    async def save_feed_position(self, token: Any, at: datetime | None) -> None:
-        """Save the stream's position, and with `at` the time of the last event before it."""
-        fields: Doc = {"token": token, "idleSince": None}
-        if at is not None:
-            fields["at"] = at
-        await self._db.meta.update_one({"_id": _FEED}, {"$set": fields}, upsert=True)
-
-    async def feed_idle(self, since: datetime) -> None:
-        """The notifier stopped following the trail at `since`: no webhook was enabled."""
-        await self._db.meta.update_one(
-            {"_id": _FEED}, {"$set": {"token": None, "idleSince": since}}, upsert=True
         )
 
 

@@ -2,12 +2,14 @@
 
 The trail names what a write did (`status_changed` by `claim`, `step_finished` with a status);
 a subscriber asks for what happened to the run (`run.started`, `step.failed`). This is the one
-place that translates.
+place that translates. `run.progress` is no trail event: the notifier's feed brings progress
+reports beside the trail (`store/feed.py`).
 """
 
 from typing import Any
 
 from jobplane.model.webhooks import WebhookEventType
+from jobplane.store.feed import PROGRESS_REPORTED
 
 # The trail's types that can become a webhook event: the notifier reads only these.
 SOURCE_TYPES = ("created", "status_changed", "step_finished", "step_skipped")
@@ -32,8 +34,11 @@ _BY_STEP_END: dict[str, WebhookEventType] = {
 
 
 def webhook_type(event: dict[str, Any]) -> WebhookEventType | None:
-    """The webhook event a trail event is, or None for one no subscriber receives."""
+    """The webhook event a trail event (or a progress report of the notifier's feed) is, or
+    None for one no subscriber receives."""
     kind, metadata = event["type"], event.get("metadata") or {}
+    if kind == PROGRESS_REPORTED:
+        return "run.progress"
     if kind == "created":
         return "run.created"
     if kind == "status_changed":

@@ -2,14 +2,20 @@
 
 The trail is the outbox. Every event reaches `job_events` once, written with its run's write
 (or copied there by the sweep from the run's own trail), so a change stream on its inserts sees
-each event once, in the order they arrived. The stream's position (a resume token) is saved in
-MongoDB only after the deliveries of everything before it are stored: a notifier killed at any
-point starts again from the last saved position, and the deliveries it makes a second time are
-no-ops (one per webhook and event, `store/webhooks.py`). Nothing is lost; nothing is sent twice
-by the fan-out's doing.
+each event once, in the order they arrived. The same stream brings the steps' progress reports
+(`store/feed.py`). The stream's position (a resume token) is saved in MongoDB only after the
+deliveries of everything before it are stored: a notifier killed at any point starts again
+from the last saved position, and the deliveries it makes a second time are no-ops (one per
+webhook and event, `store/webhooks.py`). Nothing is lost; nothing is sent twice by the
+fan-out's doing.
 
 If the stream's history is gone when a notifier resumes (it was down longer than the oplog
-holds), it reads `job_events` again from a minute before the last event it fanned out.
+holds), it reads `job_events` again from a minute before the last event it fanned out. Progress
+reports are state, not events: only the trail is read again, so the reports in that gap are not
+delivered (the run's next report or event carries its progress).
+
+A run's reports that arrive together are delivered once, as its latest: each delivery carries
+the run as it is when the delivery is made.
 
 With no webhook enabled, nothing is followed: the trail is not read at all, and the position is
 dropped. When a webhook appears (or the first notifier ever starts), the stream starts anew and
@@ -34,6 +40,7 @@ from jobplane.model import Run
 from jobplane.model.webhooks import SignedWebhook
 from jobplane.settings import Settings
 from jobplane.store import Store
+from jobplane.store.feed import PROGRESS_REPORTED, FedRun
 from jobplane.webhooks.events import SOURCE_TYPES, webhook_type
 from jobplane.webhooks.sender import Sender
 
@@ -77,16 +84,16 @@ class Fanout:
 
     async def _follow(self, stop: asyncio.Event) -> None:
         """Follow the trail while a webhook is enabled; with none, nothing is read at all."""
-        feed = await self.store.webhooks.feed()
+        feed = await self.store.feed.position()
         hooks = await self.store.webhooks.enabled()
         if not hooks:
             if feed.idle_since is None:
-                await self.store.webhooks.feed_idle(self.clock.now())
+                await self.store.feed.go_idle(self.clock.now())
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(stop.wait(), IDLE_SECONDS)
             return
         if feed.token is None:  # the first notifier, or the first webhook since it was idle
-            stream = await self.store.trail.watch(None, SOURCE_TYPES)
+            stream = await self.store.feed.watch(None, SOURCE_TYPES)
             # What happened since the webhooks were made (or since the notifier went idle),
             # before the stream began.
             since = min(h.create_at for h in hooks)
@@ -95,12 +102,12 @@ class Fanout:
             await self._replay(since)
         else:
             try:
-                stream = await self.store.trail.watch(feed.token, SOURCE_TYPES)
+                stream = await self.store.feed.watch(feed.token, SOURCE_TYPES)
             except OperationFailure as exc:
                 log.error(
                     "the trail's history since the last fan-out is gone (%s); reading it", exc
                 )
-                stream = await self.store.trail.watch(None, SOURCE_TYPES)
+                stream = await self.store.feed.watch(None, SOURCE_TYPES)
                 await self._replay(None if feed.at is None else feed.at - REPLAY_SKEW)
         async with stream:
             await self._save(stream.resume_token, None)
@@ -115,7 +122,7 @@ class Fanout:
                         break
                 now = loop.time()
                 if batch:
-                    events = [c["fullDocument"] for c in batch]
+                    events = [self.store.feed.news(c) for c in batch]
                     await self.fan_out(events)
                     await self._save(batch[-1]["_id"], events[-1]["createAt"])
                     saved = now
@@ -143,29 +150,33 @@ class Fanout:
 
     async def _save(self, token: Any, at: Any) -> None:
         if token is not None:
-            await self.store.webhooks.save_feed_position(token, at)
+            await self.store.feed.save_position(token, at)
 
     async def fan_out(self, events: Sequence[Doc]) -> int:
-        """Store a delivery of each event for each enabled webhook of its scope that asked for
-        its type and existed when it happened; returns how many were new or not."""
-        typed = [(e, kind) for e in events if (kind := webhook_type(e)) is not None]
+        """Store a delivery of each event for each enabled webhook of its run's scope that asked
+        for its type and existed when it happened; returns how many were new or not."""
+        typed = [
+            (e, kind) for e in _latest_reports(events) if (kind := webhook_type(e)) is not None
+        ]
         if not typed:
             return 0
         hooks = await self.store.webhooks.enabled()
-        matched = [(e, kind, h) for e, kind in typed for h in hooks if _wants(h, e, kind)]
-        if not matched:
+        wanted = [(e, kind, h) for e, kind in typed for h in hooks if _wants(h, e, kind)]
+        if not wanted:
             return 0
-        runs = await self.store.webhooks.runs_of([e["jobId"] for e, _, _ in matched])
+        runs = await self.store.feed.runs_of([e["jobId"] for e, _, _ in wanted])
         now = self.clock.now()
         first_try = now + timedelta(seconds=self.settings.webhook_retry_seconds[0])
         deliveries: list[Doc] = []
-        for event, kind, hook in matched:
-            found = runs.get(event["jobId"])
-            if found is None:  # no run can lose its document; say so if one did
+        for event, kind, hook in wanted:
+            fed = runs.get(event["jobId"])
+            if fed is None:  # no run can lose its document; say so if one did
                 log.warning("event %s names run %s, which is gone", event["_id"], event["jobId"])
                 continue
-            run, order = found
-            sequence = order.get(str(event["_id"]), 0)
+            run = fed.run
+            if (hook.scope, hook.scope_id) != (run.scope, run.scope_id):
+                continue
+            sequence = _sequence(fed, event)
             deliveries.append(
                 {
                     "_id": ObjectId(),
@@ -215,13 +226,23 @@ class Fanout:
 
 
 def _wants(hook: SignedWebhook, event: Doc, kind: str) -> bool:
-    # A webhook receives what happened after it was made, never a backlog from before it.
-    return (
-        hook.scope == event["scope"]
-        and hook.scope_id == event["scopeId"]
-        and hook.wants(kind)
-        and event["createAt"] >= hook.create_at
-    )
+    """Whether the webhook asked for the event, whichever run's it is (its scope is the run's).
+    A webhook receives what happened after it was made, never a backlog from before it."""
+    return hook.wants(kind) and event["createAt"] >= hook.create_at
+
+
+def _latest_reports(events: Sequence[Doc]) -> list[Doc]:
+    """The events, with only the latest progress report of each run."""
+    latest = {e["jobId"]: e["_id"] for e in events if e["type"] == PROGRESS_REPORTED}
+    return [e for e in events if e["type"] != PROGRESS_REPORTED or latest[e["jobId"]] == e["_id"]]
+
+
+def _sequence(fed: FedRun, event: Doc) -> int:
+    """The event's place in its run's trail (1, 2, ...); a progress report, which is in no
+    trail, has the place of the last event written before it."""
+    if event["type"] == PROGRESS_REPORTED:
+        return sum(1 for _, version in fed.trail if version < event["runVersion"])
+    return next((i for i, (id_, _) in enumerate(fed.trail, 1) if id_ == str(event["_id"])), 0)
 
 
 def _message_id(event: Doc) -> str:
