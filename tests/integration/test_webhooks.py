@@ -93,14 +93,19 @@ async def test_progress_reaches_a_webhook_that_asked_for_it_between_its_run_s_ev
     api: httpx.AsyncClient, backends: Backends, settings: Settings, register: Register
 ) -> None:
     """`run.progress` comes from the runs' progress reports, which write no trail event; a
-    webhook that did not ask for it gets none, and a run's reports that arrive together are
-    sent once, as the latest."""
+    webhook that did not ask for it gets none, nor does one of another scope, and a run's
+    reports that arrive together are sent once, as the latest."""
     await register("t_sleep", steps=[{"id": "nap", "handler": "builtin.sleep"}])
     settings = hook_settings(settings)
-    async with serving(Receiver()) as progress, serving(Receiver()) as ends:
+    async with (
+        serving(Receiver()) as progress,
+        serving(Receiver()) as ends,
+        serving(Receiver()) as elsewhere,
+    ):
         async with notifying(backends, settings):
             watched = await subscribe(api, progress.url, ["run.progress", "run.succeeded"])
             await subscribe(api, ends.url, ["run.succeeded"])
+            await subscribe(api, elsewhere.url, ["run.progress"], scope_id="u2")
             body = RUN | {"templateType": "t_sleep", "payload": {"sleepSeconds": 1}}
             run = (await api.post("/v1/runs", json=body)).json()
             async with running(backends, settings):
@@ -121,6 +126,7 @@ async def test_progress_reaches_a_webhook_that_asked_for_it_between_its_run_s_ev
     [ended] = [b for b in bodies if b["type"] == "run.succeeded"]
     assert {b["sequence"] for b in reports} == {3} and ended["sequence"] == 5
     assert [r.message["type"] for r in ends.received] == ["run.succeeded"]
+    assert elsewhere.received == [], "another scope's run's progress"
 
 
 async def test_tries_that_fail_with_a_500_or_a_timeout_are_tried_again(

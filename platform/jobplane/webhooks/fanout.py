@@ -175,7 +175,7 @@ class Fanout:
                 continue
             run = fed.run
             if (hook.scope, hook.scope_id) != (run.scope, run.scope_id):
-                continue
+                continue  # a progress report of another scope's run
             sequence = _sequence(fed, event)
             deliveries.append(
                 {
@@ -226,8 +226,11 @@ class Fanout:
 
 
 def _wants(hook: SignedWebhook, event: Doc, kind: str) -> bool:
-    """Whether the webhook asked for the event, whichever run's it is (its scope is the run's).
-    A webhook receives what happened after it was made, never a backlog from before it."""
+    """Whether the webhook asked for the event: a trail event says its run's scope; a progress
+    report does not, and its run's is checked once the run is read. A webhook receives what
+    happened after it was made, never a backlog from before it."""
+    if "scope" in event and (hook.scope, hook.scope_id) != (event["scope"], event["scopeId"]):
+        return False
     return hook.wants(kind) and event["createAt"] >= hook.create_at
 
 
