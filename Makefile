@@ -27,8 +27,9 @@ lint: $(STAMP)
 typecheck: $(STAMP)
 	$(BIN)/mypy
 
+# One pytest process per core, each with its own MongoDB and Redis, a test file to one.
 pytest: $(STAMP) chromium docker-compose
-	$(BIN)/pytest
+	$(BIN)/pytest -n auto --dist loadfile
 
 # The dashboard's browser tests (tests/ui) drive Debian's Chromium. Installed when missing and
 # apt-get can (as root); otherwise say so: those tests then skip, saying why.
