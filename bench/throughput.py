@@ -123,8 +123,9 @@ class Processes:
     servers: dict[str, int] = field(default_factory=dict)
     children: list[Child] = field(default_factory=list)
 
-    def start(self, settings: Settings, command: str, count: int = 1) -> None:
-        """Start `count` processes `jobplane COMMAND`, `settings` in their environment."""
+    def start(self, settings: Settings, command: str, count: int = 1, nice: int = 0) -> None:
+        """Start `count` processes `jobplane COMMAND`, `settings` in their environment, at
+        `nice` (0: as this process)."""
         env = dict(os.environ)
         # Only what the benchmark set: a setting it leaves alone is the process's own default.
         for name, value in settings.model_dump(exclude_unset=True, exclude_none=True).items():
@@ -140,6 +141,7 @@ class Processes:
                     stdin=subprocess.DEVNULL,
                     stdout=log,
                     stderr=subprocess.STDOUT,
+                    preexec_fn=(lambda: os.nice(nice)) if nice else None,
                 )
             self.children.append(Child(command, proc, path))
 

@@ -10,6 +10,9 @@ idle_notifier   a `jobplane notifier` runs, no webhook: with none enabled it fol
 webhook         one webhook subscribed to `*` of the runs' scope, a notifier, and a receiver on
                 127.0.0.1 answering 204: 4 signed deliveries per no-op run (run.created,
                 run.started, step.succeeded, run.succeeded)
+webhook_niced   the same, the notifier at nice 19: it takes only CPU the runs leave, as a
+                notifier on a core of its own would, so the runs' pace shows what the
+                deliveries cost them apart from CPU (the deliveries trail further)
 
 Workload: W `jobplane worker` processes (concurrency C) and a `jobplane scheduler` are started
 and idle (and the notifier, once it follows the trail); a producer in this process then creates
@@ -77,7 +80,9 @@ from jobplane.settings import Settings
 from jobplane.store.database import Collections
 from throughput import ACTOR, CALLERS, Child, Counters, Processes, closed_loop, run_main
 
-VARIANTS = ("none", "idle_notifier", "webhook")
+# How nice the `webhook_niced` variant's notifier is.
+NICE = 19
+VARIANTS = ("none", "idle_notifier", "webhook", "webhook_niced")
 SCOPE = "system"
 # A no-op run's events a webhook of `*` receives: run.created, run.started, step.succeeded,
 # run.succeeded.
@@ -350,12 +355,13 @@ class EndToEnd(throughput.Bench):
             contextlib.AsyncExitStack() as stack,
         ):
             hooks = None
-            if self.variant == "webhook":
+            if self.variant.startswith("webhook"):
                 hooks = await stack.enter_async_context(receiver(self.procs))
                 for scope_id in self.scope_ids():
                     await subscribe(backends, hooks.url, scope_id)
             if self.variant != "none":
-                self.procs.start(settings, "notifier")
+                nice = NICE if self.variant == "webhook_niced" else 0
+                self.procs.start(settings, "notifier", nice=nice)
             self.procs.start(settings, "scheduler")
             self.start_workers(settings)
             await self.procs.workers_ready()
