@@ -11,14 +11,16 @@ Each outcome is written only by the claim that tried (`claim`, a token per try).
 outcomes are written with `w: 1`: a lost one costs a repeated try, never a delivery.
 """
 
+import asyncio
 from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from datetime import datetime
-from typing import TypeVar
+from typing import Any, TypeVar
 
 from bson import ObjectId
 from pymongo import AsyncMongoClient, ReturnDocument, UpdateOne
 from pymongo.asynchronous.client_session import AsyncClientSession
+from pymongo.asynchronous.collection import AsyncCollection
 from pymongo.errors import BulkWriteError
 from pymongo.write_concern import WriteConcern
 
@@ -41,12 +43,20 @@ _LISTED = {"body": 0, "claim": 0, "tries": 0}
 @dataclass(frozen=True)
 class Claimed:
     """A delivery claimed for one try: the body to send, which try of its round this is, and
-    the claim that alone may write the try's outcome."""
+    the claim that alone may write the try's outcome. A first try the notifier makes before
+    the delivery is stored has no claim but the delivery as it would be stored (`unstored`):
+    its outcome is stored with it, in one insert."""
 
     delivery: Delivery
     body: str
     tries: int
-    claim: str
+    claim: str | None
+    unstored: Doc | None = None
+
+    @classmethod
+    def first_try(cls, doc: Doc) -> "Claimed":
+        """The first try of a delivery not stored yet (`doc` as `add` would store it)."""
+        return cls(convert.delivery(doc), doc["body"], 1, None, doc)
 
 
 class MongoWebhookStore:
@@ -157,28 +167,22 @@ class MongoWebhookStore:
 
     # -- deliveries ----------------------------------------------------------------------------
 
-    async def add(self, deliveries: Sequence[Doc]) -> list[Claimed]:
+    async def add(self, deliveries: Sequence[Doc]) -> None:
         """Store new deliveries; one of a (webhook, event) stored already (by this notifier
-        before a restart, or by another) is left as it was. Returns the claims of the new ones
-        stored claimed (with a `claim`), which their writer tries at once."""
-        if not deliveries:
-            return []
-        new = deliveries
-        try:
-            await self._db.deliveries.insert_many(deliveries, ordered=False)
-        except BulkWriteError as exc:
-            errors = exc.details["writeErrors"]
-            if exc.details.get("writeConcernErrors") or any(
-                e["code"] != DUPLICATE_KEY for e in errors
-            ):
-                raise
-            stored = {e["index"] for e in errors}
-            new = [d for i, d in enumerate(deliveries) if i not in stored]
-        return [
-            Claimed(convert.delivery(d), d["body"], d["tries"], str(d["claim"]))
-            for d in new
-            if "claim" in d
-        ]
+        before a restart, or by another) is left as it was."""
+        if deliveries:
+            await _insert_new(self._db.deliveries, deliveries)
+
+    async def stored(self, pairs: Sequence[tuple[str, str]]) -> set[tuple[str, str]]:
+        """Of these (webhook id, event id), those whose delivery is stored."""
+        if not pairs:
+            return set()
+        find = {
+            "webhookId": {"$in": sorted({w for w, _ in pairs})},
+            "eventId": {"$in": sorted({e for _, e in pairs})},
+        }
+        cursor = self._db.deliveries.find(find, {"webhookId": 1, "eventId": 1, "_id": 0})
+        return {(d["webhookId"], d["eventId"]) async for d in cursor} & set(pairs)
 
     async def claim(
         self, now: datetime, webhook_ids: Sequence[str], until: datetime, limit: int
@@ -209,19 +213,30 @@ class MongoWebhookStore:
 
     async def tried(self, claimed: Claimed, outcome: Doc) -> None:
         """Write a try's outcome, if its claim still holds the delivery (a redelivery, or
-        another notifier's claim after this one's ran out, does not). Outcomes written at once
-        share one bulk write: at a high rate, one journal sync for many tries."""
+        another notifier's claim after this one's ran out, does not); a first try's before the
+        delivery was stored, with the delivery (unless a copy was stored meanwhile: it keeps its
+        own). Outcomes written at once share one bulk write: at a high rate, one journal sync
+        for many tries."""
         await self._outcomes.submit((claimed, outcome))
 
     async def _write_outcomes(self, items: list[tuple[Claimed, Doc]]) -> list[None]:
-        writes = [
+        # A delivery stored with its first try's outcome is stored as any other (`add`): the
+        # notifier's position in the trail moves past it after.
+        new = [claimed.unstored | outcome for claimed, outcome in items if claimed.unstored]
+        updates = [
             UpdateOne(
                 {"_id": ObjectId(claimed.delivery.id), "claim": ObjectId(claimed.claim)},
                 {"$set": outcome, "$unset": {"claim": ""}},
             )
             for claimed, outcome in items
+            if claimed.claim is not None
         ]
-        await self._tries.bulk_write(writes, ordered=False)
+        writes: list[Awaitable[Any]] = []
+        if new:
+            writes.append(_insert_new(self._db.deliveries, new))
+        if updates:
+            writes.append(self._tries.bulk_write(updates, ordered=False))
+        await asyncio.gather(*writes)
         return [None] * len(items)
 
     async def page_deliveries(
@@ -267,6 +282,16 @@ class MongoWebhookStore:
             {"_id": ObjectId(webhook_id), "failingSince": {"$ne": None}},
             {"$set": {"failingSince": None}},
         )
+
+
+async def _insert_new(deliveries: AsyncCollection[Doc], docs: Sequence[Doc]) -> None:
+    """Insert the deliveries; one stored already is a no-op."""
+    try:
+        await deliveries.insert_many(docs, ordered=False)
+    except BulkWriteError as exc:
+        errors = exc.details["writeErrors"]
+        if exc.details.get("writeConcernErrors") or any(e["code"] != DUPLICATE_KEY for e in errors):
+            raise
 
 
 def _webhook_event(

@@ -27,9 +27,10 @@ import asyncio
 import contextlib
 import json
 import logging
-from collections import Counter
+from collections import deque
 from collections.abc import Sequence
-from datetime import datetime, timedelta
+from dataclasses import dataclass
+from datetime import UTC, datetime, timedelta
 from typing import Any
 
 from bson import ObjectId
@@ -67,9 +68,13 @@ class Fanout:
         self.store = store
         self.settings = settings
         self.clock = clock
-        # Tries the new deliveries at once: those the fan-out stores claimed, in room the
-        # sender reserved for them, and the others when woken.
+        # Tries the new deliveries before they are stored (`Sender.take`), and the stored ones
+        # when woken.
         self.sender = sender
+        # Events written before this may have had their deliveries stored by an earlier
+        # fan-out (before a restart, or by another notifier): those are looked up first, so
+        # that a delivery stored is not tried again as new. Set as a stream is followed.
+        self._fresh_after = datetime.max.replace(tzinfo=UTC)
 
     async def run(self, stop: asyncio.Event) -> None:
         """Follow the trail until `stop`, from where the last notifier left it."""
@@ -84,6 +89,7 @@ class Fanout:
 
     async def _follow(self, stop: asyncio.Event) -> None:
         """Follow the trail while a webhook is enabled; with none, nothing is read at all."""
+        self._fresh_after = self.clock.now() + REPLAY_SKEW
         feed = await self.store.feed.position()
         hooks = await self.store.webhooks.enabled()
         if not hooks:
@@ -109,30 +115,56 @@ class Fanout:
                 )
                 stream = await self.store.feed.watch(None, SOURCE_TYPES)
                 await self._replay(None if feed.at is None else feed.at - REPLAY_SKEW)
+        # Batches fanned out whose deliveries are not all stored yet (some are being tried
+        # first), oldest first: the position moves past each once they are.
+        unsaved: deque[tuple[Any, datetime, Fanned]] = deque()
         async with stream:
             await self._save(stream.resume_token, None)
             loop = asyncio.get_running_loop()
             saved = looked = loop.time()
-            while not stop.is_set():
-                batch: list[Doc] = []
-                # `try_next` waits a moment (`WATCH_WAIT_MS`) for a change not yet sent.
-                while len(batch) < BATCH and (change := await stream.try_next()) is not None:
-                    batch.append(change)
-                    if stop.is_set():
-                        break
-                now = loop.time()
-                if batch:
-                    events = [self.store.feed.news(c) for c in batch]
-                    await self.fan_out(events)
-                    await self._save(batch[-1]["_id"], events[-1]["createAt"])
-                    saved = now
-                elif now - saved >= IDLE_SAVE_SECONDS:
-                    await self._save(stream.resume_token, None)
-                    saved = now
-                if now - looked >= IDLE_SECONDS:
-                    looked = now
-                    if not await self.store.webhooks.enabled():
-                        return  # the next pass goes idle
+            try:
+                while not stop.is_set():
+                    batch: list[Doc] = []
+                    # `try_next` waits a moment (`WATCH_WAIT_MS`) for a change not yet sent.
+                    while len(batch) < BATCH and (change := await stream.try_next()) is not None:
+                        batch.append(change)
+                        if stop.is_set():
+                            break
+                    now = loop.time()
+                    if batch:
+                        events = [self.store.feed.news(c) for c in batch]
+                        fanned = await self.fan_out(events)
+                        unsaved.append((batch[-1]["_id"], events[-1]["createAt"], fanned))
+                    if await self._save_stored(unsaved):
+                        saved = now
+                    elif not unsaved and now - saved >= IDLE_SAVE_SECONDS:
+                        await self._save(stream.resume_token, None)
+                        saved = now
+                    if now - looked >= IDLE_SECONDS:
+                        looked = now
+                        if not await self.store.webhooks.enabled():
+                            return  # the next pass goes idle
+            finally:
+                # A stop leaves the tries in flight some time to be stored: what is not, a
+                # restart fans out again.
+                trying = [f for _, _, fanned in unsaved for f in fanned.trying]
+                if trying:
+                    await asyncio.wait(trying, timeout=self.settings.close_seconds)
+                    with contextlib.suppress(Exception):
+                        await self._save_stored(unsaved)
+
+    async def _save_stored(self, unsaved: deque[tuple[Any, datetime, "Fanned"]]) -> bool:
+        """Move the position past the oldest batches whose deliveries are all stored; True if
+        it moved. A delivery that could not be stored fails the fan-out: it follows the trail
+        again from the position saved."""
+        last = None
+        while unsaved and unsaved[0][2].settled():
+            last = unsaved.popleft()
+            last[2].check()
+        if last is None:
+            return False
+        await self._save(last[0], last[1])
+        return True
 
     async def _replay(self, since: datetime | None) -> None:
         """Fan out the trail's events written `since` then, as `job_events` holds them: the
@@ -141,29 +173,33 @@ class Fanout:
             return
         cursor = self.store.trail.since(since, SOURCE_TYPES)
         batch: list[Doc] = []
+        trying: list[asyncio.Future[None]] = []
         async for event in cursor:
             batch.append(event)
             if len(batch) == BATCH:
-                await self.fan_out(batch)
+                trying += (await self.fan_out(batch)).trying
                 batch = []
-        await self.fan_out(batch)
+        trying += (await self.fan_out(batch)).trying
+        # The position saved next is past all of them.
+        await asyncio.gather(*trying)
 
     async def _save(self, token: Any, at: Any) -> None:
         if token is not None:
             await self.store.feed.save_position(token, at)
 
-    async def fan_out(self, events: Sequence[Doc]) -> int:
-        """Store a delivery of each event for each enabled webhook of its run's scope that asked
-        for its type and existed when it happened; returns how many were new or not."""
+    async def fan_out(self, events: Sequence[Doc]) -> "Fanned":
+        """Make a delivery of each event for each enabled webhook of its run's scope that asked
+        for its type and existed when it happened: tried at once before it is stored (when the
+        first try is due at once and the sender runs), or stored for the sender to try."""
         typed = [
             (e, kind) for e in _latest_reports(events) if (kind := webhook_type(e)) is not None
         ]
         if not typed:
-            return 0
+            return Fanned(0, [])
         hooks = await self.store.webhooks.enabled()
         wanted = [(e, kind, h) for e, kind in typed for h in hooks if _wants(h, e, kind)]
         if not wanted:
-            return 0
+            return Fanned(0, [])
         runs = await self.store.feed.runs_of([e["jobId"] for e, _, _ in wanted])
         now = self.clock.now()
         first_try = now + timedelta(seconds=self.settings.webhook_retry_seconds[0])
@@ -196,33 +232,43 @@ class Fanout:
                     "createAt": now,
                 }
             )
-        unused = self._claim_first_tries(deliveries, now) if first_try <= now else Counter()
-        try:
-            claimed = await self.store.webhooks.add(deliveries)
-            by_id = {h.id: h for h in hooks}
-            for each in claimed:
-                unused[each.delivery.webhook_id] -= 1
-                self.sender.hand(by_id[each.delivery.webhook_id], each)
-        finally:
-            # Room reserved for deliveries stored before (no claim of ours), or not stored.
-            for webhook_id, count in unused.items():
-                self.sender.unreserve(webhook_id, count)
-        self.sender.wake.set()
-        return len(deliveries)
-
-    def _claim_first_tries(self, deliveries: list[Doc], now: datetime) -> Counter[str]:
-        """Store as many deliveries claimed as the sender has room for, so that their first
-        try needs no claim of its own; returns the room reserved, by webhook."""
-        token, until = ObjectId(), self.sender.claim_until(now)
-        wanted = Counter(d["webhookId"] for d in deliveries)
-        room = Counter({w: self.sender.reserve(w, n) for w, n in wanted.items()})
-        left = room.copy()
+        if any(e["createAt"] < self._fresh_after for e, _, _ in wanted):
+            known = await self.store.webhooks.stored(
+                [(d["webhookId"], d["eventId"]) for d in deliveries]
+            )
+            deliveries = [d for d in deliveries if (d["webhookId"], d["eventId"]) not in known]
+        by_id = {h.id: h for h in hooks}
+        trying: list[asyncio.Future[None]] = []
+        stored: list[Doc] = []
         for doc in deliveries:
-            if left[doc["webhookId"]] > 0:
-                left[doc["webhookId"]] -= 1
-                doc |= {"claim": token, "nextAttemptAt": until, "lastAttemptAt": now}
-                doc |= {"attempts": 1, "tries": 1}
-        return room
+            taken = self.sender.take(by_id[doc["webhookId"]], doc) if first_try <= now else None
+            if taken is None:
+                stored.append(doc)
+            else:
+                trying.append(taken)
+        await self.store.webhooks.add(stored)
+        self.sender.wake.set()
+        return Fanned(len(deliveries), trying)
+
+
+@dataclass(frozen=True)
+class Fanned:
+    """What one fan-out made: how many deliveries, and those being tried before they are
+    stored, each done once stored."""
+
+    made: int
+    trying: list[asyncio.Future[None]]
+
+    def settled(self) -> bool:
+        return all(f.done() for f in self.trying)
+
+    def check(self) -> None:
+        """Raise unless every delivery is stored."""
+        for stored in self.trying:
+            if stored.cancelled():
+                raise RuntimeError("a delivery was neither tried nor stored")
+            if (error := stored.exception()) is not None:
+                raise error
 
 
 def _wants(hook: SignedWebhook, event: Doc, kind: str) -> bool:

@@ -1,10 +1,16 @@
 """The sender: tries each due delivery, signed, and writes how the try went.
 
 Each try is its own task, at most `webhook_concurrency` of them in a notifier and 16 for one
-webhook (more claimed wait their turn), so a slow or dead endpoint holds its own sixteen and
-never another's. A try is claimed for twice its timeout and a margin; if the notifier dies
-mid-try, the delivery is due again once the claim runs out, and another notifier tries it:
-deliveries are at least once, and a receiver dedupes by `webhook-id`.
+webhook (more wait their turn), so a slow or dead endpoint holds its own sixteen and never
+another's. A stored delivery's try is claimed for twice its timeout and a margin; if the
+notifier dies mid-try, the delivery is due again once the claim runs out, and another notifier
+tries it: deliveries are at least once, and a receiver dedupes by `webhook-id`.
+
+A new delivery's first try is made before the delivery is stored (`take`): the delivery is
+stored once, with the try's outcome, one insert instead of an insert, a claim and an update.
+The fan-out moves its position in the trail past it only once it is stored. One that waits
+for its turn longer than `SPILL_SECONDS` is stored untried instead, and tried as any stored
+delivery, so that a slow endpoint holds the trail's position back for a few seconds at most.
 
 Signatures follow the Standard Webhooks specification, computed by its reference library.
 """
@@ -24,6 +30,7 @@ from jobplane.model.webhooks import SignedWebhook
 from jobplane.process import finish_within
 from jobplane.settings import Settings
 from jobplane.store import Store
+from jobplane.store.convert import Doc
 from jobplane.store.webhooks import Claimed
 from jobplane.webhooks import guard
 
@@ -39,6 +46,8 @@ POLL_SECONDS = 1.0
 # How stale the sender's list of enabled webhooks may be: a new one's first deliveries, or a
 # disabled one's last tries, wait up to this long.
 HOOKS_SECONDS = 1.0
+# How long a new delivery waits for its webhook's turn before it is stored untried.
+SPILL_SECONDS = 2.0
 # A webhook whose deliveries have all failed this long is disabled.
 DISABLE_AFTER = timedelta(days=5)
 # The longest `Retry-After` honoured.
@@ -68,8 +77,14 @@ class Sender:
         self._tries: set[asyncio.Task[None]] = set()
         self._hooks: dict[str, SignedWebhook] = {}
         self._read_at = -HOOKS_SECONDS
-        # Tries claimed beyond their webhook's room, by webhook, in the order claimed.
-        self._waiting: defaultdict[str, deque[tuple[SignedWebhook, Claimed]]] = defaultdict(deque)
+        # Tries beyond their webhook's room, by webhook, in the order claimed or taken, each
+        # with when it began to wait.
+        self._waiting: defaultdict[str, deque[tuple[SignedWebhook, Claimed, float]]] = defaultdict(
+            deque
+        )
+        # Of the first tries taken before their delivery was stored, by delivery id: set once
+        # the delivery is stored (with the try's outcome, or untried).
+        self._stored: dict[str, asyncio.Future[None]] = {}
         # The session while the sender runs: the fan-out hands it tries only then.
         self._http: aiohttp.ClientSession | None = None
 
@@ -108,6 +123,10 @@ class Sender:
                         stopping.cancel()
             finally:
                 self._http = None
+                for _, waiting in self._waiting.items():
+                    for _, claimed, _ in waiting:  # never tried nor stored: the trail has them
+                        self._settle(claimed, cancelled=True)
+                self._waiting.clear()
                 if self._tries:
                     gathered = asyncio.gather(*self._tries, return_exceptions=True)
                     await finish_within(gathered, self.settings.close_seconds, "webhook tries")
@@ -115,6 +134,7 @@ class Sender:
     async def send_due(self, http: aiohttp.ClientSession) -> bool:
         """Start a try of each due delivery there is room for; True if the room ran out
         first (more may be due)."""
+        await self._spill()
         room = self.settings.webhook_concurrency - self._in_flight.total()
         if room <= 0:
             return False
@@ -131,7 +151,7 @@ class Sender:
                 self._in_flight[hook.id] += 1
                 self._start(http, hook, each)
             else:  # one claim may bring a webhook more than its room: they wait their turn
-                self._waiting[hook.id].append((hook, each))
+                self._waiting[hook.id].append((hook, each, loop_time()))
         return len(claimed) == limit
 
     def claim_until(self, now: datetime) -> datetime:
@@ -140,34 +160,67 @@ class Sender:
         timeout = self.settings.webhook_timeout_seconds
         return now + timedelta(seconds=2 * timeout + CLAIM_MARGIN_SECONDS)
 
-    def reserve(self, webhook_id: str, wanted: int) -> int:
-        """Room for up to `wanted` tries to the webhook, taken now for tries the fan-out claims
-        as it stores them (`hand`) or gives back (`unreserve`); how many there is room for."""
+    def take(self, hook: SignedWebhook, delivery: Doc) -> asyncio.Future[None] | None:
+        """Try a new delivery (`delivery` as the fan-out would store it) before it is stored;
+        the future is set once it is stored. None while the sender is not running: the caller
+        stores it."""
         if self._http is None:
-            return 0
-        room = min(
-            wanted,
-            PER_WEBHOOK - self._in_flight[webhook_id],
-            self.settings.webhook_concurrency - self._in_flight.total(),
-        )
-        room = max(room, 0)
-        self._in_flight[webhook_id] += room
-        return room
+            return None
+        claimed = Claimed.first_try(delivery)
+        stored = self._stored[claimed.delivery.id] = asyncio.get_running_loop().create_future()
+        room = self.settings.webhook_concurrency - self._in_flight.total()
+        if room > 0 and self._in_flight[hook.id] < PER_WEBHOOK:
+            self._in_flight[hook.id] += 1
+            self._start(self._http, hook, claimed)
+        else:
+            self._waiting[hook.id].append((hook, claimed, loop_time()))
+        return stored
 
-    def unreserve(self, webhook_id: str, count: int) -> None:
-        self._in_flight[webhook_id] -= count
-
-    def hand(self, hook: SignedWebhook, claimed: Claimed) -> None:
-        """Try a delivery the fan-out stored claimed, in room it reserved."""
-        if self._http is None:  # stopped meanwhile: its claim runs out, and another tries it
-            self._in_flight[hook.id] -= 1
+    async def _spill(self) -> None:
+        """Store untried the new deliveries that waited for their turn too long."""
+        cutoff = loop_time() - SPILL_SECONDS
+        spilled: list[Claimed] = []
+        for webhook_id, waiting in self._waiting.items():
+            if any(c.unstored is not None and at < cutoff for _, c, at in waiting):
+                kept = deque(w for w in waiting if w[1].unstored is None or w[2] >= cutoff)
+                spilled += [c for _, c, at in waiting if c.unstored is not None and at < cutoff]
+                self._waiting[webhook_id] = kept
+        if not spilled:
             return
-        self._start(self._http, hook, claimed)
+        try:
+            await self.store.webhooks.add([c.unstored for c in spilled if c.unstored])
+        except Exception as exc:
+            for claimed in spilled:
+                self._settle(claimed, error=exc)
+            raise
+        for claimed in spilled:
+            self._settle(claimed)
+
+    def _settle(
+        self, claimed: Claimed, error: BaseException | None = None, cancelled: bool = False
+    ) -> None:
+        """Say whether a delivery taken before it was stored is stored now."""
+        stored = self._stored.pop(claimed.delivery.id, None)
+        if stored is None or stored.done():
+            return
+        if cancelled:
+            stored.cancel()
+        elif error is not None:
+            stored.set_exception(error)
+        else:
+            stored.set_result(None)
 
     def _start(self, http: aiohttp.ClientSession, hook: SignedWebhook, claimed: Claimed) -> None:
         task = asyncio.create_task(self.attempt(http, hook, claimed))
         self._tries.add(task)
         task.add_done_callback(self._tries.discard)
+        if claimed.unstored is not None:
+
+            def settle(done: asyncio.Task[None]) -> None:
+                failed = None if done.cancelled() else done.exception()
+                self._settle(claimed, error=failed, cancelled=done.cancelled())
+
+            task.add_done_callback(settle)
 
     async def _enabled(self) -> dict[str, SignedWebhook]:
         """The enabled webhooks, read again at most every `HOOKS_SECONDS`."""
@@ -182,6 +235,7 @@ class Sender:
     ) -> None:
         """One try of one delivery, and its outcome written. Its place among the webhook's
         tries in flight is free once the receiver answered, while the outcome is written."""
+        started = self.clock.now()
         headers = self.signed(hook, claimed)
         try:
             async with http.post(
@@ -190,26 +244,29 @@ class Sender:
                 code, retry_after = response.status, response.headers.get("retry-after", "")
         except (aiohttp.ClientError, TimeoutError) as exc:
             self._answered(hook)
-            await self._failed(hook, claimed, None, _describe(exc), None)
+            await self._failed(hook, claimed, started, None, _describe(exc), None)
             return
         except Exception:
             self._answered(hook)
             log.exception("trying delivery %s failed", claimed.delivery.id)
-            await self._failed(hook, claimed, None, "the try failed in the notifier", None)
+            error = "the try failed in the notifier"
+            await self._failed(hook, claimed, started, None, error, None)
             return
         self._answered(hook)
         if 200 <= code < 300:
-            await self._succeeded(hook, claimed, code)
+            await self._succeeded(hook, claimed, started, code)
         elif code == 410:
-            await self._gone(hook, claimed)
+            await self._gone(hook, claimed, started)
         else:
             wait = _retry_after(retry_after) if code in (429, 503) else None
-            await self._failed(hook, claimed, code, f"the endpoint answered {code}", wait)
+            error = f"the endpoint answered {code}"
+            await self._failed(hook, claimed, started, code, error, wait)
 
     def _answered(self, hook: SignedWebhook) -> None:
         waiting = self._waiting[hook.id]
         if waiting and self._http is not None:
-            self._start(self._http, *waiting.popleft())  # its place passes to the next
+            waiter, claimed, _ = waiting.popleft()
+            self._start(self._http, waiter, claimed)  # its place passes to the next
             return
         self._in_flight[hook.id] -= 1
         self.wake.set()  # room for the next try
@@ -230,7 +287,16 @@ class Sender:
             "webhook-signature": " ".join(signatures),
         }
 
-    async def _succeeded(self, hook: SignedWebhook, claimed: Claimed, code: int) -> None:
+    async def _tried(self, claimed: Claimed, started: datetime, outcome: Doc) -> None:
+        """Write the outcome; a first try's before its delivery was stored stores it, tried
+        once (a stored delivery's claim counted its try)."""
+        if claimed.unstored is not None:
+            outcome = {"attempts": 1, "tries": 1, "lastAttemptAt": started} | outcome
+        await self.store.webhooks.tried(claimed, outcome)
+
+    async def _succeeded(
+        self, hook: SignedWebhook, claimed: Claimed, started: datetime, code: int
+    ) -> None:
         now = self.clock.now()
         outcome = {
             "status": "succeeded",
@@ -239,31 +305,32 @@ class Sender:
             "deliveredAt": now,
             "nextAttemptAt": None,
         }
-        await self.store.webhooks.tried(claimed, outcome)
+        await self._tried(claimed, started, outcome)
         if hook.failing_since is not None:
             await self.store.webhooks.note_healthy(hook.id)
 
-    async def _gone(self, hook: SignedWebhook, claimed: Claimed) -> None:
+    async def _gone(self, hook: SignedWebhook, claimed: Claimed, started: datetime) -> None:
         """A 410: the receiver says the endpoint is gone for good."""
         error = "the endpoint answered 410 Gone; the webhook was disabled"
         outcome = {"status": "failed", "lastStatusCode": 410, "lastError": error}
-        await self.store.webhooks.tried(claimed, outcome | {"nextAttemptAt": None})
+        await self._tried(claimed, started, outcome | {"nextAttemptAt": None})
         await self._disable(hook, "the endpoint answered 410 Gone")
 
     async def _failed(
         self,
         hook: SignedWebhook,
         claimed: Claimed,
+        started: datetime,
         code: int | None,
         error: str,
         wait: float | None,
     ) -> None:
         now = self.clock.now()
         next_at = self.next_try(claimed.tries, now, wait)
-        outcome = {"lastStatusCode": code, "lastError": error, "nextAttemptAt": next_at}
+        outcome: Doc = {"lastStatusCode": code, "lastError": error, "nextAttemptAt": next_at}
         if next_at is None:
             outcome["status"] = "failed"
-        await self.store.webhooks.tried(claimed, outcome)
+        await self._tried(claimed, started, outcome)
         since = await self.store.webhooks.note_failing(hook.id, now)
         if since is not None and now - since >= DISABLE_AFTER:
             await self._disable(hook, f"every delivery failed since {since.isoformat()}")
@@ -285,6 +352,10 @@ class Sender:
         )
         if changed is not None:
             log.warning("webhook %s (%s) disabled: %s", hook.id, hook.url, reason)
+
+
+def loop_time() -> float:
+    return asyncio.get_running_loop().time()
 
 
 def _retry_after(header: str) -> float | None:
