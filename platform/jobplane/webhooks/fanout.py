@@ -4,10 +4,11 @@ The trail is the outbox. Every event reaches `job_events` once, written with its
 (or copied there by the sweep from the run's own trail), so a change stream on its inserts sees
 each event once, in the order they arrived. The same stream brings the steps' progress reports
 (`store/feed.py`). The stream's position (a resume token) is saved in MongoDB only after the
-deliveries of everything before it are stored: a notifier killed at any point starts again
-from the last saved position, and the deliveries it makes a second time are no-ops (one per
-webhook and event, `store/webhooks.py`). Nothing is lost; nothing is sent twice by the
-fan-out's doing.
+deliveries of everything before it are stored (a first try is made before its delivery is
+stored: `webhooks/sender.py`). A notifier killed at any point starts again from the last saved
+position; the deliveries it makes a second time are looked up first and not sent again if they
+were stored (one per webhook and event, `store/webhooks.py`). Nothing is lost; what is sent
+twice is a first try the kill cut short.
 
 If the stream's history is gone when a notifier resumes (it was down longer than the oplog
 holds), it reads `job_events` again from a minute before the last event it fanned out. Progress
