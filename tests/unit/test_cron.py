@@ -133,3 +133,19 @@ def test_fire_times_only_move_forward() -> None:
 def test_bad_expressions_and_zones_are_refused(expression: str, zone: str) -> None:
     with pytest.raises(CronError):
         Cron.parse(expression, zone)
+
+
+@pytest.mark.parametrize(
+    ("expression", "says"),
+    [
+        ("61 * * * *", "the minute field '61' is not 0-59"),
+        ("0 25 * * *", "the hour field '25' is not 0-23"),
+        ("0 0 * 13 *", "the month field '13' is not 1-12 or jan-dec"),
+        ("0 0 * * * 61", "the seconds field '61' is not 0-59"),
+        ("0 0 1", "has 3 fields: a cron expression has 5"),
+    ],
+)
+def test_a_refused_expression_says_which_field_is_wrong(expression: str, says: str) -> None:
+    with pytest.raises(CronError) as refused:
+        Cron.parse(expression, "UTC")
+    assert says in str(refused.value) and str(refused.value).count(expression) == 1

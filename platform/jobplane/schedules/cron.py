@@ -49,6 +49,29 @@ class CronError(ValueError):
         self.field = field
 
 
+# Each field's name and values, in the order of an expression (seconds come last).
+_FIELDS = (
+    ("minute", "0-59"),
+    ("hour", "0-23"),
+    ("day", "1-31"),
+    ("month", "1-12 or jan-dec"),
+    ("weekday", "0-7 or sun-sat"),
+    ("seconds", "0-59"),
+)
+
+
+def _fault(fields: list[str]) -> str:
+    """Which field of an expression croniter refuses, and what it takes."""
+    for index, value in enumerate(fields):
+        alone = " ".join(value if i == index else "*" for i in range(len(fields)))
+        if not croniter.is_valid(alone):
+            name, values = _FIELDS[index]
+            return (
+                f"the {name} field {value!r} is not {values}, *, or a list, range or step of them"
+            )
+    return "its fields cannot all hold at once"
+
+
 @dataclass(frozen=True)
 class Cron:
     expression: str
@@ -60,12 +83,15 @@ class Cron:
         fields = text.split(" ")
         if text.lower() in ALIASES:
             text = text.lower()
-        elif len(fields) not in (5, 6) or not croniter.is_valid(text):
+        elif len(fields) not in (5, 6):
             raise CronError(
                 "cron",
-                f"{expression!r} is not a cron expression: 5 fields (minute hour day month "
-                "weekday), 6 with seconds last, or an alias such as @daily",
+                f"{expression!r} has {len(fields)} field{'s' * (len(fields) != 1)}: a cron "
+                "expression has 5 (minute hour day month weekday), 6 with seconds last, or is "
+                "an alias such as @daily",
             )
+        elif not croniter.is_valid(text):
+            raise CronError("cron", f"{expression!r} is not a cron expression: {_fault(fields)}")
         # Only names from the list: ZoneInfo would also open paths and folders of tz files.
         if timezone not in _zones():
             raise CronError("timezone", f"{timezone!r} is not an IANA time zone (e.g. Asia/Taipei)")
