@@ -260,6 +260,16 @@ async def test_a_template_type_with_a_nul_is_not_found(
     assert await raw(backends.store).runs.count_documents({}) == 0
 
 
+async def test_a_method_the_path_does_not_have_is_405_naming_those_it_has(
+    api: httpx.AsyncClient, backends: Backends
+) -> None:
+    error_of(await api.put("/v1/runs", json=RUN), 405, "MethodNotAllowed")
+    answer = await api.delete("/v1/templates")
+    error_of(answer, 405, "MethodNotAllowed")
+    assert set(answer.headers["allow"].replace(" ", "").split(",")) == {"GET", "POST"}
+    assert await raw(backends.store).runs.count_documents({}) == 0
+
+
 # `$` and `.` in keys, operators as values, a NUL inside a string: all data to the platform.
 ODD_PAYLOAD = {
     "x": {"$gt": ""},

@@ -1,6 +1,7 @@
 """Every error leaves the API as {"error": {"code", "message", "details"}}."""
 
 import logging
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -10,16 +11,19 @@ from pydantic import BaseModel
 from pymongo.errors import ConnectionFailure
 from redis.exceptions import RedisClusterException, RedisError
 from starlette.exceptions import HTTPException
+from starlette.routing import BaseRoute, Match
+from starlette.types import Scope
 
 from jobplane.errors import JobplaneError
 
 log = logging.getLogger("jobplane.api")
 
+_METHODS = ("GET", "POST", "PUT", "PATCH", "DELETE")
 _HTTP_CODES = {
     401: "Unauthorized",
     403: "Forbidden",
     404: "NotFound",
-    405: "NotFound",
+    405: "MethodNotAllowed",
     413: "PayloadTooLarge",
 }
 
@@ -34,9 +38,15 @@ class ErrorResponse(BaseModel):
     error: ErrorBody
 
 
-def error_response(status: int, code: str, message: str, details: dict[str, Any]) -> JSONResponse:
+def error_response(
+    status: int,
+    code: str,
+    message: str,
+    details: dict[str, Any],
+    headers: Mapping[str, str] | None = None,
+) -> JSONResponse:
     body = {"error": {"code": code, "message": message, "details": details}}
-    return JSONResponse(body, status_code=status)
+    return JSONResponse(body, status_code=status, headers=headers)
 
 
 def http_error(exc: HTTPException) -> JSONResponse:
@@ -48,7 +58,7 @@ def http_error(exc: HTTPException) -> JSONResponse:
             422, "ValidationFailed", "malformed request body", {"errors": problem}
         )
     code = _HTTP_CODES.get(exc.status_code, "Error")
-    return error_response(exc.status_code, code, str(exc.detail), {})
+    return error_response(exc.status_code, code, str(exc.detail), {}, exc.headers)
 
 
 def install(app: FastAPI) -> None:
@@ -68,7 +78,12 @@ def install(app: FastAPI) -> None:
         return error_response(422, "ValidationFailed", "invalid request", {"errors": errors})
 
     @app.exception_handler(HTTPException)
-    async def http(_: Request, exc: HTTPException) -> JSONResponse:
+    async def http(request: Request, exc: HTTPException) -> JSONResponse:
+        if exc.status_code == 405:
+            # Starlette's `Allow` names the methods of the first route of the path only: each
+            # of FastAPI's routes has one.
+            allowed = _methods(request.app.routes, request.scope)
+            exc = HTTPException(405, exc.detail, {"Allow": ", ".join(sorted(allowed))})
         return http_error(exc)
 
     async def redis_down(_: Request, exc: Exception) -> JSONResponse:
@@ -87,6 +102,16 @@ def install(app: FastAPI) -> None:
     async def unexpected(_: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error", exc_info=exc)
         return error_response(500, "Internal", "internal error; it was logged", {})
+
+
+def _methods(routes: Sequence[BaseRoute], scope: Scope) -> set[str]:
+    """The methods the routes take at the request's path: each asked of every route, through
+    Starlette's public `matches` (FastAPI nests routers in routes of its own)."""
+    return {
+        method
+        for method in _METHODS
+        if any(route.matches({**scope, "method": method})[0] == Match.FULL for route in routes)
+    }
 
 
 # What each error status of a /v1 route means, with the codes it carries (docs/contract.md).
