@@ -166,7 +166,8 @@ async def test_templates_apply_list_show_enable_disable(
     assert "broken.yaml: " in failed(
         await cli("templates", "apply", str(bad.parent)), "ValidationFailed"
     )
-    failed(await cli("templates", "apply", str(tmp_path / "missing")), "InvalidArgument")
+    missing = await cli("templates", "apply", str(tmp_path / "missing"))
+    assert missing.code == 2 and failed(missing, "InvalidArgument"), "bad arguments exit 2"
     (tmp_path / "empty").mkdir()
     failed(await cli("templates", "apply", str(tmp_path / "empty")), "InvalidArgument")
 
@@ -657,7 +658,7 @@ async def test_db_shard_needs_a_sharded_cluster(mongo_url: str, db_name: str, mo
         ]
         return
     line = failed(result, "InvalidArgument")
-    assert "not a sharded cluster" in line and db_name in line
+    assert "not a sharded cluster" in line and db_name in line and result.code == 2
     unset = await jobplane("db", "shard", env=clean_env())
     assert (
         failed(unset, "InvalidArgument")

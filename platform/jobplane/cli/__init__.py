@@ -46,7 +46,8 @@ def main(argv: list[str] | None = None) -> None:
         args.command(args)
     except CLIError as exc:
         print(f"error: {exc}", file=sys.stderr)
-        sys.exit(1)
+        # As argparse's own refusals: bad local input is 2, everything else 1.
+        sys.exit(2 if exc.code == "InvalidArgument" else 1)
     except KeyboardInterrupt:
         sys.exit(130)
 
