@@ -2,7 +2,10 @@
 PYTHON ?= python3
 VENV := .venv
 BIN := $(VENV)/bin
-STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+HASH := $(shell cat pyproject.toml | sha1sum | cut -c1-12)
+# What `make demo` needs (the project and its servers), and what the checks need on top.
+STAMP_LOCAL := $(VENV)/.installed-local-$(HASH)
+STAMP := $(VENV)/.installed-dev-$(HASH)
 
 .PHONY: demo test lint typecheck pytest chaos bench bench-api bench-fire bench-limits clean
 
@@ -10,12 +13,17 @@ $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
 	$(BIN)/pip install --quiet --upgrade pip
 
+$(STAMP_LOCAL): $(BIN)/python pyproject.toml
+	$(BIN)/pip install --quiet -e '.[local]'
+	rm -f $(VENV)/.installed-local-*
+	touch $(STAMP_LOCAL)
+
 $(STAMP): $(BIN)/python pyproject.toml
 	$(BIN)/pip install --quiet -e '.[local,dev]'
 	rm -f $(VENV)/.installed-*
-	touch $(STAMP)
+	touch $(STAMP) $(STAMP_LOCAL)
 
-demo: $(STAMP)
+demo: $(STAMP_LOCAL)
 	$(BIN)/jobplane dev --demo
 
 test: lint typecheck pytest
