@@ -6,6 +6,7 @@ import json
 import logging
 import os
 import signal
+import sys
 import threading
 from collections.abc import Awaitable, Coroutine, Generator, Mapping
 from contextlib import contextmanager
@@ -190,8 +191,11 @@ class TextFormatter(logging.Formatter):
         return f"{line} [{fields}]" if fields else line
 
 
-def configure_logging(log_format: LogFormat = "json", level: str = "INFO") -> None:
-    """Send every log line to stderr in `log_format`, replacing any handler set up before."""
+def configure_logging(log_format: LogFormat | None = None, level: str = "INFO") -> None:
+    """Send every log line to stderr in `log_format`, replacing any handler set up before;
+    unset, text for a terminal and JSON for anything else (a file, a pipe, a log collector)."""
+    if log_format is None:
+        log_format = "text" if sys.stderr.isatty() else "json"
     handler = logging.StreamHandler()
     handler.setFormatter(JSONFormatter() if log_format == "json" else TextFormatter())
     logging.basicConfig(level=level, handlers=[handler], force=True)

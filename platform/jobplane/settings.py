@@ -61,7 +61,8 @@ class Settings(BaseSettings):
     # Where a worker or scheduler process serves its own metrics (on `host`); 0: it does not.
     # The API serves them at /metrics on its own port.
     metrics_port: Annotated[int, Field(ge=0, le=65535)] = 0
-    # Unset: JSON lines for the process commands, text for `jobplane dev`.
+    # Unset: text on a terminal and JSON lines elsewhere for the process commands; text for
+    # `jobplane dev`.
     log_format: Literal["json", "text"] | None = None
 
     worker_id: str | None = None

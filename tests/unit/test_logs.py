@@ -5,6 +5,7 @@ import contextvars
 import io
 import json
 import logging
+import sys
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -138,3 +139,19 @@ def test_configure_logging_switches_the_format(
         assert json.loads(line)["message"] == "tick" and json.loads(line)["run_id"] == "r1"
     else:
         assert line.endswith("INFO jobplane.scheduler tick [run_id=r1]")
+
+
+@pytest.mark.usefixtures("restore_root")
+@pytest.mark.parametrize("terminal", [True, False])
+def test_an_unset_format_follows_the_terminal(
+    terminal: bool, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+) -> None:
+    """Text for a person at a terminal, JSON for a file, a pipe or a log collector."""
+    monkeypatch.setattr(sys.stderr, "isatty", lambda: terminal)
+    configure_logging(None, "INFO")
+    logging.getLogger("jobplane.worker").info("started")
+    [line] = capsys.readouterr().err.splitlines()
+    if terminal:
+        assert line.endswith("INFO jobplane.worker started")
+    else:
+        assert json.loads(line)["message"] == "started"

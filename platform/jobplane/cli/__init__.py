@@ -154,7 +154,7 @@ def _start_process(args: argparse.Namespace, needs: tuple[str, ...] = BACKEND_UR
     if unset := settings.unset(*needs):
         hint = "only `jobplane dev` runs without them: it starts local servers"
         raise CLIError("InvalidSettings", f"{unset} ({hint})")
-    configure_logging(settings.log_format or "json")
+    configure_logging(settings.log_format)
     return settings
 
 
