@@ -122,7 +122,6 @@ async def test_trigger_creates_a_run_with_the_rendered_payload(api: httpx.AsyncC
         ({"cron": "61 * * * *"}, "/cron"),
         ({"cron": "* * * * * * *"}, "/cron"),
         ({"timezone": "Mars/Olympus_Mons"}, "/timezone"),
-        ({"templateType": "nope"}, "/templateType"),
         ({"payloadTemplate": {"day": 5}}, "/payloadTemplate/day"),
         ({"payloadTemplate": {"who": "x"}}, "/payloadTemplate"),
         ({"payloadTemplate": {"day": "{{tomorrow}}"}}, "/payloadTemplate"),
@@ -145,6 +144,17 @@ async def test_a_template_that_is_not_schedulable_is_refused(api: httpx.AsyncCli
     await api.post("/v1/templates", json={**REPORT, "type": "t_plain", "schedulable": False})
     refused = await api.post("/v1/schedules", json={**BODY, "templateType": "t_plain"})
     assert "/templateType" in pointers(error_of(refused, 422, "ValidationFailed"))
+
+
+async def test_an_unknown_template_is_not_found_as_when_creating_a_run(
+    api: httpx.AsyncClient, backends: Backends
+) -> None:
+    body = {**BODY, "templateType": "nope"}
+    scheduled = error_of(await api.post("/v1/schedules", json=body), 404, "NotFound")
+    run = {"templateType": "nope", "scope": BODY["scope"], "scopeId": BODY["scopeId"]}
+    created = error_of(await api.post("/v1/runs", json=run), 404, "NotFound")
+    assert scheduled["message"] == created["message"] == "template 'nope' not found"
+    assert await raw(backends.store).schedules.count_documents({}) == 0
 
 
 async def test_bad_changes_leave_the_schedule_as_it_was(api: httpx.AsyncClient) -> None:

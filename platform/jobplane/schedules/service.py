@@ -198,8 +198,10 @@ class ScheduleService:
             problem = [{"pointer": f"/{exc.field}", "message": str(exc)}]
             raise ValidationFailed(str(exc), problem) from exc
         template = await self.store.templates.get(spec.template_type)
-        if template is None or not template.schedulable:
-            why = "no such template" if template is None else "the template is not schedulable"
+        if template is None:  # as a run of it would be answered
+            raise NotFound(f"template {spec.template_type!r} not found")
+        if not template.schedulable:
+            why = "the template is not schedulable"
             raise ValidationFailed(why, [{"pointer": "/templateType", "message": why}])
         if spec.overlap_policy == "queue" and not template.repeatable:
             # Queued fires wait on the run's dedupe key, which a non-repeatable template keeps.
