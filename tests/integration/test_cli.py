@@ -163,8 +163,9 @@ async def test_templates_apply_list_show_enable_disable(
     bad = tmp_path / "bad" / "broken.yaml"
     bad.parent.mkdir()
     bad.write_text("type: [unclosed\n")
-    assert "broken.yaml: " in failed(
-        await cli("templates", "apply", str(bad.parent)), "ValidationFailed"
+    assert failed(await cli("templates", "apply", str(bad.parent)), "ValidationFailed") == (
+        "error: ValidationFailed: broken.yaml: malformed YAML (line 2, column 1: expected ',' or "
+        "']', but got '<stream end>' (while parsing a flow sequence at line 1, column 7))"
     )
     missing = await cli("templates", "apply", str(tmp_path / "missing"))
     assert missing.code == 2 and failed(missing, "InvalidArgument"), "bad arguments exit 2"
@@ -765,6 +766,14 @@ def test_templates_validate_prints_the_layers_or_each_problem_without_a_server(
         f"error: ValidationFailed: {bad}: invalid template",
     ]
     failed(invoke(["templates", "validate", str(tmp_path / "none.yaml")]), "InvalidArgument")
+    # Where a file stops parsing, on one line, with no pointer (the whole file is at fault).
+    unclosed = tmp_path / "unclosed.yaml"
+    unclosed.write_text("type: [unclosed\n")
+    assert invoke(["templates", "validate", str(unclosed)]).err.splitlines() == [
+        f"{unclosed}: line 2, column 1: expected ',' or ']', but got '<stream end>' "
+        "(while parsing a flow sequence at line 1, column 7)",
+        f"error: ValidationFailed: {unclosed}: malformed YAML",
+    ]
     # A map step names the template its children run; its expressions are checked too.
     fans = ok(invoke(["templates", "validate", str(TEMPLATES / "monthly_reports.yaml")]))
     assert fans.lines[1:] == ["  1. reports (map → account_report)", "  2. summary"]

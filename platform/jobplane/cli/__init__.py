@@ -14,7 +14,7 @@ from urllib.parse import quote
 
 from pydantic import BaseModel, ValidationError
 
-from jobplane.cli.client import APIClient, CLIError
+from jobplane.cli.client import APIClient, CLIError, located
 from jobplane.cli.render import (
     KEY_HEADER,
     QUEUE_HEADER,
@@ -250,7 +250,7 @@ def _templates_validate(args: argparse.Namespace) -> None:
     except ValidationFailed as exc:
         problems = exc.details["errors"]
         for problem in problems:
-            print(f"{path}: {problem['pointer'] or '/'}: {problem['message']}", file=sys.stderr)
+            print(f"{path}: {located(problem)}", file=sys.stderr)
         raise CLIError("ValidationFailed", f"{path}: {exc.message}") from exc
     layers = Graph.of([(s.id, s.needs) for s in spec.steps]).layers
     print(f"{path}: {spec.type}, {len(spec.steps)} steps in {len(layers)} layers")

@@ -102,17 +102,19 @@ def api_error(response: httpx.Response) -> CLIError:
     return CLIError(code, _said_once(message, error.get("details") or {}))
 
 
+def located(problem: dict[str, Any]) -> str:
+    """A problem of `details.errors`, after its pointer; one with none is the whole body's."""
+    pointer, message = problem.get("pointer"), problem.get("message")
+    return f"{pointer}: {message}" if pointer else str(message)
+
+
 def _said_once(message: str, details: dict[str, Any]) -> str:
     """The message, then the details it does not say already: a field whose problem is the
     message itself (a one-field refusal) only has its pointer put before the message."""
     rest = dict(details)
     problems = rest.pop("errors", [])
-    repeated = [p.get("pointer") or "/" for p in problems if p.get("message") == message]
-    notes = [
-        f"{p.get('pointer') or '/'}: {p.get('message')}"
-        for p in problems
-        if p.get("message") != message
-    ]
+    repeated = [p["pointer"] for p in problems if p.get("message") == message and p.get("pointer")]
+    notes = [located(p) for p in problems if p.get("message") != message]
     notes += [f"{k}: {v if isinstance(v, str) else json.dumps(v)}" for k, v in rest.items()]
     said = f"{', '.join(repeated)}: {message}" if repeated else message
     return f"{said} ({'; '.join(notes)})" if notes else said

@@ -34,7 +34,8 @@ def parse_template(text: str | bytes, yaml_syntax: bool) -> TemplateSpec:
         data: Any = yaml.safe_load(text) if yaml_syntax else json.loads(text)
     except (yaml.YAMLError, ValueError, RecursionError) as exc:
         kind = "YAML" if yaml_syntax else "JSON"
-        raise ValidationFailed(f"malformed {kind}", [{"pointer": "", "message": str(exc)}]) from exc
+        problem = {"pointer": "", "message": _syntax_error(exc)}
+        raise ValidationFailed(f"malformed {kind}", [problem]) from exc
     if _values_over(data, MAX_TEMPLATE_VALUES):
         message = f"over {MAX_TEMPLATE_VALUES} values once its aliases are expanded"
         raise ValidationFailed("template too large", [{"pointer": "", "message": message}])
@@ -55,6 +56,21 @@ def parse_template(text: str | bytes, yaml_syntax: bool) -> TemplateSpec:
     if problems := nonsense(spec):
         raise ValidationFailed("invalid template", problems)
     return spec
+
+
+def _syntax_error(exc: Exception) -> str:
+    """Where the text stops parsing, by line and column, and why: PyYAML's own text names the
+    input `"<byte string>"` and spans lines."""
+    if isinstance(exc, yaml.MarkedYAMLError) and exc.problem_mark is not None:
+        mark = exc.problem_mark
+        said = f"line {mark.line + 1}, column {mark.column + 1}: {exc.problem}"
+        if exc.context and exc.context_mark is not None:
+            start = exc.context_mark
+            said += f" ({exc.context} at line {start.line + 1}, column {start.column + 1})"
+        return said
+    if isinstance(exc, json.JSONDecodeError):
+        return f"line {exc.lineno}, column {exc.colno}: {exc.msg}"
+    return " ".join(str(exc).split())
 
 
 def nonsense(spec: TemplateSpec) -> list[dict[str, Any]]:
