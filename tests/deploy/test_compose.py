@@ -102,6 +102,23 @@ def test_variant_merges_into_the_promised_services(
 
 
 @needs_compose
+def test_the_urls_of_your_own_servers_come_from_the_environment(required: dict[str, str]) -> None:
+    own = {
+        "JOBPLANE_MONGODB_URL": "mongodb://db1,db2,db3/?replicaSet=prod",
+        "JOBPLANE_REDIS_URL": "rediss://cache.internal:6380/2",
+    }
+    for variables, mongo_url, redis_url in (
+        ({}, "mongodb://mongo:27017/?replicaSet=rs0", "redis://redis:6379/0"),
+        (own, own["JOBPLANE_MONGODB_URL"], own["JOBPLANE_REDIS_URL"]),
+    ):
+        services = merged((BASE,), required | variables)["services"]
+        for name in JOBPLANE:
+            environment = services[name]["environment"]
+            assert environment["JOBPLANE_MONGODB_URL"] == mongo_url
+            assert environment["JOBPLANE_REDIS_URL"] == redis_url
+
+
+@needs_compose
 @pytest.mark.parametrize("files", list(VARIANTS), ids=lambda f: "+".join(Path(p).stem for p in f))
 def test_variant_refuses_to_start_without_an_admin_key(
     files: tuple[str, ...], required: dict[str, str]
