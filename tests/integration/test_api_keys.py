@@ -34,6 +34,19 @@ def secret_of(key: dict[str, Any]) -> str:
     return str(key["key"]).split("_", 2)[2]
 
 
+async def test_any_key_reads_who_it_is(client_for: Client) -> None:
+    admin = client_for(ADMIN)
+    alice = await made(admin, "alice", "user", "user:alice", "account:acme")
+    auditor = await made(admin, "audit", "auditor")
+    me = (await client_for(alice["key"]).get("/v1/api-keys/me")).json()
+    assert me == {"name": "alice", "role": "user", "scopes": ["account:acme", "user:alice"]}
+    seen = (await client_for(auditor["key"]).get("/v1/api-keys/me")).json()
+    assert seen == {"name": "audit", "role": "auditor", "scopes": []}
+    bootstrap = (await admin.get("/v1/api-keys/me")).json()
+    assert bootstrap == {"name": "admin", "role": "admin", "scopes": []}
+    error_of(await client_for("jp_nope_nope").get("/v1/api-keys/me"), 401, "Unauthorized")
+
+
 async def test_the_list_shows_every_key_and_never_a_secret(
     client_for: Client, backends: Backends
 ) -> None:

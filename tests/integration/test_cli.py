@@ -222,7 +222,21 @@ async def test_a_user_key_acts_only_in_its_scopes(
     outside = await cli(
         "runs", "create", "t_noop", "--scope", "user", "--scope-id", "u2", key=alice
     )
-    assert "user:u2" in failed(outside, "Forbidden")
+    assert failed(outside, "Forbidden") == (
+        "error: Forbidden: this key may not act in scope user:u2; it may in account:a1, "
+        "user:u1 (pass --scope and --scope-id)"
+    )
+    # With two scopes a key has no default: the refusal names them, and the flags.
+    assert "it may in account:a1, user:u1 (pass --scope" in failed(
+        await cli("runs", "create", "t_noop", key=alice), "Forbidden"
+    )
+    # With one, that is the default.
+    solo = fields(
+        ok(await cli("keys", "create", "solo", "--role", "user", "--scope", "account:a2"))
+    )
+    defaulted = await created(cli, "t_noop", key=solo["secret"])
+    run = json.loads(ok(await cli("runs", "get", defaulted, key=solo["secret"])).out)
+    assert (run["scope"], run["scopeId"]) == ("account", "a2")
     failed(await cli("runs", "list", "--scope", "user", "--scope-id", "u2", key=alice), "Forbidden")
     failed(await cli("runs", "get", elsewhere, key=alice), "NotFound")
     failed(await cli("runs", "cancel", elsewhere, key=alice), "NotFound")
@@ -243,7 +257,8 @@ async def test_a_user_key_acts_only_in_its_scopes(
     )
     auditor = fields(ok(await cli("keys", "create", "audit", "--role", "auditor")))
     assert auditor["scopes"] == "(all)"
-    assert len(row_ids(ok(await cli("runs", "list", key=auditor["secret"])))) == 3
+    everyone = row_ids(ok(await cli("runs", "list", key=auditor["secret"])))
+    assert set(everyone) == {mine, theirs, elsewhere, defaulted}
     failed(await cli("runs", "cancel", mine, key=auditor["secret"]), "Forbidden")
 
 
@@ -393,8 +408,10 @@ async def test_watch_follows_the_run_s_stream_to_its_end(
         made = ok(await cli("runs", "create", "t_nap", "--payload", payload, "--watch"))
     run_id = made.lines[0]
     assert f"run {run_id}  t_nap v1  succeeded" in made.lines
-    assert wire.sent[0] == "POST /v1/runs" and wire.sent[-1] == f"GET /v1/runs/{run_id}/stream"
-    assert set(wire.sent[1:-1]) == {f"GET /v1/runs/{run_id}"}
+    # Without --scope the key is asked which scope is its own, first.
+    assert wire.sent[:2] == ["GET /v1/api-keys/me", "POST /v1/runs"]
+    assert wire.sent[-1] == f"GET /v1/runs/{run_id}/stream"
+    assert set(wire.sent[2:-1]) == {f"GET /v1/runs/{run_id}"}
 
 
 @pytest.mark.parametrize("how", ["unreachable", "refused", "cut short"])
@@ -696,7 +713,9 @@ async def test_refusals_say_each_thing_once_and_in_words(
 
     # Where a run goes without --scope is said where the options are.
     usage = ok(await asyncio.to_thread(invoke, ["runs", "create", "--help"])).out
-    assert "default system (with scope id cli)" in " ".join(usage.split())
+    assert "the key's only scope if it has one, else system (scope id cli)" in " ".join(
+        usage.split()
+    )
 
 
 async def test_events_name_the_step_a_step_event_is_about(

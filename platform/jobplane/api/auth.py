@@ -92,7 +92,10 @@ class Caller:
 
     def may_act_in(self, scope: str, scope_id: str) -> None:
         if not self.sees(scope, scope_id):
-            raise Forbidden(f"this key may not act in scope {scope}:{scope_id}")
+            mine = sorted(f"{s}:{i}" for s, i in self.scopes)
+            raise Forbidden(
+                f"this key may not act in scope {scope}:{scope_id}; it may in {', '.join(mine)}"
+            )
 
     def visible(self, run: Run) -> Run:
         """The run, if this caller may see it; otherwise it does not exist for them."""

@@ -8,7 +8,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from jobplane.api.auth import Caller, Permission, require
+from jobplane.api.auth import Caller, Permission, authenticate, require
 from jobplane.queue.redis import RedisQueue
 from jobplane.runs import RunService
 from jobplane.runs.waiting import Waiting
@@ -50,6 +50,8 @@ TemplateAuthor = Annotated[Caller, Depends(require(Permission.TEMPLATES_WRITE))]
 RunReader = Annotated[Caller, Depends(require(Permission.RUNS_READ))]
 RunWriter = Annotated[Caller, Depends(require(Permission.RUNS_WRITE))]
 EventReader = Annotated[Caller, Depends(require(Permission.EVENTS_READ))]
+# Any valid key, whatever its role.
+Anyone = Annotated[Caller, Depends(authenticate)]
 KeyReader = Annotated[Caller, Depends(require(Permission.KEYS_READ))]
 KeyAdmin = Annotated[Caller, Depends(require(Permission.KEYS_WRITE))]
 ExternalWorker = Annotated[Caller, Depends(require(Permission.EXTERNAL_WORK))]

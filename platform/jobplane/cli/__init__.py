@@ -279,17 +279,39 @@ def _templates_toggle(args: argparse.Namespace, client: APIClient) -> None:
     print(template_line(t))
 
 
+def _scope_of(args: argparse.Namespace, client: APIClient) -> tuple[str, str]:
+    """The scope a new run or schedule is made in: as given; else the key's only scope (a user
+    key's with one); else system:cli."""
+    if args.scope is None and args.scope_id is None:
+        me = client.call("GET", "/v1/api-keys/me")
+        if len(me["scopes"]) == 1:
+            scope, _, scope_id = me["scopes"][0].partition(":")
+            return scope, scope_id
+    return args.scope or "system", args.scope_id or "cli"
+
+
+def _made_in_scope(client: APIClient, path: str, body: dict[str, Any]) -> Any:
+    """POST `body` to `path`; a refusal of the scope says how to name another."""
+    try:
+        return client.call("POST", path, json=body)
+    except CLIError as exc:
+        if exc.code != "Forbidden" or "scope" not in exc.message:
+            raise
+        raise CLIError(exc.code, f"{exc.message} (pass --scope and --scope-id)") from None
+
+
 def _runs_create(args: argparse.Namespace, client: APIClient) -> None:
+    scope, scope_id = _scope_of(args, client)
     body = _present(
         templateType=args.template,
-        scope=args.scope,
-        scopeId=args.scope_id,
+        scope=scope,
+        scopeId=scope_id,
         payload=args.payload,
         priority=args.priority,
         delaySeconds=args.delay_seconds,
         idempotencyKey=args.idempotency_key,
     )
-    run = client.call("POST", "/v1/runs", json=body)
+    run = _made_in_scope(client, "/v1/runs", body)
     print(run["id"])
     if args.watch:
         _watch(client, run["id"], args.interval)
@@ -442,10 +464,11 @@ def _queues_act(args: argparse.Namespace, client: APIClient) -> None:
 
 
 def _schedules_create(args: argparse.Namespace, client: APIClient) -> None:
+    scope, scope_id = _scope_of(args, client)
     body = _present(
         templateType=args.template,
-        scope=args.scope,
-        scopeId=args.scope_id,
+        scope=scope,
+        scopeId=scope_id,
         cron=args.cron,
         timezone=args.timezone,
         payloadTemplate=args.payload_template,
@@ -453,7 +476,8 @@ def _schedules_create(args: argparse.Namespace, client: APIClient) -> None:
         overlapPolicy=args.overlap,
         enabled=False if args.paused else None,
     )
-    print(schedule_line(Schedule.model_validate(client.call("POST", "/v1/schedules", json=body))))
+    made = _made_in_scope(client, "/v1/schedules", body)
+    print(schedule_line(Schedule.model_validate(made)))
 
 
 def _schedules_list(args: argparse.Namespace, client: APIClient) -> None:
@@ -573,7 +597,7 @@ def _parser() -> argparse.ArgumentParser:
 
     scopes = ["user", "account", "system"]
     # Where a run or schedule goes unless told; a user key may act only in its own scopes.
-    default_scope = "default system (with scope id cli); a user key names one of its scopes"
+    default_scope = "default: the key's only scope if it has one, else system (scope id cli)"
     templates = sub.add_parser("templates", help="register and manage templates")
     tsub = templates.add_subparsers(required=True, metavar="ACTION")
     apply = client_command(tsub, "apply", _templates_apply, "register templates from DIR or FILE")
@@ -596,8 +620,8 @@ def _parser() -> argparse.ArgumentParser:
     rsub = runs.add_subparsers(required=True, metavar="ACTION")
     create = client_command(rsub, "create", _runs_create, "create a run of TEMPLATE")
     create.add_argument("template", metavar="TEMPLATE")
-    create.add_argument("--scope", default="system", choices=scopes, help=default_scope)
-    create.add_argument("--scope-id", default="cli", help="default cli")
+    create.add_argument("--scope", choices=scopes, help=default_scope)
+    create.add_argument("--scope-id", help="default cli, or the key's only scope's id")
     create.add_argument("--payload", type=_json_object, default={}, help="a JSON object")
     create.add_argument("--priority", type=int, help="-100 to 100; higher runs first")
     create.add_argument("--delay-seconds", type=float, help="not before this many seconds")
@@ -641,8 +665,8 @@ def _parser() -> argparse.ArgumentParser:
     screate.add_argument("template", metavar="TEMPLATE")
     screate.add_argument("--cron", required=True, help="e.g. '30 2 * * *' or @daily")
     screate.add_argument("--timezone", help="IANA zone, e.g. Asia/Taipei (default UTC)")
-    screate.add_argument("--scope", default="system", choices=scopes, help=default_scope)
-    screate.add_argument("--scope-id", default="cli", help="default cli")
+    screate.add_argument("--scope", choices=scopes, help=default_scope)
+    screate.add_argument("--scope-id", help="default cli, or the key's only scope's id")
     screate.add_argument(
         "--payload-template", type=_json_object, help="JSON object; {{scheduledFor}} etc."
     )

@@ -7,9 +7,10 @@ from pydantic import Field, model_validator
 
 from jobplane.api import pages
 from jobplane.api.auth import mint_key
-from jobplane.api.deps import KeyAdmin, KeyReader, StoreDep
+from jobplane.api.deps import Anyone, KeyAdmin, KeyReader, StoreDep
 from jobplane.api.errors import ERROR_RESPONSES
 from jobplane.api.pages import Cursor, Limit, Page
+from jobplane.api.schema import ResponseBody
 from jobplane.errors import NotFound, ResourceInvalidState
 from jobplane.model import ApiKeyPublic, Role, ScopeRef
 from jobplane.model.bodies import RequestBody
@@ -51,6 +52,22 @@ async def create(body: KeyCreate, store: StoreDep, caller: KeyAdmin) -> KeyCreat
     if not await store.keys.insert(record):
         raise ResourceInvalidState(f"an API key named {body.name!r} exists")
     return KeyCreated(**record.model_dump(exclude={"secret_hash"}), key=secret)
+
+
+class Identity(ResponseBody):
+    """The key a request was made with: its name, role and, for a user key, its scopes."""
+
+    name: str
+    role: Role
+    scopes: list[str]
+
+
+@router.get("/me", summary="The calling key", response_model=Identity, response_model_by_alias=True)
+async def me(caller: Anyone) -> Identity:
+    """Who the request's key is, for any key: a client picks its default scope from it (the
+    CLI takes a user key's only scope)."""
+    scopes = sorted(f"{scope}:{scope_id}" for scope, scope_id in caller.scopes)
+    return Identity(name=caller.name, role=caller.role, scopes=scopes)
 
 
 @router.get(
