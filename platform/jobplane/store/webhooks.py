@@ -5,10 +5,13 @@ event in one transaction, as an API key's is: the trail never misses one. Delive
 written by the notifier: one per (webhook, event), whichever notifier writes it first, so a
 notifier that reads an event twice (after a restart, say) adds nothing.
 
-A delivery is claimed before each try by moving its `nextAttemptAt` a lease ahead: a notifier
-killed mid-try leaves it due again once the lease passes, and another tries it (at least once).
-Each outcome is written only by the claim that tried (`claim`, a token per try). Claims and
-outcomes are written with `w: 1`: a lost one costs a repeated try, never a delivery.
+A new delivery's first try is made before it is stored (`Claimed.first_try`): it is stored
+once, with that try's outcome, as `add` stores one (majority: the notifier's place in the trail
+moves past it after). A stored delivery is claimed before each try by moving its
+`nextAttemptAt` a lease ahead: a notifier killed mid-try leaves it due again once the lease
+passes, and another tries it (at least once). Each of those outcomes is written only by the
+claim that tried (`claim`, a token per try). Claims and their outcomes are written with `w: 1`:
+a lost one costs a repeated try, never a delivery.
 """
 
 import asyncio
