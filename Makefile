@@ -29,11 +29,13 @@ demo: $(STAMP_LOCAL)
 test: lint typecheck pytest
 
 lint: $(STAMP)
-	$(BIN)/ruff check platform tests bench
-	$(BIN)/ruff format --check platform tests bench
+	$(BIN)/ruff check platform tests bench examples
+	$(BIN)/ruff format --check platform tests bench examples
 
+# The package, then the examples as an application would check its own code against it.
 typecheck: $(STAMP)
 	$(BIN)/mypy
+	$(BIN)/mypy --strict examples
 
 # One pytest process per core, each with its own MongoDB and Redis, a test file to one.
 pytest: $(STAMP) chromium docker-compose

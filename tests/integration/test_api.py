@@ -42,8 +42,9 @@ async def test_template_versions(api: httpx.AsyncClient, backends: Backends) -> 
     yaml_type = {"content-type": "application/yaml"}
     first = await api.post("/v1/templates", content=DEMO_YAML, headers=yaml_type)
     assert first.status_code == 201 and first.json()["version"] == 1
+    assert first.json()["created"] is True
     again = await api.post("/v1/templates", content=DEMO_YAML, headers=yaml_type)
-    assert again.status_code == 200 and again.json() == first.json()
+    assert again.status_code == 200 and again.json() == first.json() | {"created": False}
     changed = DEMO_YAML.replace("graceSeconds: 30", "graceSeconds: 45")
     second = await api.post("/v1/templates", content=changed, headers=yaml_type)
     assert second.status_code == 201 and second.json()["version"] == 2

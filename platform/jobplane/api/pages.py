@@ -4,23 +4,18 @@ import base64
 import binascii
 from collections.abc import Sequence
 from datetime import UTC, datetime
-from typing import Annotated, Generic, Protocol, TypeVar
+from typing import Annotated, Protocol, TypeVar
 
 from bson import ObjectId
 from fastapi import Query
 
-from jobplane.api.schema import ResponseBody
 from jobplane.errors import ValidationFailed
+from jobplane.model.answers import Page
 
 T = TypeVar("T")
 Limit = Annotated[int, Query(ge=1, le=500)]
 # Cursors are unpadded URL-safe base64 (`_encode`): any other character is no cursor of ours.
 Cursor = Annotated[str | None, Query(max_length=200, pattern=r"^[A-Za-z0-9_-]*$")]
-
-
-class Page(ResponseBody, Generic[T]):
-    items: list[T]
-    next_cursor: str | None = None
 
 
 def run_cursor(run_id: str) -> str:

@@ -14,7 +14,8 @@ from urllib.parse import quote
 
 from pydantic import BaseModel, ValidationError
 
-from jobplane.cli.client import APIClient, CLIError, located
+from jobplane.cli import templates
+from jobplane.cli.client import APIClient, CLIError
 from jobplane.cli.render import (
     KEY_HEADER,
     QUEUE_HEADER,
@@ -25,7 +26,6 @@ from jobplane.cli.render import (
     queue_row,
     run_row,
     schedule_line,
-    template_line,
 )
 from jobplane.model import (
     CLAIMABLE,
@@ -35,7 +35,6 @@ from jobplane.model import (
     Run,
     RunStatus,
     Schedule,
-    Template,
 )
 from jobplane.settings import Settings, refusal
 
@@ -207,76 +206,6 @@ def _present(**fields: Any) -> dict[str, Any]:
 def _segment(value: str) -> str:
     # Ids and types come from the user; a `/` or `?` in one must not change the route.
     return quote(value, safe="")
-
-
-def _templates_apply(args: argparse.Namespace, client: APIClient) -> None:
-    from jobplane.templates.loader import SUFFIXES
-
-    path = Path(args.path)
-    if path.is_dir():
-        files = sorted(p for p in path.iterdir() if p.suffix in SUFFIXES)
-    elif path.is_file():
-        files = [path]
-    else:
-        raise CLIError("InvalidArgument", f"{path}: no such file or directory")
-    if not files:
-        raise CLIError("InvalidArgument", f"{path}: no {', '.join(sorted(SUFFIXES))} files")
-    for file in files:
-        kind = "application/json" if file.suffix == ".json" else "application/yaml"
-        try:
-            t = client.call(
-                "POST", "/v1/templates", content=file.read_bytes(), headers={"content-type": kind}
-            )
-        except OSError as exc:
-            raise CLIError("InvalidArgument", f"{file}: {exc.strerror}") from exc
-        except CLIError as exc:  # in a directory, say which file was refused
-            raise CLIError(exc.code, f"{file.name}: {exc.message}") from exc
-        print(f"{file.name}: {t['type']} v{t['version']}")
-        for warning in t.get("warnings", []):
-            print(f"warning: {file.name}: {warning}", file=sys.stderr)
-
-
-def _templates_validate(args: argparse.Namespace) -> None:
-    """Check a template file as registration would, here: its steps' layers, or each problem."""
-    from jobplane.errors import ValidationFailed
-    from jobplane.model.graph import Graph
-    from jobplane.templates import load_file
-
-    path = Path(args.file)
-    try:
-        spec = load_file(path)
-    except OSError as exc:
-        raise CLIError("InvalidArgument", f"{path}: {exc.strerror}") from exc
-    except ValidationFailed as exc:
-        problems = exc.details["errors"]
-        for problem in problems:
-            print(f"{path}: {located(problem)}", file=sys.stderr)
-        raise CLIError("ValidationFailed", f"{path}: {exc.message}") from exc
-    layers = Graph.of([(s.id, s.needs) for s in spec.steps]).layers
-    print(f"{path}: {spec.type}, {len(spec.steps)} steps in {len(layers)} layers")
-    # A map step says which template its children run.
-    fans = {s.id: f" (map → {s.map.template})" for s in spec.steps if s.map is not None}
-    for depth, layer in enumerate(layers, 1):
-        print(f"  {depth}. {', '.join(step + fans.get(step, '') for step in layer)}")
-
-
-def _templates_list(args: argparse.Namespace, client: APIClient) -> None:
-    for template in client.call("GET", "/v1/templates"):
-        print(template_line(Template.model_validate(template)))
-
-
-def _templates_show(args: argparse.Namespace, client: APIClient) -> None:
-    path = f"/v1/templates/{_segment(args.type)}"
-    if args.version is not None:
-        path += f"/versions/{args.version}"
-    print(json.dumps(client.call("GET", path), indent=2))
-
-
-def _templates_toggle(args: argparse.Namespace, client: APIClient) -> None:
-    t = Template.model_validate(
-        client.call("POST", f"/v1/templates/{_segment(args.type)}/{args.action}")
-    )
-    print(template_line(t))
 
 
 def _scope_of(args: argparse.Namespace, client: APIClient) -> tuple[str, str]:
@@ -598,21 +527,27 @@ def _parser() -> argparse.ArgumentParser:
     scopes = ["user", "account", "system"]
     # Where a run or schedule goes unless told; a user key may act only in its own scopes.
     default_scope = "default: the key's only scope if it has one, else system (scope id cli)"
-    templates = sub.add_parser("templates", help="register and manage templates")
-    tsub = templates.add_subparsers(required=True, metavar="ACTION")
-    apply = client_command(tsub, "apply", _templates_apply, "register templates from DIR or FILE")
-    apply.add_argument("path", metavar="DIR|FILE")
+    tsub = sub.add_parser("templates", help="register and manage templates").add_subparsers(
+        required=True, metavar="ACTION"
+    )
+    apply = client_command(
+        tsub, "apply", templates.apply, "register templates from DIR, FILE or MODULE:ATTRIBUTE"
+    )
+    apply.add_argument("source", metavar="DIR|FILE|MODULE:ATTRIBUTE")
+    export = tsub.add_parser("export", help="print the templates MODULE:ATTRIBUTE defines as YAML")
+    export.add_argument("ref", metavar="MODULE:ATTRIBUTE")
+    export.set_defaults(command=templates.export)
     validate = tsub.add_parser(
         "validate", help="check a template FILE here: its steps' layers, or each problem"
     )
     validate.add_argument("file", metavar="FILE")
-    validate.set_defaults(command=_templates_validate)
-    client_command(tsub, "list", _templates_list, "the latest version of each template")
-    show = client_command(tsub, "show", _templates_show, "a template as JSON")
+    validate.set_defaults(command=templates.validate)
+    client_command(tsub, "list", templates.list_latest, "the latest version of each template")
+    show = client_command(tsub, "show", templates.show, "a template as JSON")
     show.add_argument("type", metavar="TYPE")
     show.add_argument("--version", type=int, help="this version instead of the latest")
     for action in ("enable", "disable"):
-        toggle = client_command(tsub, action, _templates_toggle, f"{action} new runs of TYPE")
+        toggle = client_command(tsub, action, templates.toggle, f"{action} new runs of TYPE")
         toggle.add_argument("type", metavar="TYPE")
         toggle.set_defaults(action=action)
 

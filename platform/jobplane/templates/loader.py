@@ -36,6 +36,12 @@ def parse_template(text: str | bytes, yaml_syntax: bool) -> TemplateSpec:
         kind = "YAML" if yaml_syntax else "JSON"
         problem = {"pointer": "", "message": _syntax_error(exc)}
         raise ValidationFailed(f"malformed {kind}", [problem]) from exc
+    return check_template(data)
+
+
+def check_template(data: Any) -> TemplateSpec:
+    """Validate a parsed template (a file's, a request's or one built in code); raises
+    `ValidationFailed` with a pointer per problem."""
     if _values_over(data, MAX_TEMPLATE_VALUES):
         message = f"over {MAX_TEMPLATE_VALUES} values once its aliases are expanded"
         raise ValidationFailed("template too large", [{"pointer": "", "message": message}])

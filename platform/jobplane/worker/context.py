@@ -7,7 +7,9 @@ import logging
 import time
 import traceback
 from collections.abc import AsyncIterator, Awaitable, Callable, Coroutine
-from typing import Any
+from typing import Any, TypeVar
+
+from pydantic import BaseModel, ValidationError
 
 from jobplane.model import Run, RunError, StepSpec, Template
 
@@ -77,6 +79,7 @@ def step_failure(exc: Exception, step_id: str) -> RunError:
 # Takes a lock (`<name>` and its key's values) for the step, waiting up to some seconds:
 # the lock's id, its fencing token, and whether it was taken now (False: the step held it).
 TakeLock = Callable[[str, list[Any], float], Awaitable[tuple[str, int, bool]]]
+M = TypeVar("M", bound=BaseModel)
 # Lets go of a lock the step took.
 ReleaseLock = Callable[[str], Awaitable[None]]
 
@@ -132,6 +135,15 @@ class StepContext:
         self._locks: list[tuple[str, int]] = list((step_locks or {}).items())
         self._take_lock = take_lock
         self._release_lock = release_lock
+
+    def payload_as(self, model: type[M]) -> M:
+        """The payload parsed into `model` (a pydantic model, as the template's `payload`).
+        A payload it refuses fails the run at once: trying again would read the same one."""
+        try:
+            return model.model_validate(self.payload)
+        except ValidationError as exc:
+            said = "; ".join(f"{'.'.join(map(str, e['loc']))}: {e['msg']}" for e in exc.errors())
+            raise FatalError(f"the payload is not a {model.__name__}: {said}") from exc
 
     @property
     def lock_token(self) -> int | None:

@@ -47,6 +47,20 @@ class HandlerRegistry:
         self._handlers[name] = fn
         return fn
 
+    def name_of(self, fn: Handler) -> str:
+        """The name a step calls `fn` by: the name it was registered under, else
+        `module:function`, which a worker that loads its module offers."""
+        for name, registered in self._handlers.items():
+            if registered is fn and ":" not in name:
+                return name
+        module, qualname = getattr(fn, "__module__", None), getattr(fn, "__qualname__", "")
+        if module is None or module == "__main__" or not qualname.isidentifier():
+            raise ValueError(
+                f"handler {fn!r} has no name a worker can find: register it with "
+                "@handler(name), or define it at the top level of an importable module"
+            )
+        return f"{module}:{qualname}"
+
     def __contains__(self, name: str) -> bool:
         return self.resolve(name) is not None
 

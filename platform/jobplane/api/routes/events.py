@@ -8,8 +8,9 @@ from sse_starlette.sse import EventSourceResponse
 from jobplane.api import live, pages
 from jobplane.api.deps import EventReader, StoreDep
 from jobplane.api.errors import ERROR_RESPONSES
-from jobplane.api.pages import Cursor, Limit, Page
+from jobplane.api.pages import Cursor, Limit
 from jobplane.model import Event, Instant
+from jobplane.model.answers import Page
 from jobplane.store import EventQuery
 
 router = APIRouter(prefix="/v1/events", tags=["events"], responses=ERROR_RESPONSES)

@@ -8,8 +8,8 @@ from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
 from jobplane.api.deps import ExternalWorker, SettingsDep
 from jobplane.api.errors import ERROR_RESPONSES
-from jobplane.api.schema import ResponseBody
 from jobplane.model import Run, RunStatus, Template
+from jobplane.model.answers import ResponseBody
 from jobplane.model.bodies import RequestBody
 from jobplane.model.documents import Name
 from jobplane.model.storable import Storable

@@ -5,7 +5,7 @@ from typing import Literal
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
-from jobplane.api.schema import ResponseBody
+from jobplane.model.answers import ResponseBody
 
 router = APIRouter(tags=["health"])
 

@@ -9,10 +9,10 @@ from jobplane.api import pages
 from jobplane.api.auth import mint_key
 from jobplane.api.deps import Anyone, KeyAdmin, KeyReader, StoreDep
 from jobplane.api.errors import ERROR_RESPONSES
-from jobplane.api.pages import Cursor, Limit, Page
-from jobplane.api.schema import ResponseBody
+from jobplane.api.pages import Cursor, Limit
 from jobplane.errors import NotFound, ResourceInvalidState
 from jobplane.model import ApiKeyPublic, Role, ScopeRef
+from jobplane.model.answers import KeyCreated, Page, ResponseBody
 from jobplane.model.bodies import RequestBody
 from jobplane.model.documents import Name
 
@@ -31,12 +31,6 @@ class KeyCreate(RequestBody):
         if self.role != "user" and self.scopes:
             raise ValueError(f"an {self.role} key is not bound to scopes; leave scopes empty")
         return self
-
-
-class KeyCreated(ApiKeyPublic):
-    """A new key and its secret, `key`: shown here once, stored only as a hash."""
-
-    key: str
 
 
 @router.post(

@@ -15,10 +15,10 @@ from fastapi import APIRouter, Depends, Request
 from jobplane.api.auth import PERMISSIONS, Caller, Permission, authenticate
 from jobplane.api.deps import SettingsDep, StoreDep
 from jobplane.api.errors import ERROR_RESPONSES
-from jobplane.api.schema import ResponseBody
 from jobplane.metrics import Gauges, read_state
 from jobplane.metrics import gauges as read_gauges
 from jobplane.model import RunStatus
+from jobplane.model.answers import ResponseBody
 from jobplane.model.documents import Role
 from jobplane.queue.connect import REDIS_DOWN
 from jobplane.queue.redis import RedisQueue

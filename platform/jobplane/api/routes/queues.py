@@ -13,10 +13,10 @@ from pydantic import StringConstraints
 
 from jobplane.api.deps import QueueAdmin, QueueReader, SettingsDep, StoreDep
 from jobplane.api.errors import ERROR_RESPONSES
-from jobplane.api.schema import ResponseBody
 from jobplane.errors import NotFound, Unavailable
 from jobplane.metrics import gauges, read_state
 from jobplane.model import QueueState
+from jobplane.model.answers import ResponseBody
 from jobplane.model.bodies import RequestBody
 from jobplane.model.documents import Name
 from jobplane.runs.admission.pause import Pauses

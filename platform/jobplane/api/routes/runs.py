@@ -17,10 +17,10 @@ from jobplane.api.deps import (
     WaitingDep,
 )
 from jobplane.api.errors import ERROR_RESPONSES, ErrorBody
-from jobplane.api.pages import Cursor, Limit, Page
-from jobplane.api.schema import ResponseBody
+from jobplane.api.pages import Cursor, Limit
 from jobplane.errors import JobplaneError
 from jobplane.model import Event, Run, RunStatus
+from jobplane.model.answers import Page, ResponseBody
 from jobplane.model.bodies import RequestBody
 from jobplane.runs import RunRequest
 from jobplane.runs.request import RunCreate, run_request

@@ -1,6 +1,5 @@
 """Schedules: create, read, change, delete, pause, resume, trigger and preview."""
 
-from datetime import datetime
 from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Body, Query, Request, Response
@@ -8,24 +7,14 @@ from fastapi import APIRouter, Body, Query, Request, Response
 from jobplane.api import pages
 from jobplane.api.deps import ScheduleReader, ScheduleWriter, StoreDep
 from jobplane.api.errors import ERROR_RESPONSES
-from jobplane.api.pages import Cursor, Limit, Page
-from jobplane.api.schema import ResponseBody
+from jobplane.api.pages import Cursor, Limit
 from jobplane.model import Instant, Run, Schedule, ScheduleSpec
+from jobplane.model.answers import FireTime, Page, Preview
 from jobplane.schedules import ScheduleService
 from jobplane.schedules.cron import Cron
 from jobplane.store import ScheduleQuery
 
 router = APIRouter(prefix="/v1/schedules", tags=["schedules"], responses=ERROR_RESPONSES)
-
-
-class FireTime(ResponseBody):
-    utc: datetime
-    local: datetime
-
-
-class Preview(ResponseBody):
-    timezone: str
-    times: list[FireTime]
 
 
 def _service(request: Request) -> ScheduleService:

@@ -4,12 +4,12 @@ from typing import Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
-from pydantic import Field
 
 from jobplane.api.deps import StoreDep, TemplateAuthor, TemplateReader, WaitingDep
 from jobplane.api.errors import ERROR_RESPONSES
 from jobplane.errors import NotFound
 from jobplane.model import Template, TemplateSpec, Version
+from jobplane.model.answers import Registered
 from jobplane.runs.waiting import Waiting
 from jobplane.templates import parse_template
 
@@ -41,13 +41,6 @@ _TEMPLATE_BODY = {
 }
 
 
-class Registered(Template):
-    """The registered version, and what may keep its runs from starting: a handler no live
-    worker offers on the template's queue. Registering succeeds all the same."""
-
-    warnings: list[str] = Field(default_factory=list)
-
-
 @router.post(
     "",
     summary="Register a template",
@@ -62,13 +55,15 @@ async def register(
 ) -> JSONResponse:
     """Register a template from JSON or YAML (`Content-Type: application/yaml`).
 
-    An unchanged definition returns the latest version with 200; a changed one is stored as
-    the next version with 201. `warnings` names each handler no live worker offers.
+    An unchanged definition returns the latest version with 200 and `created: false`; a
+    changed one is stored as the next version with 201 and `created: true`. `warnings` names
+    each handler no live worker offers.
     """
     yaml_syntax = "yaml" in request.headers.get("content-type", "")
     spec = parse_template(await request.body(), yaml_syntax)
     template, created = await store.templates.register(spec)
-    registered = Registered(**template.model_dump(), warnings=await _unserved(template, waiting))
+    warnings = await _unserved(template, waiting)
+    registered = Registered(**template.model_dump(), created=created, warnings=warnings)
     body = registered.model_dump(by_alias=True, mode="json")
     return JSONResponse(body, status_code=201 if created else 200)
 

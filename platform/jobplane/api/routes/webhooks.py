@@ -13,9 +13,10 @@ from jobplane.api import pages
 from jobplane.api.auth import Caller
 from jobplane.api.deps import StoreDep, WebhookReader, WebhookWriter
 from jobplane.api.errors import ERROR_RESPONSES
-from jobplane.api.pages import Cursor, Limit, Page
+from jobplane.api.pages import Cursor, Limit
 from jobplane.errors import NotFound, ValidationFailed
 from jobplane.model import Scope, ScopeId
+from jobplane.model.answers import Page
 from jobplane.model.bodies import RequestBody
 from jobplane.model.webhooks import Delivery, Secret, SignedWebhook, Webhook, WebhookEventType
 from jobplane.store import Store
