@@ -1,6 +1,6 @@
 """What one durable MongoDB write costs on this machine: the floor under enqueue-to-start.
 
-SPEC.md puts two durable writes before a run's step may start: its insert before its push
+docs/contract.md puts two durable writes before a run's step may start: its insert before its push
 (rule 7) and the claim that fences it (rule 2). This times single inserts, one at a time, with
 write concern `w: 1`, `w: 1, j: true` and `majority`, against a throwaway one-node replica set
 started as the tests and benchmarks start theirs (or `--mongodb-url`), and an `fdatasync` of

@@ -1,4 +1,5 @@
-"""Errors a caller can act on, each with the code and HTTP status of SPEC.md's error list."""
+"""Errors a caller can act on, each with the code and HTTP status of the error list in
+docs/contract.md."""
 
 from typing import Any
 

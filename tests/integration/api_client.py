@@ -1,4 +1,4 @@
-"""Checks of SPEC.md's error shape."""
+"""Checks of docs/contract.md's error shape."""
 
 from typing import Any
 

@@ -2,7 +2,7 @@
 UTF-8, MongoDB operators where data belongs, NUL bytes and control characters, and numbers and
 times out of range.
 
-Every refusal must be a 4xx in SPEC.md's error shape, never a 500 or a hang, and must leave
+Every refusal must be a 4xx in docs/contract.md's error shape, never a 500 or a hang, and must leave
 nothing half-written.
 """
 

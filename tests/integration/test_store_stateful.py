@@ -6,7 +6,7 @@ store call, or two on the same run at once (`race`). The machine keeps a model o
 (what the store must have written) and of each worker's view of its lease: the outcome of each
 call must be the one the model predicts, and for a race the one of either serial order, since
 MongoDB serializes the writes. After every step each run is read back and checked against
-SPEC.md's table (see `StoreMachine.read_back`).
+docs/contract.md's table (see `StoreMachine.read_back`).
 """
 
 import asyncio

@@ -1,11 +1,11 @@
-"""The transition table is SPEC.md's status graph, exactly, with the moves of map steps (a
+"""The transition table is docs/contract.md's status graph, exactly, with the moves of map steps (a
 parent waiting for its children, `docs/contract.md`)."""
 
 from jobplane.model import ACTIVE, ALLOWED, LEASED, TERMINAL, TRANSITIONS, RunStatus
 
 S = RunStatus
 
-# SPEC.md, "Allowed transitions", written out edge by edge.
+# docs/contract.md, "Transitions", written out edge by edge.
 SPEC_EDGES = {
     (S.PENDING, S.QUEUED),
     (S.PENDING, S.RUNNING),

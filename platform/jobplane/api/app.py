@@ -82,7 +82,7 @@ class BodyLimit:
     """Refuses a request body over `limit` bytes (413) before it is read into memory; `paths`
     give some paths a cap of their own (the batch endpoint takes a thousand runs in one body).
 
-    Starlette's own limiter answers in plain text, not in SPEC.md's error shape. This one
+    Starlette's own limiter answers in plain text, not in docs/contract.md's error shape. This one
     raises an `HTTPException` from `receive`, which FastAPI passes on to the error handlers.
     """
 

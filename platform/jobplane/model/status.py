@@ -235,7 +235,7 @@ del S, G
 
 TRANSITIONS: dict[str, Transition] = {t.name: t for t in _ALL}
 
-# The status graph of SPEC.md, derived from the named transitions so it exists once.
+# The status graph of docs/contract.md, derived from the named transitions so it exists once.
 ALLOWED: dict[RunStatus, frozenset[RunStatus]] = {
     status: frozenset(t.target for t in _ALL if status in t.sources) for status in RunStatus
 }
