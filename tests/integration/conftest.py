@@ -2,12 +2,13 @@
 
 import asyncio
 from collections.abc import AsyncIterator, Awaitable, Callable
-from contextlib import AsyncExitStack
+from contextlib import AsyncExitStack, asynccontextmanager
 from typing import Any
 
 import httpx
 import pytest
 import uvicorn
+from starlette.types import ASGIApp
 
 from jobplane.api import create_app
 from jobplane.backends import Backends, open_backends
@@ -109,9 +110,17 @@ def api(client_for: Client, settings: Settings) -> httpx.AsyncClient:
 @pytest.fixture
 async def url(settings: Settings, backends: Backends) -> AsyncIterator[str]:
     """The API served by uvicorn on a free port of 127.0.0.1."""
+    async with served(create_app(settings, backends)) as at:
+        yield at
+
+
+@asynccontextmanager
+async def served(app: ASGIApp) -> AsyncIterator[str]:
+    """`app` served by uvicorn on a free port of 127.0.0.1, at the URL given, until the block
+    ends."""
     port = free_port()
     config = uvicorn.Config(
-        create_app(settings, backends),
+        app,
         host="127.0.0.1",
         port=port,
         log_config=None,
@@ -121,12 +130,14 @@ async def url(settings: Settings, backends: Backends) -> AsyncIterator[str]:
     )
     server, stop = HTTPServer(config), asyncio.Event()
     task = asyncio.create_task(serve_http(server, stop))
-    async with asyncio.timeout(30):
-        while not server.started:  # uvicorn exposes readiness only as a flag
-            if task.done():
-                task.result()  # raises why it stopped
-                pytest.fail("the API server stopped before it started")
-            await asyncio.sleep(0.02)
-    yield f"http://127.0.0.1:{port}"
-    stop.set()
-    await task
+    try:
+        async with asyncio.timeout(30):
+            while not server.started:  # uvicorn exposes readiness only as a flag
+                if task.done():
+                    task.result()  # raises why it stopped
+                    pytest.fail("the API server stopped before it started")
+                await asyncio.sleep(0.02)
+        yield f"http://127.0.0.1:{port}"
+    finally:
+        stop.set()
+        await task

@@ -11,7 +11,8 @@ import pytest
 
 from jobplane import Client, CreateRequest, SyncClient
 from jobplane.backends import Backends
-from jobplane.client import ServerError, _error_of
+from jobplane.client import ServerError
+from jobplane.client.http import error_of as _error_of
 from jobplane.devstack import free_port
 from jobplane.errors import (
     ConcurrencyConflict,

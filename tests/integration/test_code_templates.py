@@ -1,17 +1,19 @@
 """A template defined in code (`examples/reports.py`), applied with the CLI as a process, and
-its run executed by a real `jobplane worker` that loads the same module."""
+run by the example producer (`examples/report_producer.py`) and a real `jobplane worker` that
+loads the same module."""
 
+import asyncio
 import os
+import sys
 from pathlib import Path
 
 import httpx
 
 from jobplane.backends import Backends
-from jobplane.model import RunStatus
 from jobplane.settings import Settings
+from jobplane.store import RunQuery
 from tests.integration.processes import spawn, terminate
 from tests.integration.test_cli import ADMIN, clean_env, jobplane
-from tests.integration.workers import settled
 
 EXAMPLES = Path(__file__).parents[2] / "examples"
 
@@ -40,8 +42,6 @@ async def test_a_template_in_code_is_applied_once_and_run_by_a_worker_loading_it
     body = {"templateType": "report", "scope": "account", "scopeId": "acme"}
     refused = await api.post("/v1/runs", json=body | {"payload": {"pages": 2}})
     assert refused.status_code == 422  # the model's schema: `account` is required
-    made = await api.post("/v1/runs", json=body | {"payload": {"account": "acme", "pages": 3}})
-    run_id = made.json()["id"]
 
     log = tmp_path / "worker.log"
     worker = spawn(
@@ -52,12 +52,23 @@ async def test_a_template_in_code_is_applied_once_and_run_by_a_worker_loading_it
         PYTHONPATH=os.pathsep.join([str(EXAMPLES), os.environ.get("PYTHONPATH", "")]),
     )
     try:
-        [run] = await settled(backends.store, [run_id])
+        producer = await asyncio.create_subprocess_exec(
+            sys.executable,
+            str(EXAMPLES / "report_producer.py"),
+            "acme",
+            "3",
+            env=env | {"JOBPLANE_API_KEY": ADMIN},
+            stdout=asyncio.subprocess.PIPE,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+        async with asyncio.timeout(120):
+            said, _ = await producer.communicate()
     finally:
         terminate(worker)
-    assert run.status == RunStatus.SUCCEEDED, log.read_text()
-    assert run.outputs == {
-        "render": {"account": "acme", "pages": 3},
-        "deliver": "sent 3 pages to acme",
-    }
+    assert said.decode().splitlines() == [
+        "report v1 unchanged",
+        "succeeded sent 3 pages to acme",
+    ], log.read_text()
+    [run] = await backends.store.runs.page(RunQuery(), None, 10)
+    assert run.outputs["render"] == {"account": "acme", "pages": 3}
     assert run.progress.steps[0].percentage == 100

@@ -10,6 +10,7 @@ from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from jobplane.api import errors
+from jobplane.api.auth import Caller
 from jobplane.api.live import RunChanges
 from jobplane.api.routes import (
     events,
@@ -32,11 +33,15 @@ from jobplane.ui import Dashboard
 
 
 def create_app(
-    settings: Settings, backends: Backends | None = None, stop: asyncio.Event | None = None
+    settings: Settings,
+    backends: Backends | None = None,
+    stop: asyncio.Event | None = None,
+    trusted: Caller | None = None,
 ) -> FastAPI:
     """Build the app; it opens its own backends unless given some (tests, `jobplane dev`).
     Its live streams end when `stop` is set (a process's stop), before the server waits for
-    the requests in flight."""
+    the requests in flight. With `trusted`, every request acts as that caller, without a key:
+    only for an app that a direct `Client` calls in its own process, never one served."""
 
     def attach(app: FastAPI, opened: Backends) -> None:
         app.state.store, app.state.queue = opened.store, opened.queue
@@ -51,6 +56,7 @@ def create_app(
 
     app = FastAPI(title="jobplane", version="1", lifespan=None if backends else lifespan)
     app.state.settings = settings
+    app.state.trusted = trusted
     app.state.stop = stop or asyncio.Event()
     if backends is not None:
         attach(app, backends)
