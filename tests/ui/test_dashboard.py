@@ -477,6 +477,29 @@ def test_every_page_renders_and_the_audit_exports_csv(
     expect(events.get_by_role("link", name=f"run {key_id}")).to_have_count(0)
 
 
+# A laptop's screen, as wide as the one a run's timeline was cut off on.
+LAPTOP = {"width": 1400, "height": 900}
+
+
+def test_a_run_s_timeline_shows_its_last_event_without_a_scroll_box_of_its_own(
+    page: Page, stack: Stack, scope_id: str
+) -> None:
+    with stack.admin() as admin:
+        run_id = create_run(admin, "ui_steps", scope_id, sleepSeconds=0)
+    page.set_viewport_size(LAPTOP)
+    sign_in(page, stack)
+    page.goto(f"{stack.dashboard}#/runs/{run_id}")
+    expect(run_status(page)).to_have_text("succeeded", timeout=15_000)
+    timeline = page.get_by_role("list", name="Events, oldest first")
+    last = timeline.get_by_role("listitem").last
+    expect(last).to_contain_text("running → succeeded")
+    # The list is as tall as its events: nothing in it to scroll to.
+    assert timeline.evaluate("list => list.scrollHeight - list.clientHeight") == 0
+    # Scrolling the page alone brings the last event into view, whole.
+    page.evaluate("window.scrollTo(0, document.documentElement.scrollHeight)")
+    expect(last).to_be_in_viewport(ratio=1)
+
+
 def test_a_flow_is_drawn_in_layers_and_a_line_is_not(
     page: Page, stack: Stack, scope_id: str
 ) -> None:
