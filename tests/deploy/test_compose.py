@@ -1,12 +1,14 @@
 """Every compose file, alone or with its override, through `docker-compose config`: the files
 parse, merge and interpolate as a real compose implementation does it, and the merged model
 has the services, the dependencies and the JOBPLANE_REDIS_URL each variant promises, the
-one-off that registers the templates, and the worker built from a directory of one's own."""
+one-off that registers the templates, the worker built from a directory of one's own, and no
+server of its own when the servers are yours."""
 
 import os
 import re
 import shutil
 import subprocess
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -19,31 +21,50 @@ from tests.deploy.conftest import COMPOSE_MISSING
 ROOT = Path(__file__).parents[2]
 BASE = "compose/docker-compose.yml"
 WORKER_IMAGE = "compose/worker-image.yml"
+EXTERNAL = "compose/external-servers.yml"
 JOBPLANE = ("api", "worker", "scheduler", "notifier")
 SENTINEL_URL = "redis+sentinel://sentinel-1:26379,sentinel-2:26379,sentinel-3:26379/mymaster/0"
 CLUSTER_URL = "redis+cluster://redis-1:6379,redis-2:6379,redis-3:6379"
+# A replica set and a Redis of one's own, as the external-servers file requires them.
+OWN = {
+    "JOBPLANE_MONGODB_URL": "mongodb://db1,db2,db3/?replicaSet=prod",
+    "JOBPLANE_REDIS_URL": "rediss://cache.internal:6380/2",
+}
+
+
+@dataclass(frozen=True)
+class Variant:
+    services: set[str]
+    redis_url: str
+    # what the jobplane services wait for of `mongo` and of `redis`
+    mongo_condition: str
+    redis_condition: str
+    # the variables it requires besides JOBPLANE_ADMIN_KEY and JOBPLANE_WORKER_BUILD
+    variables: dict[str, str] = field(default_factory=dict)
+
 
 # Every variant runs these besides its Redis servers: the one-off `templates` too.
 SERVICES = {"mongo", "redis", *JOBPLANE, "templates"}
-# files given with -f, in order -> (the services, JOBPLANE_REDIS_URL, the condition on `redis`)
-VARIANTS: dict[tuple[str, ...], tuple[set[str], str, str]] = {
-    (BASE,): (SERVICES, "redis://redis:6379/0", "service_healthy"),
-    (BASE, "compose/redis-sentinel.yml"): (
-        SERVICES | {"redis-replica", "sentinel-1", "sentinel-2", "sentinel-3"},
-        SENTINEL_URL,
-        "service_healthy",
-    ),
-    (BASE, "compose/redis-cluster.yml"): (
-        SERVICES | {"redis-1", "redis-2", "redis-3"},
-        CLUSTER_URL,
-        "service_completed_successfully",
-    ),
-    (BASE, WORKER_IMAGE): (SERVICES, "redis://redis:6379/0", "service_healthy"),
-    (BASE, "compose/redis-cluster.yml", WORKER_IMAGE): (
-        SERVICES | {"redis-1", "redis-2", "redis-3"},
-        CLUSTER_URL,
-        "service_completed_successfully",
-    ),
+HEALTHY, DONE = "service_healthy", "service_completed_successfully"
+ONE = Variant(SERVICES, "redis://redis:6379/0", HEALTHY, HEALTHY)
+SENTINEL = Variant(
+    SERVICES | {"redis-replica", "sentinel-1", "sentinel-2", "sentinel-3"},
+    SENTINEL_URL,
+    HEALTHY,
+    HEALTHY,
+)
+CLUSTER = Variant(SERVICES | {"redis-1", "redis-2", "redis-3"}, CLUSTER_URL, HEALTHY, DONE)
+# `mongo` and `redis` stay, as one-offs that run no server (the file's header says why).
+OWN_SERVERS = Variant(SERVICES, OWN["JOBPLANE_REDIS_URL"], DONE, DONE, OWN)
+# files given with -f, in order -> what they promise
+VARIANTS: dict[tuple[str, ...], Variant] = {
+    (BASE,): ONE,
+    (BASE, "compose/redis-sentinel.yml"): SENTINEL,
+    (BASE, "compose/redis-cluster.yml"): CLUSTER,
+    (BASE, WORKER_IMAGE): ONE,
+    (BASE, "compose/redis-cluster.yml", WORKER_IMAGE): CLUSTER,
+    (BASE, EXTERNAL): OWN_SERVERS,
+    (BASE, EXTERNAL, WORKER_IMAGE): OWN_SERVERS,
 }
 
 needs_compose = pytest.mark.skipif(shutil.which("docker-compose") is None, reason=COMPOSE_MISSING)
@@ -83,15 +104,15 @@ def test_every_compose_file_is_checked() -> None:
 def test_variant_merges_into_the_promised_services(
     files: tuple[str, ...], required: dict[str, str]
 ) -> None:
-    services_wanted, redis_url, redis_condition = VARIANTS[files]
-    services = merged(files, required)["services"]
-    assert set(services) == services_wanted
+    variant = VARIANTS[files]
+    services = merged(files, required | variant.variables)["services"]
+    assert set(services) == variant.services
     for name in JOBPLANE:
         service = services[name]
-        assert service["environment"]["JOBPLANE_REDIS_URL"] == redis_url
+        assert service["environment"]["JOBPLANE_REDIS_URL"] == variant.redis_url
         assert service["environment"]["JOBPLANE_ADMIN_KEY"] == "a-key-of-the-test"
-        assert service["depends_on"]["mongo"] == {"condition": "service_healthy"}
-        assert service["depends_on"]["redis"] == {"condition": redis_condition}
+        assert service["depends_on"]["mongo"] == {"condition": variant.mongo_condition}
+        assert service["depends_on"]["redis"] == {"condition": variant.redis_condition}
         assert service["command"] == [name]
         own = name == "worker" and WORKER_IMAGE in files
         context = Path(required["JOBPLANE_WORKER_BUILD"]) if own else ROOT
@@ -103,13 +124,9 @@ def test_variant_merges_into_the_promised_services(
 
 @needs_compose
 def test_the_urls_of_your_own_servers_come_from_the_environment(required: dict[str, str]) -> None:
-    own = {
-        "JOBPLANE_MONGODB_URL": "mongodb://db1,db2,db3/?replicaSet=prod",
-        "JOBPLANE_REDIS_URL": "rediss://cache.internal:6380/2",
-    }
     for variables, mongo_url, redis_url in (
         ({}, "mongodb://mongo:27017/?replicaSet=rs0", "redis://redis:6379/0"),
-        (own, own["JOBPLANE_MONGODB_URL"], own["JOBPLANE_REDIS_URL"]),
+        (OWN, OWN["JOBPLANE_MONGODB_URL"], OWN["JOBPLANE_REDIS_URL"]),
     ):
         services = merged((BASE,), required | variables)["services"]
         for name in JOBPLANE:
@@ -123,7 +140,7 @@ def test_the_urls_of_your_own_servers_come_from_the_environment(required: dict[s
 def test_variant_refuses_to_start_without_an_admin_key(
     files: tuple[str, ...], required: dict[str, str]
 ) -> None:
-    done = compose(files, **{**required, "JOBPLANE_ADMIN_KEY": ""})
+    done = compose(files, **{**required, **VARIANTS[files].variables, "JOBPLANE_ADMIN_KEY": ""})
     assert done.returncode != 0
     assert "set JOBPLANE_ADMIN_KEY" in done.stderr
 
@@ -133,7 +150,7 @@ def test_variant_refuses_to_start_without_an_admin_key(
 def test_templates_are_registered_once_the_api_is_ready(
     files: tuple[str, ...], required: dict[str, str]
 ) -> None:
-    services = merged(files, required)["services"]
+    services = merged(files, required | VARIANTS[files].variables)["services"]
     api, once = services["api"], services["templates"]
     assert "/readyz" in " ".join(api["healthcheck"]["test"])
     assert once["depends_on"] == {"api": {"condition": "service_healthy"}}
@@ -160,6 +177,30 @@ def test_worker_image_needs_the_directory_of_its_dockerfile(required: dict[str, 
     done = compose((BASE, WORKER_IMAGE), JOBPLANE_ADMIN_KEY=required["JOBPLANE_ADMIN_KEY"])
     assert done.returncode != 0
     assert "set JOBPLANE_WORKER_BUILD" in done.stderr
+
+
+@needs_compose
+def test_external_servers_replace_the_bundled_ones(required: dict[str, str]) -> None:
+    services = merged((BASE, EXTERNAL), required | OWN)["services"]
+    for name in JOBPLANE:
+        environment = services[name]["environment"]
+        assert environment["JOBPLANE_MONGODB_URL"] == OWN["JOBPLANE_MONGODB_URL"]
+        assert environment["JOBPLANE_REDIS_URL"] == OWN["JOBPLANE_REDIS_URL"]
+    # No server runs: `mongo` and `redis` exit at once, and no service runs a server's image.
+    for name in ("mongo", "redis"):
+        assert services[name]["command"] == ["true"]
+        assert services[name]["restart"] == "no"
+        assert "ports" not in services[name]
+    images = {service.get("image", "").partition(":")[0] for service in services.values()}
+    assert not images & {"mongo", "redis"}
+
+
+@needs_compose
+@pytest.mark.parametrize("variable", list(OWN))
+def test_external_servers_need_both_urls(required: dict[str, str], variable: str) -> None:
+    done = compose((BASE, EXTERNAL), **{**required, **OWN, variable: ""})
+    assert done.returncode != 0
+    assert f"set {variable}" in done.stderr
 
 
 def hosts(url: str) -> list[tuple[str, int]]:

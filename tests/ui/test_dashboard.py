@@ -9,6 +9,7 @@ import time
 from collections.abc import Callable
 from typing import Any
 from urllib.parse import urlparse
+from uuid import uuid4
 
 import httpx
 import pytest
@@ -475,6 +476,56 @@ def test_every_page_renders_and_the_audit_exports_csv(
     expect(events).to_contain_text("api_key_created")
     expect(events).to_contain_text(key_id)
     expect(events.get_by_role("link", name=f"run {key_id}")).to_have_count(0)
+
+
+# A laptop's screen, as wide as the one the Audit table and the timeline were cut off on.
+LAPTOP = {"width": 1400, "height": 900}
+
+
+def test_the_audit_table_s_last_column_is_within_the_page(
+    page: Page, stack: Stack, scope_id: str
+) -> None:
+    # A scope id as a UUID makes one: ids have up to 200 characters and no space to wrap at.
+    long_scope_id = f"{scope_id}-{uuid4()}"
+    with stack.admin() as admin:
+        run_id = create_run(admin, "ui_steps", long_scope_id, sleepSeconds=0)
+    page.set_viewport_size(LAPTOP)
+    sign_in(page, stack)
+    page.goto(f"{stack.dashboard}#/runs/{run_id}")
+    expect(run_status(page)).to_have_text("succeeded", timeout=15_000)
+    page.goto(f"{stack.dashboard}#/audit?jobId={run_id}")
+    table = page.get_by_role("region", name="Events").get_by_role("table")
+    expect(table).to_contain_text("running → succeeded")
+    # The right edges of the last column's cells, of the box that would clip them (it scrolls
+    # sideways) and of the viewport.
+    last, box, viewport = table.evaluate(
+        """table => [
+            Math.max(...Array.from(
+                table.rows, (row) => row.lastElementChild.getBoundingClientRect().right)),
+            table.parentElement.getBoundingClientRect().right,
+            document.documentElement.clientWidth,
+        ]"""
+    )
+    assert last <= box <= viewport
+
+
+def test_a_run_s_timeline_shows_its_last_event_without_a_scroll_box_of_its_own(
+    page: Page, stack: Stack, scope_id: str
+) -> None:
+    with stack.admin() as admin:
+        run_id = create_run(admin, "ui_steps", scope_id, sleepSeconds=0)
+    page.set_viewport_size(LAPTOP)
+    sign_in(page, stack)
+    page.goto(f"{stack.dashboard}#/runs/{run_id}")
+    expect(run_status(page)).to_have_text("succeeded", timeout=15_000)
+    timeline = page.get_by_role("list", name="Events, oldest first")
+    last = timeline.get_by_role("listitem").last
+    expect(last).to_contain_text("running → succeeded")
+    # The list is as tall as its events: nothing in it to scroll to.
+    assert timeline.evaluate("list => list.scrollHeight - list.clientHeight") == 0
+    # Scrolling the page alone brings the last event into view, whole.
+    page.evaluate("window.scrollTo(0, document.documentElement.scrollHeight)")
+    expect(last).to_be_in_viewport(ratio=1)
 
 
 def test_a_flow_is_drawn_in_layers_and_a_line_is_not(

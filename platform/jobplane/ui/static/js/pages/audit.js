@@ -132,10 +132,10 @@ function row(e) {
   return h("tr", {},
     h("td", { class: "nowrap" }, time(e.createAt)),
     h("td", {}, h("code", {}, e.type)),
-    h("td", {}, subject(e)),
+    h("td", { class: "ident" }, subject(e)),
     h("td", { class: "nowrap" }, e.from && e.to ? `${e.from} → ${e.to}` : e.to ? `→ ${e.to}` : ""),
-    h("td", { class: "mono small" }, e.actor),
-    h("td", { class: "mono small" }, e.scope ? `${e.scope}:${e.scopeId}` : ""),
+    h("td", { class: "mono small ident" }, e.actor),
+    h("td", { class: "mono small ident" }, e.scope ? `${e.scope}:${e.scopeId}` : ""),
     h("td", { class: "wrap" }, e.message || "",
       Object.keys(e.metadata || {}).length ? h("div", { class: "mono muted small" }, JSON.stringify(e.metadata)) : null),
   );
