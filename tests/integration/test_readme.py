@@ -88,18 +88,20 @@ def test_the_first_hour_starts_where_jobplane_dev_leaves_its_variables() -> None
     assert len(kinds) >= 4, "the handler, the template, a worker and commands"
 
 
+@pytest.mark.parametrize("path", ["first-hour", "code-first"])
 async def test_the_first_hour_runs_as_written(
-    url: str, settings: Settings, backends: Backends, tmp_path: Path
+    path: str, url: str, settings: Settings, backends: Backends, tmp_path: Path
 ) -> None:
-    """Beside a worker with the built-in handlers only, as `jobplane dev` runs one: it must
-    leave the first hour's runs to the worker that offers their handler."""
+    """Each path of the first hour: the YAML one with the CLI, and the one in code with
+    `Client`. Beside a worker with the built-in handlers only, as `jobplane dev` runs one: it
+    must leave the first hour's runs to the worker that offers their handler."""
     env = environment(url, settings)
     worker_log = tmp_path / "worker.log"
     worker = None
     out = ""
     async with running(backends, settings):
         try:
-            for name, text in blocks("first-hour"):
+            for name, text in blocks(path):
                 if name == "run":
                     out = await bash(text, tmp_path, env)
                 elif name == "worker":
@@ -123,8 +125,8 @@ async def test_the_first_hour_runs_as_written(
                 os.killpg(worker.pid, signal.SIGTERM)
                 async with asyncio.timeout(60):
                     await worker.wait()
-    # The last block ends with `jobplane runs get`: the run as JSON.
-    shown = json.loads(out[out.index("\n{") + 1 :])
+    # The last block ends with the run as JSON (`jobplane runs get`, or the application's).
+    shown = json.loads(out[out.index("{") :])
     assert shown["status"] == "succeeded", worker_log.read_text()
     assert shown["result"] == {"greeting": "HELLO, ADA!"}
     assert [s["status"] for s in shown["progress"]["steps"]] == ["succeeded", "succeeded"]
