@@ -10,6 +10,7 @@ import pytest
 import uvicorn
 from starlette.types import ASGIApp
 
+from jobplane import Client as Producer
 from jobplane.api import create_app
 from jobplane.backends import Backends, open_backends
 from jobplane.clock import ManualClock
@@ -141,3 +142,31 @@ async def served(app: ASGIApp) -> AsyncIterator[str]:
     finally:
         stop.set()
         await task
+
+
+# -- jobplane.Client in each of its modes ------------------------------------------------------
+
+
+def options(mode: str, url: str, settings: Settings) -> dict[str, Any]:
+    """`Client` arguments for one transport, against this test's database and Redis prefix."""
+    if mode == "http":
+        return {"url": url, "api_key": settings.admin_key}
+    return {
+        "mongodb_url": settings.mongodb_url,
+        "redis_url": settings.redis_url,
+        "db": settings.db,
+        "redis_prefix": settings.redis_prefix,
+        "actor": "client:test",
+    }
+
+
+@pytest.fixture(params=["http", "direct"])
+def mode(request: pytest.FixtureRequest) -> str:
+    mode: str = request.param
+    return mode
+
+
+@pytest.fixture
+async def client(mode: str, url: str, settings: Settings) -> AsyncIterator[Producer]:
+    async with Producer(**options(mode, url, settings)) as made:
+        yield made

@@ -3,7 +3,6 @@ directly (MongoDB and Redis): the same calls must give the same answers and the 
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator
 from typing import Any
 
 import httpx
@@ -30,7 +29,7 @@ from jobplane.model import CLAIMABLE, Run, RunStatus
 from jobplane.queue.entry import QueueEntry
 from jobplane.settings import Settings
 from tests.conftest import REDIS_TOPOLOGIES
-from tests.integration.conftest import Register
+from tests.integration.conftest import Register, options
 from tests.integration.db import raw
 from tests.integration.workers import running
 
@@ -39,31 +38,6 @@ TYPED = {
     "properties": {"n": {"type": "integer"}},
     "required": ["n"],
 }
-
-
-def options(mode: str, url: str, settings: Settings) -> dict[str, Any]:
-    """`Client` arguments for one transport, against this test's database and Redis prefix."""
-    if mode == "http":
-        return {"url": url, "api_key": settings.admin_key}
-    return {
-        "mongodb_url": settings.mongodb_url,
-        "redis_url": settings.redis_url,
-        "db": settings.db,
-        "redis_prefix": settings.redis_prefix,
-        "actor": "client:test",
-    }
-
-
-@pytest.fixture(params=["http", "direct"])
-def mode(request: pytest.FixtureRequest) -> str:
-    mode: str = request.param
-    return mode
-
-
-@pytest.fixture
-async def client(mode: str, url: str, settings: Settings) -> AsyncIterator[Client]:
-    async with Client(**options(mode, url, settings)) as made:
-        yield made
 
 
 async def assert_durable(backends: Backends, runs: list[Run]) -> None:

@@ -3,7 +3,6 @@ waited for, schedules, the trail and keys, over HTTP and directly, with the same
 
 import asyncio
 from collections import Counter
-from collections.abc import AsyncIterator
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
@@ -16,9 +15,8 @@ from jobplane.backends import Backends
 from jobplane.errors import Forbidden, NotFound, ValidationFailed
 from jobplane.model import Run, RunStatus
 from jobplane.settings import Settings
-from tests.integration.conftest import Register, served
+from tests.integration.conftest import Register, options, served
 from tests.integration.flow import until
-from tests.integration.test_client import options
 from tests.integration.workers import running
 
 REPORT = Template(
@@ -27,18 +25,6 @@ REPORT = Template(
     steps=[Step("render", "builtin.echo"), Step("rest", "builtin.noop", timeout_seconds=5)],
     retry_policy={"max_attempts": 2},
 )
-
-
-@pytest.fixture(params=["http", "direct"])
-def mode(request: pytest.FixtureRequest) -> str:
-    mode: str = request.param
-    return mode
-
-
-@pytest.fixture
-async def client(mode: str, url: str, settings: Settings) -> AsyncIterator[Client]:
-    async with Client(**options(mode, url, settings)) as made:
-        yield made
 
 
 async def test_templates_apply_once_from_code_a_dict_or_a_file(
