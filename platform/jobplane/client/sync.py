@@ -8,7 +8,9 @@ the async one iterates over is iterated here too, a page read as the loop reache
 
 import asyncio
 import builtins
+import contextlib
 import os
+import sys
 import threading
 from collections.abc import AsyncIterator, Coroutine, Iterable, Iterator, Mapping
 from datetime import datetime
@@ -23,6 +25,8 @@ from jobplane.model import ApiKeyPublic, Event, Role, Run, RunStatus, Schedule, 
 from jobplane.model.answers import KeyCreated, Preview, Registered
 
 T = TypeVar("T")
+# How long a list left early may take to let go of its page (its generator's `aclose`).
+CLOSE_SECONDS = 5.0
 
 
 class _Loop:
@@ -58,8 +62,11 @@ class _Loop:
                     return
         finally:  # left early: the async iterator lets go of what it holds
             closing = getattr(items, "aclose", None)
-            if closing is not None and not self.loop.is_closed():
-                self.call(closing())
+            # Not at the interpreter's exit (the loop's thread is stopped then), nor for long.
+            if closing is not None and not self.loop.is_closed() and not sys.is_finalizing():
+                done = asyncio.run_coroutine_threadsafe(closing(), self.loop)
+                with contextlib.suppress(Exception):
+                    done.result(CLOSE_SECONDS)
 
     def stop(self) -> None:
         self.loop.call_soon_threadsafe(self.loop.stop)
