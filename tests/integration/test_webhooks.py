@@ -388,6 +388,34 @@ async def test_a_dead_endpoint_delays_no_other_endpoint(
         await until(untried, within=9)
 
 
+async def test_deliveries_queued_behind_an_endpoint_that_answers_keep_their_first_try(
+    api: httpx.AsyncClient, backends: Backends, settings: Settings, register: Register
+) -> None:
+    """An endpoint that answers, however slowly, moves its queue: deliveries waiting behind
+    its 16 tries longer than 2 s are not stored untried (a claim and an update each later),
+    but tried first and stored once, with their outcome."""
+    await register("t_noop")
+
+    def slow(request: Request, earlier: list[Request]) -> Answer:
+        return 204, {}, 0.5
+
+    settings = hook_settings(settings)
+    async with serving(Receiver(answer=slow)) as receiver, notifying(backends, settings):
+        hook = await subscribe(api, receiver.url, ["run.created"])
+        for _ in range(100):  # 16 tries every 0.5 s: the last waits 3 s for its turn
+            await api.post("/v1/runs", json=RUN)
+        seen_untried = False
+        while len(receiver.received) < 100:
+            listed = await deliveries(api, hook["id"])
+            seen_untried |= any(d["attempts"] == 0 for d in listed)
+            await asyncio.sleep(0.1)
+        await until(lambda: _all(api, hook["id"], lambda d: d["status"] == "succeeded"))
+    assert not seen_untried, "a delivery was stored untried"
+    assert len(receiver.ids()) == 100
+    stored = await raw(backends.store).deliveries.find({}).to_list()
+    assert [d["attempts"] for d in stored] == [1] * 100
+
+
 async def test_a_webhook_failing_for_five_days_is_disabled(
     api: httpx.AsyncClient, backends: Backends, settings: Settings, register: Register
 ) -> None:

@@ -9,8 +9,13 @@ tries it: deliveries are at least once, and a receiver dedupes by `webhook-id`.
 A new delivery's first try is made before the delivery is stored (`take`): the delivery is
 stored once, with the try's outcome, one insert instead of an insert, a claim and an update.
 The fan-out moves its position in the trail past it only once it is stored. One that waits
-for its turn longer than `SPILL_SECONDS` is stored untried instead, and tried as any stored
-delivery, so that a slow endpoint holds the trail's position back for a few seconds at most.
+for its turn is stored untried instead (and tried as any stored delivery) when its webhook's
+endpoint has not answered for `SPILL_SECONDS` (a dead or stuck endpoint), or after
+`BACKLOG_SECONDS` whatever the cause: the trail's position is held back a few seconds by an
+endpoint that does not answer, and never long by one that answers slowly. A notifier merely
+behind (its CPU taken) answers its endpoints' tries as it goes, so its deliveries keep their
+first try and their single insert: storing them untried would cost a claim and an update
+each, MongoDB's dearest writes, just when the machine has no CPU to spare.
 
 Signatures follow the Standard Webhooks specification, computed by its reference library.
 """
@@ -46,8 +51,10 @@ POLL_SECONDS = 1.0
 # How stale the sender's list of enabled webhooks may be: a new one's first deliveries, or a
 # disabled one's last tries, wait up to this long.
 HOOKS_SECONDS = 1.0
-# How long a new delivery waits for its webhook's turn before it is stored untried.
+# How long a new delivery waits for its webhook's turn before it is stored untried, if the
+# webhook's endpoint has answered nothing meanwhile; and whatever it answered.
 SPILL_SECONDS = 2.0
+BACKLOG_SECONDS = 30.0
 # A webhook whose deliveries have all failed this long is disabled.
 DISABLE_AFTER = timedelta(days=5)
 # The longest `Retry-After` honoured.
@@ -82,6 +89,9 @@ class Sender:
         self._waiting: defaultdict[str, deque[tuple[SignedWebhook, Claimed, float]]] = defaultdict(
             deque
         )
+        # When each webhook's endpoint last answered a try (or was first sent one after none
+        # were in flight), by webhook: one silent for SPILL_SECONDS is stuck.
+        self._answered_at: dict[str, float] = {}
         # Of the first tries taken before their delivery was stored, by delivery id: set once
         # the delivery is stored (with the try's outcome, or untried).
         self._stored: dict[str, asyncio.Future[None]] = {}
@@ -177,10 +187,14 @@ class Sender:
         return stored
 
     async def _spill(self) -> None:
-        """Store untried the new deliveries that waited for their turn too long."""
-        cutoff = loop_time() - SPILL_SECONDS
+        """Store untried the new deliveries that waited for their turn too long: past
+        SPILL_SECONDS behind an endpoint that answered nothing meanwhile, else past
+        BACKLOG_SECONDS."""
+        now = loop_time()
         spilled: list[Claimed] = []
         for webhook_id, waiting in self._waiting.items():
+            stuck = now - self._answered_at.get(webhook_id, now) >= SPILL_SECONDS
+            cutoff = now - (SPILL_SECONDS if stuck else BACKLOG_SECONDS)
             if any(c.unstored is not None and at < cutoff for _, c, at in waiting):
                 kept = deque(w for w in waiting if w[1].unstored is None or w[2] >= cutoff)
                 spilled += [c for _, c, at in waiting if c.unstored is not None and at < cutoff]
@@ -211,6 +225,8 @@ class Sender:
             stored.set_result(None)
 
     def _start(self, http: aiohttp.ClientSession, hook: SignedWebhook, claimed: Claimed) -> None:
+        if self._in_flight[hook.id] == 1:  # the first in flight: silence is counted from now
+            self._answered_at[hook.id] = loop_time()
         task = asyncio.create_task(self.attempt(http, hook, claimed))
         self._tries.add(task)
         task.add_done_callback(self._tries.discard)
@@ -263,6 +279,7 @@ class Sender:
             await self._failed(hook, claimed, started, code, error, wait)
 
     def _answered(self, hook: SignedWebhook) -> None:
+        self._answered_at[hook.id] = loop_time()
         waiting = self._waiting[hook.id]
         if waiting and self._http is not None:
             waiter, claimed, _ = waiting.popleft()
