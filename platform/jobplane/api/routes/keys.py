@@ -78,8 +78,7 @@ async def list_keys(
 ) -> Page[ApiKeyPublic]:
     """Every stored key, newest first, revoked ones too (`revokedAt`, `revokedBy`); never a
     secret. The bootstrap key (`JOBPLANE_ADMIN_KEY`) is not stored, so not listed."""
-    before = pages.after_run(cursor) if cursor else None
-    return pages.newest_first(await store.keys.page(before, limit + 1), limit)
+    return pages.newest_first(await store.keys.page(cursor, limit + 1), limit)
 
 
 @router.delete(

@@ -61,8 +61,7 @@ async def list_schedules(
 ) -> Page[Schedule]:
     if scope is not None and scope_id is not None:
         caller.may_act_in(scope, scope_id)
-    before = pages.after_run(cursor) if cursor else None
-    query = ScheduleQuery(template_type, scope, scope_id, enabled, before)
+    query = ScheduleQuery(template_type, scope, scope_id, enabled, cursor)
     return pages.newest_first(await store.schedules.page(query, caller.within, limit + 1), limit)
 
 

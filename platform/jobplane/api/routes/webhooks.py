@@ -118,8 +118,7 @@ async def list_webhooks(
 ) -> Page[Webhook]:
     """The webhooks of the key's scopes (every scope for admin and auditor keys), newest
     first; never a secret."""
-    before = pages.after_run(cursor) if cursor else None
-    return pages.newest_first(await store.webhooks.page(caller.within, before, limit + 1), limit)
+    return pages.newest_first(await store.webhooks.page(caller.within, cursor, limit + 1), limit)
 
 
 @router.get(
@@ -218,8 +217,7 @@ async def deliveries(
     """Newest first: each with its event, `attempts`, the last status code or error, and
     when the next try is due."""
     await _visible(store, caller, webhook_id)
-    before = pages.after_run(cursor) if cursor else None
-    found = await store.webhooks.page_deliveries(webhook_id, before, limit + 1)
+    found = await store.webhooks.page_deliveries(webhook_id, cursor, limit + 1)
     return pages.newest_first(found, limit)
 
 
