@@ -288,6 +288,14 @@ async def test_a_method_the_path_does_not_have_is_405_naming_those_it_has(
     answer = await api.delete("/v1/templates")
     error_of(answer, 405, "MethodNotAllowed")
     assert set(answer.headers["allow"].replace(" ", "").split(",")) == {"GET", "POST"}
+    # A path written out is no id of the templated path beside it: no run named "batch".
+    for method, path, allow in [
+        ("GET", "/v1/runs/batch", "POST"),
+        ("DELETE", "/v1/api-keys/me", "GET"),
+    ]:
+        answer = await api.request(method, path)
+        error_of(answer, 405, "MethodNotAllowed")
+        assert answer.headers["allow"] == allow
     assert await raw(backends.store).runs.count_documents({}) == 0
 
 
