@@ -14,19 +14,24 @@ from jobplane.api.auth import Caller
 from jobplane.api.deps import StoreDep, WebhookReader, WebhookWriter
 from jobplane.api.errors import ERROR_RESPONSES
 from jobplane.api.pages import Cursor, Limit, Page
-from jobplane.errors import NotFound, ValidationFailed
+from jobplane.errors import NotFound
 from jobplane.model import Scope, ScopeId
 from jobplane.model.bodies import RequestBody
 from jobplane.model.webhooks import Delivery, Secret, SignedWebhook, Webhook, WebhookEventType
 from jobplane.store import Store
-from jobplane.webhooks.guard import check_url
+from jobplane.webhooks.guard import MAX_URL_LENGTH, URL_PATTERN, check_url
 
 router = APIRouter(prefix="/v1/webhooks", tags=["webhooks"], responses=ERROR_RESPONSES)
 
 # A rotated secret still signs this long, so receivers can move to the new one.
 ROTATION_OVERLAP = timedelta(hours=24)
 
-Url = Annotated[StrictStr, Field(max_length=2048), AfterValidator(check_url)]
+# The pattern is only shown: `check_url` says what is wrong in words.
+Url = Annotated[
+    StrictStr,
+    Field(max_length=MAX_URL_LENGTH, json_schema_extra={"pattern": URL_PATTERN}),
+    AfterValidator(check_url),
+]
 _EVENT_TYPES = (*get_args(WebhookEventType), "*")
 
 
@@ -139,12 +144,12 @@ async def change(
 ) -> Webhook:
     """Change its URL, events or description, or enable or disable it, with an event:
     `webhook_enabled`, `webhook_disabled` or `webhook_changed`. Re-enabled, it sends the
-    deliveries that waited meanwhile, and its five days of failures start again."""
+    deliveries that waited meanwhile, and its five days of failures start again. With nothing
+    to change, the webhook as it is."""
     hook = await _visible(store, caller, webhook_id)
     fields = body.model_dump(by_alias=True, exclude_unset=True, exclude_none=True)
     if not fields:
-        say = "nothing to change: name url, events, description or enabled"
-        raise ValidationFailed(say, [{"pointer": "", "message": say}])
+        return _shown(hook)
     kind = "webhook_changed"
     if body.enabled is True and not hook.enabled:
         kind = "webhook_enabled"
