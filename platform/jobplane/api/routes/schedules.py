@@ -9,7 +9,7 @@ from jobplane.api import pages
 from jobplane.api.deps import ScheduleReader, ScheduleWriter, StoreDep
 from jobplane.api.errors import ERROR_RESPONSES
 from jobplane.api.pages import Cursor, Limit, Page
-from jobplane.api.schema import ResponseBody
+from jobplane.api.schema import ResponseBody, inline_schema
 from jobplane.model import Instant, Run, Schedule, ScheduleSpec
 from jobplane.schedules import ScheduleService
 from jobplane.schedules.cron import Cron
@@ -75,11 +75,16 @@ async def get(schedule_id: str, request: Request, caller: ScheduleReader) -> Sch
     return caller.sees_schedule(await _service(request).get(schedule_id))
 
 
+# The fields of a create, each optional: the service checks the schedule they make.
+_CHANGE = {k: v for k, v in inline_schema(ScheduleSpec).items() if k != "required"}
+
+
 @router.patch(
     "/{schedule_id}",
     summary="Change a schedule",
     response_model=Schedule,
     response_model_by_alias=True,
+    openapi_extra={"requestBody": {"content": {"application/json": {"schema": _CHANGE}}}},
 )
 async def change(
     schedule_id: str,
