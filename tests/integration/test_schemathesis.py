@@ -15,6 +15,7 @@ Generation is derandomized, so a run is repeatable.
 
 import asyncio
 from collections.abc import Callable, Iterator
+from functools import partial
 from typing import Any
 
 import httpx
@@ -46,7 +47,8 @@ EXAMPLES = 30
 # a request the document allows may still break one, and be refused with 422 naming them.
 # A template's steps form a graph and hold CEL expressions (and as YAML it is any text); a cron
 # expression has a grammar of its own and must fire; a scheduled template must exist and be
-# schedulable; a payload must fit its template's `payloadSchema`; a URL must parse; a
+# schedulable; a payload must fit its template's `payloadSchema`; a payload or a step's output
+# must be storable (integers within int64, nesting within 64 levels); a URL must parse; a
 # schedule's scope cannot change.
 BEYOND_THE_DOCUMENT = {
     "POST /v1/templates": ("",),
@@ -59,6 +61,7 @@ BEYOND_THE_DOCUMENT = {
         "/scope",
     ),
     "POST /v1/runs": ("/payload",),
+    "POST /v1/runs/{run_id}/steps/{step_id}/complete": ("/output",),
     "POST /v1/webhooks": ("/url",),
     "PATCH /v1/webhooks/{webhook_id}": ("/url",),
 }
@@ -240,7 +243,10 @@ def exercise(
     headers = {"Authorization": f"Bearer {key}"}
     # Schemathesis picks one media type for a body; a template is sent as JSON and as YAML.
     media_types = list(operation.definition.raw.get("requestBody", {}).get("content", {}))
-    cases = [operation.as_strategy(generation_mode=mode, media_type=m) for m in media_types]
+    # The key is given, not generated: an invalid case is invalid in what it asks, not in
+    # whether it may ask (`ignored_auth` tries it without the key).
+    strategy = partial(operation.as_strategy, generation_mode=mode, headers=headers)
+    cases = [strategy(media_type=m) for m in media_types]
 
     @settings(
         max_examples=EXAMPLES,
@@ -251,7 +257,7 @@ def exercise(
         phases=[Phase.explicit, Phase.generate],
         suppress_health_check=list(HealthCheck),
     )
-    @given(case=st.one_of(cases or [operation.as_strategy(generation_mode=mode)]), data=st.data())
+    @given(case=st.one_of(cases or [strategy()]), data=st.data())
     def run(case: Case, data: st.DataObject) -> None:
         if mode == GenerationMode.POSITIVE:  # aimed, an invalid case could turn valid
             aim(case, seeds, data.draw)
