@@ -197,16 +197,18 @@ def fuzz(url: str, keys: dict[str, str], seeds: Seeds) -> list[str]:
         ("user", GenerationMode.POSITIVE),
     ]
     failures = []
+    # The operations that refused a request without the key and with a wrong one.
+    enforced: set[str] = set()
     with requests.Session() as session:
         for operation in operations(url):
             for who, mode in runs:
                 if mode == GenerationMode.NEGATIVE and not negatable(operation):
                     continue
                 try:
-                    exercise(operation, mode, session, url, keys[who], seeds)
+                    exercise(operation, mode, session, url, keys[who], seeds, enforced)
                 except (Exception, FailureGroup) as exc:
                     failures.append(f"{operation.label} as {who} ({mode.value}): {exc}")
-            failures.extend(cover(operation, session, url, keys["admin"]))
+            failures.extend(cover(operation, session, url, keys["admin"], enforced))
     return failures
 
 
@@ -238,6 +240,7 @@ def exercise(
     url: str,
     key: str,
     seeds: Seeds,
+    enforced: set[str],
 ) -> None:
     """EXAMPLES cases of one operation sent with `key`; raises at the first failed check."""
     headers = {"Authorization": f"Bearer {key}"}
@@ -262,12 +265,14 @@ def exercise(
         if mode == GenerationMode.POSITIVE:  # aimed, an invalid case could turn valid
             aim(case, seeds, data.draw)
         response = case.call(base_url=url, session=session, headers=headers)
-        check(case, response, headers)
+        check(case, response, headers, enforced)
 
     run()
 
 
-def cover(operation: Any, session: requests.Session, url: str, key: str) -> list[str]:
+def cover(
+    operation: Any, session: requests.Session, url: str, key: str, enforced: set[str]
+) -> list[str]:
     """Schemathesis's coverage cases of one operation (each field at its bounds and just
     beyond them, and the methods the path does not take), sent with `key`; the first failure."""
     headers = {"Authorization": f"Bearer {key}"}
@@ -281,19 +286,30 @@ def cover(operation: Any, session: requests.Session, url: str, key: str) -> list
         if positive and isinstance(case.body, dict) and case.operation.path.endswith("/claim"):
             case.body["waitSeconds"] = 0  # see `aim`
         try:
-            check(case, case.call(base_url=url, session=session, headers=headers), headers)
+            response = case.call(base_url=url, session=session, headers=headers)
+            check(case, response, headers, enforced)
         except (Exception, FailureGroup) as exc:
             return [f"{operation.label} (coverage): {exc}"]
     return []
 
 
-def check(case: Case, response: requests.Response, headers: dict[str, str]) -> None:
+def check(
+    case: Case, response: requests.Response, headers: dict[str, str], enforced: set[str]
+) -> None:
     """Every check Schemathesis has (no `checks` given), `positive_data_acceptance` as
-    `valid_data_acceptance` has it, and the error shape."""
+    `valid_data_acceptance` has it and `ignored_auth` once per operation, and the error
+    shape."""
+
+    def ignored_auth(ctx: CheckContext, response: Response, case: Case) -> bool | None:
+        # As Schemathesis's own runner: once an operation refused a request without the key
+        # and with a wrong one, it is not asked again (`enforced`).
+        ctx.auth_enforced_operations = enforced
+        return checks.ignored_auth(ctx, response, case)
+
     case.validate_response(
         response,
-        excluded_checks=[checks.positive_data_acceptance],
-        additional_checks=[valid_data_acceptance, error_shape],
+        excluded_checks=[checks.positive_data_acceptance, checks.ignored_auth],
+        additional_checks=[valid_data_acceptance, ignored_auth, error_shape],
         headers=headers,
     )
 

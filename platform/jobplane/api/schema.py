@@ -1,5 +1,6 @@
-"""The base model of the API's own response bodies (not documents); request bodies have
-`model.bodies.RequestBody`, which the direct client checks with too."""
+"""The base model of the API's own response bodies (not documents), and the schema of a body
+a route reads itself; request bodies have `model.bodies.RequestBody`, which the direct client
+checks with too."""
 
 from typing import Any
 
