@@ -2,7 +2,6 @@
 and the audit query, against real MongoDB and Redis."""
 
 import asyncio
-import base64
 import random
 from datetime import datetime
 from itertools import pairwise
@@ -350,8 +349,9 @@ async def test_the_audit_query_filters_and_pages(
     error_of(await api.get("/v1/events?from=yesterday"), 422, "ValidationFailed")
     error_of(await api.get("/v1/events?from=2026-01-01T00:00:00"), 422, "ValidationFailed")
     error_of(await api.get("/v1/events?cursor=abc"), 422, "ValidationFailed")
-    far = base64.urlsafe_b64encode(f"{10**14}|{'0' * 24}".encode()).decode()
-    error_of(await api.get(f"/v1/events?cursor={far}"), 422, "ValidationFailed")
+    # Milliseconds past 13 digits (the year 2286) are no time of ours.
+    error_of(await api.get(f"/v1/events?cursor={10**14}-{'0' * 24}"), 422, "ValidationFailed")
+    assert (await api.get(f"/v1/events?cursor={10**12}-{'0' * 24}")).status_code == 200
 
 
 @pytest.mark.parametrize(

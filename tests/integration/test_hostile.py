@@ -2,8 +2,8 @@
 UTF-8, MongoDB operators where data belongs, NUL bytes and control characters, and numbers and
 times out of range.
 
-Every refusal must be a 4xx in docs/contract.md's error shape, never a 500 or a hang, and must leave
-nothing half-written.
+Every refusal must be a 4xx in the error shape of docs/contract.md, never a 500 or a hang, and
+must leave nothing half-written.
 """
 
 import json
@@ -71,7 +71,7 @@ async def create_run(api: httpx.AsyncClient, **fields: Any) -> dict[str, Any]:
 
 
 def refused(response: httpx.Response, pointer: str) -> None:
-    """A 422 in SPEC's shape naming `pointer` (or a field inside it)."""
+    """A 422 in the contract's error shape naming `pointer` (or a field inside it)."""
     error = error_of(response, 422, "ValidationFailed")
     assert any(p.startswith(pointer) for p in pointers(error)), error
 
@@ -184,6 +184,12 @@ async def test_a_10_mb_body_is_refused_with_413(
             "/retryPolicy",
         ),
         case("grace-huge", {"cancelPolicy": {"graceSeconds": 1e300}}, "/cancelPolicy"),
+        # JSON types the document does not allow: a boolean is no number, nor a number a
+        # boolean.
+        case("priority-false", {"priority": False}, "/priority"),
+        case("schedulable-0", {"schedulable": 0}, "/schedulable"),
+        case("enabled-text", {"enabled": "true"}, "/enabled"),
+        case("attempts-true", {"retryPolicy": {"maxAttempts": True}}, "/retryPolicy/maxAttempts"),
     ],
 )
 async def test_hostile_template_fields_are_refused(
@@ -226,6 +232,12 @@ async def test_an_infinite_number_in_a_yaml_template_is_refused(
         case("priority-huge", {"priority": 10**30}, "/priority"),
         case("priority-tiny", {"priority": -(10**30)}, "/priority"),
         case("priority-float", {"priority": 1.5}, "/priority"),
+        # JSON types the document does not allow.
+        case("priority-false", {"priority": False}, "/priority"),
+        case("priority-true", {"priority": True}, "/priority"),
+        case("priority-text", {"priority": "5"}, "/priority"),
+        case("version-true", {"templateVersion": True}, "/templateVersion"),
+        case("delay-true", {"delaySeconds": True}, "/delaySeconds"),
         case("delay-negative", {"delaySeconds": -1}, "/delaySeconds"),
         case("delay-huge", {"delaySeconds": 10**30}, "/delaySeconds"),
         case("delay-nan", {"delaySeconds": float("nan")}, "/delaySeconds"),
@@ -252,6 +264,15 @@ async def test_hostile_run_fields_are_refused(
     assert await raw(backends.store).runs.count_documents({}) == 0
 
 
+async def test_an_integer_may_be_written_with_a_zero_fraction(api: httpx.AsyncClient) -> None:
+    """JSON Schema counts 5.0 as an integer; the API reads what its document allows."""
+    run = await create_run(api, priority=5.0, templateVersion=1.0)
+    assert (run["priority"], run["templateVersion"]) == (5, 1)
+    response = await api.post("/v1/schedules", json={**SCHEDULE, "catchUpLimit": 3.0})
+    assert response.status_code == 201, response.text
+    assert response.json()["catchUpLimit"] == 3
+
+
 async def test_a_template_type_with_a_nul_is_not_found(
     api: httpx.AsyncClient, backends: Backends
 ) -> None:
@@ -267,6 +288,14 @@ async def test_a_method_the_path_does_not_have_is_405_naming_those_it_has(
     answer = await api.delete("/v1/templates")
     error_of(answer, 405, "MethodNotAllowed")
     assert set(answer.headers["allow"].replace(" ", "").split(",")) == {"GET", "POST"}
+    # A path written out is no id of the templated path beside it: no run named "batch".
+    for method, path, allow in [
+        ("GET", "/v1/runs/batch", "POST"),
+        ("DELETE", "/v1/api-keys/me", "GET"),
+    ]:
+        answer = await api.request(method, path)
+        error_of(answer, 405, "MethodNotAllowed")
+        assert answer.headers["allow"] == allow
     assert await raw(backends.store).runs.count_documents({}) == 0
 
 
@@ -509,6 +538,11 @@ SCHEDULE = {**RUN, "cron": "* * * * *", "timezone": "UTC"}
         case("scope-id-tab", {"scopeId": "u1\t"}, "/scopeId"),
         case("update-operator", {"$set": {"enabled": False}}, "/$set"),
         case("catch-up-huge", {"catchUpLimit": 10**30}, "/catchUpLimit"),
+        # JSON types the document does not allow.
+        case("enabled-0", {"enabled": 0}, "/enabled"),
+        case("enabled-text", {"enabled": "false"}, "/enabled"),
+        case("catch-up-true", {"catchUpLimit": True}, "/catchUpLimit"),
+        case("catch-up-text", {"catchUpLimit": "3"}, "/catchUpLimit"),
         case("payload-key-nul", {"payloadTemplate": {"a\0": 1}}, "/payloadTemplate"),
         case("payload-huge-int", {"payloadTemplate": {"n": 10**30}}, "/payloadTemplate"),
     ],

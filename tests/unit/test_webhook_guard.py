@@ -19,7 +19,7 @@ def test_check_url_accepts_http_and_https() -> None:
         "https://hooks.example.com/jobplane?x=1"
     )
     assert check_url("http://hooks.example.com:8080/") == "http://hooks.example.com:8080/"
-    assert check_url("  HTTPS://Hooks.Example.COM/In  ") == "https://hooks.example.com/In"
+    assert check_url("HTTPS://Hooks.Example.COM/In") == "https://hooks.example.com/In"
     assert check_url("http://[2606:4700::1111]/") == "http://[2606:4700::1111]/"
 
 
@@ -43,6 +43,7 @@ def test_check_url_accepts_http_and_https() -> None:
         ("http://[::1/", "not a valid URL"),
         ("http://hooks.example.com/a b", "spaces or control characters"),
         ("http://hooks.example.com/a\nb", "spaces or control characters"),
+        (" https://hooks.example.com/", "spaces or control characters"),
     ],
 )
 def test_check_url_refuses_with_a_message(url: str, message: str) -> None:

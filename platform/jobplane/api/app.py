@@ -81,15 +81,34 @@ def create_app(
     # Room for the largest payload and its envelope, and for the largest template.
     limit = max(settings.max_payload_bytes + 64 * 1024, MAX_TEMPLATE_BYTES)
     app.add_middleware(BodyLimit, limit=limit, paths={runs.BATCH_PATH: settings.max_batch_bytes})
+    app.add_middleware(WrittenPaths)
     return app
+
+
+class WrittenPaths:
+    """A method a path written out lacks (`GET /v1/runs/batch`) is a 405, as the document
+    says, rather than a templated route's (`GET /v1/runs/{run_id}`, a run named "batch")."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            written = errors.written_methods(scope["app"], scope["path"])
+            if written and scope["method"] not in written:
+                refusal = errors.method_not_allowed(scope["app"], scope)
+                await errors.http_error(refusal)(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
 
 
 class BodyLimit:
     """Refuses a request body over `limit` bytes (413) before it is read into memory; `paths`
     give some paths a cap of their own (the batch endpoint takes a thousand runs in one body).
 
-    Starlette's own limiter answers in plain text, not in docs/contract.md's error shape. This one
-    raises an `HTTPException` from `receive`, which FastAPI passes on to the error handlers.
+    Starlette's own limiter answers in plain text, not in the error shape of docs/contract.md.
+    This one raises an `HTTPException` from `receive`, which FastAPI passes on to the error
+    handlers.
     """
 
     def __init__(self, app: ASGIApp, limit: int, paths: dict[str, int] | None = None) -> None:

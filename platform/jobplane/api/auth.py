@@ -13,10 +13,11 @@ from collections.abc import Callable, Coroutine
 from dataclasses import dataclass
 from datetime import datetime
 from enum import StrEnum
-from typing import Any
+from typing import Annotated, Any
 
 from bson import ObjectId
-from fastapi import Request
+from fastapi import Depends, Request
+from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 
 from jobplane.errors import Forbidden, NotFound, Unauthorized
 from jobplane.model import ApiKey, Role, Run, Schedule
@@ -134,14 +135,22 @@ def mint_key(
     return f"jp_{key_id}_{secret}", record
 
 
-async def authenticate(request: Request) -> Caller:
+# Puts the bearer key in the OpenAPI document; a missing one is refused below, in the
+# contract's error shape.
+_BEARER = HTTPBearer(auto_error=False)
+
+
+async def authenticate(
+    request: Request,
+    credentials: Annotated[HTTPAuthorizationCredentials | None, Depends(_BEARER)],
+) -> Caller:
     # An app a direct `Client` serves in its own process acts for it, with no key to show.
     trusted: Caller | None = request.app.state.trusted
     if trusted is not None:
         return trusted
-    scheme, _, presented = request.headers.get("authorization", "").partition(" ")
-    if scheme.lower() != "bearer" or not presented:
+    if credentials is None:
         raise Unauthorized("missing bearer API key")
+    presented = credentials.credentials
     settings: Settings = request.app.state.settings
     if settings.admin_key and hmac.compare_digest(presented.encode(), settings.admin_key.encode()):
         return Caller("admin", "admin")
@@ -157,11 +166,10 @@ async def authenticate(request: Request) -> Caller:
     return Caller(record.name, record.role, frozenset(map(parse_scope, record.scopes)))
 
 
-def require(permission: Permission) -> Callable[[Request], Coroutine[Any, Any, Caller]]:
+def require(permission: Permission) -> Callable[[Caller], Coroutine[Any, Any, Caller]]:
     """A dependency: the authenticated caller, if their role grants `permission`."""
 
-    async def caller(request: Request) -> Caller:
-        who = await authenticate(request)
+    async def caller(who: Annotated[Caller, Depends(authenticate)]) -> Caller:
         who.may(permission)
         return who
 

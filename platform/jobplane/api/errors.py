@@ -1,7 +1,7 @@
 """Every error leaves the API as {"error": {"code", "message", "details"}}."""
 
 import logging
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from typing import Any
 
 from fastapi import FastAPI, Request
@@ -11,7 +11,7 @@ from pydantic import BaseModel
 from pymongo.errors import ConnectionFailure
 from redis.exceptions import RedisClusterException, RedisError
 from starlette.exceptions import HTTPException
-from starlette.routing import BaseRoute, Match
+from starlette.routing import Match
 from starlette.types import Scope
 
 from jobplane.errors import JobplaneError
@@ -82,8 +82,7 @@ def install(app: FastAPI) -> None:
         if exc.status_code == 405:
             # Starlette's `Allow` names the methods of the first route of the path only: each
             # of FastAPI's routes has one.
-            allowed = _methods(request.app.routes, request.scope)
-            exc = HTTPException(405, exc.detail, {"Allow": ", ".join(sorted(allowed))})
+            exc = method_not_allowed(request.app, request.scope)
         return http_error(exc)
 
     async def redis_down(_: Request, exc: Exception) -> JSONResponse:
@@ -104,14 +103,23 @@ def install(app: FastAPI) -> None:
         return error_response(500, "Internal", "internal error; it was logged", {})
 
 
-def _methods(routes: Sequence[BaseRoute], scope: Scope) -> set[str]:
-    """The methods the routes take at the request's path: each asked of every route, through
-    Starlette's public `matches` (FastAPI nests routers in routes of its own)."""
-    return {
+def method_not_allowed(app: FastAPI, scope: Scope) -> HTTPException:
+    """A 405 whose `Allow` names the methods the app takes at the request's path."""
+    allowed = written_methods(app, scope["path"]) or {
+        # Each method asked of every route, through Starlette's public `matches` (FastAPI
+        # nests routers in routes of its own).
         method
         for method in _METHODS
-        if any(route.matches({**scope, "method": method})[0] == Match.FULL for route in routes)
+        if any(r.matches({**scope, "method": method})[0] == Match.FULL for r in app.routes)
     }
+    return HTTPException(405, "Method Not Allowed", {"Allow": ", ".join(sorted(allowed))})
+
+
+def written_methods(app: FastAPI, path: str) -> set[str]:
+    """The methods the OpenAPI document gives `path`, if it lists it as written (none if not).
+    As OpenAPI reads paths, `/v1/runs/batch` is such a path, and no run id of
+    `/v1/runs/{run_id}`: only its own methods are allowed there."""
+    return {method.upper() for method in app.openapi()["paths"].get(path, {})}
 
 
 # What each error status of a /v1 route means, with the codes it carries (docs/contract.md).

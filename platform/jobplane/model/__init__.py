@@ -1,6 +1,7 @@
 """The data model: documents, statuses and the transition table."""
 
 from jobplane.model.documents import (
+    JSON_INTEGER,
     MAX_MAP_ITEMS,
     ApiKey,
     ApiKeyPublic,
@@ -60,6 +61,7 @@ __all__ = [
     "ACTIVE",
     "ALLOWED",
     "CLAIMABLE",
+    "JSON_INTEGER",
     "LEASED",
     "MAX_MAP_ITEMS",
     "STEP_MOVES",

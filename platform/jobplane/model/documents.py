@@ -31,7 +31,6 @@ from pydantic_core import PydanticCustomError
 
 from jobplane.model.graph import Graph
 from jobplane.model.status import RunStatus, StepStatus
-from jobplane.model.storable import INT64
 
 
 def _says(shape: str) -> WrapValidator:
@@ -74,9 +73,25 @@ ScopeRef = Annotated[
     Field(pattern=f"^(user|account|system):{_SCOPE_ID}$"),
     _says("a scope looks like account:<id>, user:<id> or system:<id> (<id> without spaces)"),
 ]
-# A template version a client names: MongoDB stores integers up to int64, so a larger one
-# cannot exist (and could not even be looked up).
-Version = Annotated[int, Ge(1), Le(INT64[1])]
+
+
+def _json_integer(value: Any) -> Any:
+    # JSON Schema's integers include 5.0, which pydantic's strict mode refuses; its lax mode
+    # would take true.
+    if isinstance(value, bool):
+        raise PydanticCustomError("int_type", "Input should be a valid integer")
+    if isinstance(value, float) and value.is_integer():
+        return int(value)
+    return value
+
+
+# The last of an integer's annotations (after its bounds, which the JSON schema then shows):
+# an integer as JSON Schema has it, 5 or 5.0, never true; in a body never "5" either.
+JSON_INTEGER = BeforeValidator(_json_integer)
+# A template version a client names. Versions count registrations from 1; the bound is the
+# largest integer every JSON reader holds exactly (the document's validators compare doubles).
+MAX_VERSION = (1 << 53) - 1
+Version = Annotated[int, Ge(1), Le(MAX_VERSION), JSON_INTEGER]
 
 
 def _iso_8601(value: Any) -> Any:
@@ -106,8 +121,11 @@ class Document(BaseModel):
 
 
 class Spec(Document):
+    """What a client sends: no unknown fields, and strict as request bodies are
+    (`model.bodies.RequestBody`): 0 is not false, "5" is not a number."""
+
     # NaN and Infinity parse from JSON and YAML (`.inf`) but cannot be answered in JSON.
-    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False, strict=True)
 
 
 # A year: any longer and deadlines computed from it stop being dates MongoDB can add.
@@ -128,7 +146,7 @@ class LockSpec(Spec):
 class RetryPolicy(Spec):
     """Either an explicit `backoffSeconds` list or exponential backoff with jitter."""
 
-    max_attempts: Annotated[int, Field(ge=1, le=100)] = 1
+    max_attempts: Annotated[int, Field(ge=1, le=100), JSON_INTEGER] = 1
     backoff_seconds: list[Seconds] | None = None
     initial_seconds: Seconds = 1
     multiplier: Annotated[float, Field(ge=1, le=100)] = 2
@@ -151,7 +169,7 @@ class MapSpec(Spec):
     # payload; omitted, the item itself.
     payload: Annotated[str, Field(min_length=1, max_length=2000)] | None = None
     # How many of the step's children may be active (started, not ended) at once.
-    max_concurrency: Annotated[int, Field(ge=1, le=MAX_MAP_ITEMS)] | None = None
+    max_concurrency: Annotated[int, Field(ge=1, le=MAX_MAP_ITEMS), JSON_INTEGER] | None = None
     # A child that fails for good: `fail` fails the step and cancels the other children;
     # `continue` records it in the step's output, and the step succeeds.
     on_item_failure: Literal["fail", "continue"] = "fail"
@@ -204,7 +222,7 @@ class RateLimit(Spec):
     """At most `limit` starts in any `periodSeconds`: per template, or per value of `key`
     (dedupe parts, as `dedupeKeys`)."""
 
-    limit: Annotated[int, Field(ge=1, le=1_000_000)]
+    limit: Annotated[int, Field(ge=1, le=1_000_000), JSON_INTEGER]
     period_seconds: PositiveSeconds
     key: list[DedupePart] | None = None
 
@@ -224,11 +242,11 @@ class TemplateSpec(Spec):
     concurrency_policy: ConcurrencyPolicy = "allow"
     dedupe_keys: list[DedupePart] = Field(default_factory=list)
     # How many runs of one dedupe key may be active at once (with a policy other than allow).
-    concurrency_limit: Annotated[int, Field(ge=1, le=1000)] = 1
+    concurrency_limit: Annotated[int, Field(ge=1, le=1000), JSON_INTEGER] = 1
     # How many runs of the template (all versions, all scopes) may be started at once. Its
     # gate lists a place for every started run (`store/gates.py`), so the list stays far below
     # 16 MB.
-    max_running: Annotated[int, Field(ge=1, le=100_000)] | None = None
+    max_running: Annotated[int, Field(ge=1, le=100_000), JSON_INTEGER] | None = None
     rate_limit: RateLimit | None = None
     # `round_robin`: a lane's ready runs are taken in turns across their scopes.
     fairness: Literal["none", "round_robin"] = "none"
@@ -237,14 +255,15 @@ class TemplateSpec(Spec):
     retry_policy: RetryPolicy = Field(default_factory=RetryPolicy)
     steps: Annotated[list[StepSpec], Field(min_length=1)]
     schedulable: bool = False
-    priority: Annotated[int, Field(ge=-100, le=100)] = 0
+    priority: Annotated[int, Field(ge=-100, le=100), JSON_INTEGER] = 0
     queue: Name = "default"
 
 
 class Template(TemplateSpec):
     """A registered, immutable version of a template."""
 
-    model_config = ConfigDict(extra="ignore")
+    # Read from MongoDB and from API answers (times as text), not sent by a client.
+    model_config = ConfigDict(extra="ignore", strict=False)
 
     version: int
     create_at: datetime
@@ -612,12 +631,13 @@ class ScheduleSpec(Spec):
     enabled: bool = True
     misfire_policy: Literal["skip", "run_once", "catch_up"] = "run_once"
     # With `catch_up`: at most this many runs for the fire times missed while it was down.
-    catch_up_limit: Annotated[int, Field(ge=1, le=1000)] = 10
+    catch_up_limit: Annotated[int, Field(ge=1, le=1000), JSON_INTEGER] = 10
     overlap_policy: Literal["allow", "skip", "queue"] = "allow"
 
 
 class Schedule(ScheduleSpec):
-    model_config = ConfigDict(extra="ignore")
+    # Read from MongoDB and from API answers (times as text), not sent by a client.
+    model_config = ConfigDict(extra="ignore", strict=False)
 
     # As stored: one written before scope ids were checked must still load (and fire); a
     # change to it is checked as a spec, and must fix it.

@@ -8,10 +8,10 @@ import json
 from collections.abc import Mapping
 from typing import Annotated, Any, Literal
 
-from pydantic import AfterValidator, Field, StrictInt, StrictStr, ValidationError
+from pydantic import AfterValidator, Field, StrictStr, ValidationError
 
 from jobplane.errors import PayloadTooLarge, ValidationFailed
-from jobplane.model import Instant, ScopeId, Version
+from jobplane.model import JSON_INTEGER, Instant, ScopeId, Version
 from jobplane.model.bodies import RequestBody
 from jobplane.model.storable import storable
 from jobplane.runs.service import RunRequest
@@ -25,7 +25,7 @@ class RunCreate(RequestBody):
     scope: Literal["user", "account", "system"]
     scope_id: ScopeId
     payload: dict[str, Any] = Field(default_factory=dict)
-    priority: Annotated[StrictInt, Field(ge=-100, le=100)] | None = None
+    priority: Annotated[int, Field(ge=-100, le=100), JSON_INTEGER] | None = None
     delay_seconds: Annotated[float, Field(ge=0, le=366 * 86400)] | None = None
     not_before: Instant | None = None
     idempotency_key: Annotated[StrictStr, Field(min_length=1, max_length=200)] | None = None

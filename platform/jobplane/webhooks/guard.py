@@ -17,6 +17,7 @@ that are malformed or not plain HTTP(S) when they are submitted; it resolves not
 
 import errno
 import ipaddress
+import re
 import socket
 
 import aiohttp
@@ -26,6 +27,8 @@ from aiohappyeyeballs import AddrInfoType
 Address = ipaddress.IPv4Address | ipaddress.IPv6Address
 
 MAX_URL_LENGTH = 2048
+# How a URL starts, as the OpenAPI document says it; `check_url` checks the rest.
+URL_PATTERN = "^[Hh][Tt][Tt][Pp][Ss]?://"
 
 # Metadata endpoints outside the ranges refused anyway: AWS's IPv6 one sits in fc00::/7 but
 # deserves its own reason; Oracle Cloud's is in 192.0.0.0/24, which Python counts as global.
@@ -39,18 +42,17 @@ def check_url(url: str) -> str:
 
     Raises `ValueError` saying what is wrong with it. Where it points is judged at delivery.
     """
-    url = url.strip()
     if len(url) > MAX_URL_LENGTH:
         raise ValueError(f"the URL is longer than {MAX_URL_LENGTH} characters")
     # httpx would quietly percent-encode them, and then deliver to a URL nobody typed.
     if any(c.isspace() or not c.isprintable() for c in url):
         raise ValueError("the URL contains spaces or control characters")
+    if not re.match(URL_PATTERN, url):
+        raise ValueError("the URL must start with http:// or https://")
     try:
         parsed = httpx.URL(url)
     except httpx.InvalidURL as exc:
         raise ValueError(f"not a valid URL: {exc}") from None
-    if parsed.scheme not in ("http", "https"):
-        raise ValueError("the URL must start with http:// or https://")
     if not parsed.host:
         raise ValueError("the URL has no host")
     # httpx drops an empty userinfo ("http://@host/"): look at the authority as written.

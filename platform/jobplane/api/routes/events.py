@@ -8,7 +8,7 @@ from sse_starlette.sse import EventSourceResponse
 from jobplane.api import live, pages
 from jobplane.api.deps import EventReader, StoreDep
 from jobplane.api.errors import ERROR_RESPONSES
-from jobplane.api.pages import Cursor, Limit
+from jobplane.api.pages import EventCursor, Limit
 from jobplane.model import Event, Instant
 from jobplane.model.answers import Page
 from jobplane.store import EventQuery
@@ -30,7 +30,7 @@ async def search(
     since: Annotated[Instant | None, Query(alias="from")] = None,
     until: Annotated[Instant | None, Query(alias="to")] = None,
     limit: Limit = 100,
-    cursor: Cursor = None,
+    cursor: EventCursor = None,
 ) -> Page[Event]:
     """Events in time order (`from` inclusive, `to` exclusive). A user key sees only events
     of its own scopes. Events reach this trail within milliseconds of their write (a run's

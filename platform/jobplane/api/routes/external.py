@@ -4,7 +4,7 @@ from datetime import datetime
 from typing import Annotated
 
 from fastapi import APIRouter, Request, Response
-from pydantic import Field, StrictBool, StrictFloat, StrictInt, StrictStr
+from pydantic import Field, StrictBool, StrictStr
 
 from jobplane.api.deps import ExternalWorker, SettingsDep
 from jobplane.api.errors import ERROR_RESPONSES
@@ -22,7 +22,7 @@ router = APIRouter(tags=["external workers"], responses=ERROR_RESPONSES)
 class ClaimBody(RequestBody):
     worker_id: Name
     # Long poll: how long to wait for a step when none is waiting now.
-    wait_seconds: Annotated[StrictFloat | StrictInt, Field(ge=0, le=60)] = 20
+    wait_seconds: Annotated[float, Field(ge=0, le=60)] = 20
 
 
 class Claimed(ResponseBody):
@@ -41,7 +41,7 @@ class LeaseBody(RequestBody):
 
 
 class HeartbeatBody(LeaseBody):
-    percentage: Annotated[StrictFloat | StrictInt, Field(ge=0, le=100)] | None = None
+    percentage: Annotated[float, Field(ge=0, le=100)] | None = None
     message: Annotated[StrictStr, Field(max_length=1000)] | None = None
 
 

@@ -3,7 +3,7 @@
 from typing import Annotated
 
 from fastapi import APIRouter
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Field, model_validator
 
 from jobplane.api import pages
 from jobplane.api.auth import mint_key
@@ -20,6 +20,15 @@ router = APIRouter(prefix="/v1/api-keys", tags=["api keys"], responses=ERROR_RES
 
 
 class KeyCreate(RequestBody):
+    # `_scopes_fit_role`, as the document says it.
+    model_config = ConfigDict(
+        json_schema_extra={
+            "if": {"properties": {"role": {"const": "user"}}},
+            "then": {"required": ["scopes"], "properties": {"scopes": {"minItems": 1}}},
+            "else": {"properties": {"scopes": {"maxItems": 0}}},
+        }
+    )
+
     name: Name
     role: Role
     scopes: Annotated[list[ScopeRef], Field(max_length=100)] = Field(default_factory=list)
@@ -72,8 +81,7 @@ async def list_keys(
 ) -> Page[ApiKeyPublic]:
     """Every stored key, newest first, revoked ones too (`revokedAt`, `revokedBy`); never a
     secret. The bootstrap key (`JOBPLANE_ADMIN_KEY`) is not stored, so not listed."""
-    before = pages.after_run(cursor) if cursor else None
-    return pages.newest_first(await store.keys.page(before, limit + 1), limit)
+    return pages.newest_first(await store.keys.page(cursor, limit + 1), limit)
 
 
 @router.delete(

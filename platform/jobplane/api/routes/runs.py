@@ -148,8 +148,7 @@ async def list_runs(
     """Runs, newest first. A user key lists only its own scopes."""
     if scope is not None and scope_id is not None:
         caller.may_act_in(scope, scope_id)
-    before = pages.after_run(cursor) if cursor else None
-    query = RunQuery(status, template_type, scope, scope_id, schedule_id, parent_run_id, before)
+    query = RunQuery(status, template_type, scope, scope_id, schedule_id, parent_run_id, cursor)
     found = await store.runs.page(query, caller.within, limit + 1)
     explained = await waiting.explain(found[:limit])
     return pages.newest_first([*explained, *found[limit:]], limit)

@@ -8,6 +8,7 @@ from jobplane.api import pages
 from jobplane.api.deps import ScheduleReader, ScheduleWriter, StoreDep
 from jobplane.api.errors import ERROR_RESPONSES
 from jobplane.api.pages import Cursor, Limit
+from jobplane.api.schema import inline_schema
 from jobplane.model import Instant, Run, Schedule, ScheduleSpec
 from jobplane.model.answers import FireTime, Page, Preview
 from jobplane.schedules import ScheduleService
@@ -50,8 +51,7 @@ async def list_schedules(
 ) -> Page[Schedule]:
     if scope is not None and scope_id is not None:
         caller.may_act_in(scope, scope_id)
-    before = pages.after_run(cursor) if cursor else None
-    query = ScheduleQuery(template_type, scope, scope_id, enabled, before)
+    query = ScheduleQuery(template_type, scope, scope_id, enabled, cursor)
     return pages.newest_first(await store.schedules.page(query, caller.within, limit + 1), limit)
 
 
@@ -65,11 +65,16 @@ async def get(schedule_id: str, request: Request, caller: ScheduleReader) -> Sch
     return caller.sees_schedule(await _service(request).get(schedule_id))
 
 
+# The fields of a create, each optional: the service checks the schedule they make.
+_CHANGE = {k: v for k, v in inline_schema(ScheduleSpec).items() if k != "required"}
+
+
 @router.patch(
     "/{schedule_id}",
     summary="Change a schedule",
     response_model=Schedule,
     response_model_by_alias=True,
+    openapi_extra={"requestBody": {"content": {"application/json": {"schema": _CHANGE}}}},
 )
 async def change(
     schedule_id: str,

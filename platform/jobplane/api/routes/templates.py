@@ -1,12 +1,11 @@
 """Registering, reading, enabling and disabling templates."""
 
-from typing import Any
-
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse
 
 from jobplane.api.deps import StoreDep, TemplateAuthor, TemplateReader, WaitingDep
 from jobplane.api.errors import ERROR_RESPONSES
+from jobplane.api.schema import inline_schema
 from jobplane.errors import NotFound
 from jobplane.model import Template, TemplateSpec, Version
 from jobplane.model.answers import Registered
@@ -16,25 +15,12 @@ from jobplane.templates import parse_template
 router = APIRouter(prefix="/v1/templates", tags=["templates"], responses=ERROR_RESPONSES)
 
 
-def _inlined(schema: Any, defs: dict[str, Any]) -> Any:
-    """`schema` with each `{"$ref": "#/$defs/<name>"}` replaced by that definition."""
-    if isinstance(schema, dict):
-        if "$ref" in schema:
-            return _inlined(defs[schema["$ref"].removeprefix("#/$defs/")], defs)
-        return {key: _inlined(value, defs) for key, value in schema.items()}
-    if isinstance(schema, list):
-        return [_inlined(value, defs) for value in schema]
-    return schema
-
-
-# The body is read by hand (JSON or YAML), so FastAPI does not put TemplateSpec in the
-# document's components: its schema goes inline, nested models and all.
-_SPEC_SCHEMA = TemplateSpec.model_json_schema(by_alias=True)
+# The body is read by hand, as JSON or YAML.
 _TEMPLATE_BODY = {
     "requestBody": {
         "required": True,
         "content": {
-            "application/json": {"schema": _inlined(_SPEC_SCHEMA, _SPEC_SCHEMA.pop("$defs"))},
+            "application/json": {"schema": inline_schema(TemplateSpec)},
             "application/yaml": {"schema": {"type": "string"}},
         },
     }

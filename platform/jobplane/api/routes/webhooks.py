@@ -14,20 +14,25 @@ from jobplane.api.auth import Caller
 from jobplane.api.deps import StoreDep, WebhookReader, WebhookWriter
 from jobplane.api.errors import ERROR_RESPONSES
 from jobplane.api.pages import Cursor, Limit
-from jobplane.errors import NotFound, ValidationFailed
+from jobplane.errors import NotFound
 from jobplane.model import Scope, ScopeId
 from jobplane.model.answers import Page
 from jobplane.model.bodies import RequestBody
 from jobplane.model.webhooks import Delivery, Secret, SignedWebhook, Webhook, WebhookEventType
 from jobplane.store import Store
-from jobplane.webhooks.guard import check_url
+from jobplane.webhooks.guard import MAX_URL_LENGTH, URL_PATTERN, check_url
 
 router = APIRouter(prefix="/v1/webhooks", tags=["webhooks"], responses=ERROR_RESPONSES)
 
 # A rotated secret still signs this long, so receivers can move to the new one.
 ROTATION_OVERLAP = timedelta(hours=24)
 
-Url = Annotated[StrictStr, Field(max_length=2048), AfterValidator(check_url)]
+# The pattern is only shown: `check_url` says what is wrong in words.
+Url = Annotated[
+    StrictStr,
+    Field(max_length=MAX_URL_LENGTH, json_schema_extra={"pattern": URL_PATTERN}),
+    AfterValidator(check_url),
+]
 _EVENT_TYPES = (*get_args(WebhookEventType), "*")
 
 
@@ -119,8 +124,7 @@ async def list_webhooks(
 ) -> Page[Webhook]:
     """The webhooks of the key's scopes (every scope for admin and auditor keys), newest
     first; never a secret."""
-    before = pages.after_run(cursor) if cursor else None
-    return pages.newest_first(await store.webhooks.page(caller.within, before, limit + 1), limit)
+    return pages.newest_first(await store.webhooks.page(caller.within, cursor, limit + 1), limit)
 
 
 @router.get(
@@ -141,12 +145,12 @@ async def change(
 ) -> Webhook:
     """Change its URL, events or description, or enable or disable it, with an event:
     `webhook_enabled`, `webhook_disabled` or `webhook_changed`. Re-enabled, it sends the
-    deliveries that waited meanwhile, and its five days of failures start again."""
+    deliveries that waited meanwhile, and its five days of failures start again. With nothing
+    to change, the webhook as it is."""
     hook = await _visible(store, caller, webhook_id)
     fields = body.model_dump(by_alias=True, exclude_unset=True, exclude_none=True)
     if not fields:
-        say = "nothing to change: name url, events, description or enabled"
-        raise ValidationFailed(say, [{"pointer": "", "message": say}])
+        return _shown(hook)
     kind = "webhook_changed"
     if body.enabled is True and not hook.enabled:
         kind = "webhook_enabled"
@@ -219,8 +223,7 @@ async def deliveries(
     """Newest first: each with its event, `attempts`, the last status code or error, and
     when the next try is due."""
     await _visible(store, caller, webhook_id)
-    before = pages.after_run(cursor) if cursor else None
-    found = await store.webhooks.page_deliveries(webhook_id, before, limit + 1)
+    found = await store.webhooks.page_deliveries(webhook_id, cursor, limit + 1)
     return pages.newest_first(found, limit)
 
 
