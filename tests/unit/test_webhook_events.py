@@ -1,6 +1,7 @@
 """Which trail events a webhook receives and under which names, and when a failed try is
 tried again."""
 
+import json
 import random
 from datetime import UTC, datetime, timedelta
 from email.utils import format_datetime
@@ -8,9 +9,11 @@ from typing import Any
 
 import pytest
 
+from jobplane.model import Run, RunStatus
 from jobplane.settings import Settings
 from jobplane.store.feed import PROGRESS_REPORTED
 from jobplane.webhooks.events import SOURCE_TYPES, webhook_type
+from jobplane.webhooks.fanout import _body, _json_of
 from jobplane.webhooks.sender import JITTER, MAX_RETRY_AFTER, Sender, _retry_after
 
 
@@ -81,3 +84,34 @@ def test_retry_after_reads_seconds_and_dates() -> None:
     assert _retry_after("9999999") == MAX_RETRY_AFTER
     past = format_datetime(datetime.now(UTC) - timedelta(hours=1), usegmt=True)
     assert _retry_after(past) == 0
+
+
+def test_a_body_holds_the_run_as_the_api_answers_it() -> None:
+    """The run's JSON is put into the body as made, not parsed again: the body still reads as
+    the contract has it, the run as `GET /v1/runs/{id}` shows it, non-ASCII text too."""
+    now = datetime(2026, 11, 28, 9, 30, tzinfo=UTC)
+    run = Run(
+        id="6b0000000000000000000001",
+        template_type="t",
+        template_version=1,
+        scope="account",
+        scope_id="café",
+        status=RunStatus.RUNNING,
+        payload={"name": "Zoë", "n": 1.5},
+        create_at=now,
+        update_at=now,
+        version=3,
+    )
+    step = {"_id": "e1", "type": "step_finished", "createAt": now, "metadata": {"step": "a"}}
+    made: dict[str, str] = {}
+    said = json.loads(_body(step, "step.succeeded", _json_of(run, made), 4))
+    assert said == {
+        "id": "msg_e1",
+        "type": "step.succeeded",
+        "timestamp": "2026-11-28T09:30:00Z",
+        "sequence": 4,
+        "data": {"run": run.model_dump(mode="json", by_alias=True), "step": "a"},
+    }
+    created = {"_id": "e0", "type": "created", "createAt": now, "metadata": {}}
+    assert set(json.loads(_body(created, "run.created", _json_of(run, made), 1))["data"]) == {"run"}
+    assert list(made) == [run.id], "a run's JSON is made once"

@@ -206,6 +206,8 @@ class Fanout:
         now = self.clock.now()
         first_try = now + timedelta(seconds=self.settings.webhook_retry_seconds[0])
         deliveries: list[Doc] = []
+        # Each run as JSON once per batch, however many of its events and webhooks are in it.
+        as_json: dict[str, str] = {}
         for event, kind, hook in wanted:
             fed = runs.get(event["jobId"])
             if fed is None:  # no run can lose its document; say so if one did
@@ -230,7 +232,7 @@ class Fanout:
                     "attempts": 0,
                     "tries": 0,
                     "nextAttemptAt": first_try,
-                    "body": _body(event, kind, run, sequence),
+                    "body": _body(event, kind, _json_of(run, as_json), sequence),
                     "createAt": now,
                 }
             )
@@ -300,17 +302,25 @@ def _message_id(event: Doc) -> str:
     return f"msg_{event['_id']}"
 
 
-def _body(event: Doc, kind: str, run: Run, sequence: int) -> str:
+def _json_of(run: Run, made: dict[str, str]) -> str:
+    """The run as `GET /v1/runs/{id}` answers it, made once into `made`."""
+    if run.id not in made:
+        made[run.id] = run.model_dump_json(by_alias=True)
+    return made[run.id]
+
+
+def _body(event: Doc, kind: str, run_json: str, sequence: int) -> str:
     """The JSON a receiver gets (docs/contract.md, "Webhooks"): the run as it is when the
-    delivery is made, which may be past the event; `sequence` orders one run's events."""
-    data: Doc = {"run": run.model_dump(mode="json", by_alias=True)}
-    if kind.startswith("step."):
-        data["step"] = (event.get("metadata") or {}).get("step")
-    body = {
+    delivery is made (`run_json`), which may be past the event; `sequence` orders one run's
+    events. The run's JSON is put in as it was made, not parsed and written again."""
+    envelope = {
         "id": _message_id(event),
         "type": kind,
         "timestamp": event["createAt"].isoformat().replace("+00:00", "Z"),
         "sequence": sequence,
-        "data": data,
     }
-    return json.dumps(body, separators=(",", ":"))
+    data = f'{{"run":{run_json}'
+    if kind.startswith("step."):
+        step = (event.get("metadata") or {}).get("step")
+        data += f',"step":{json.dumps(step, separators=(",", ":"))}'
+    return f'{json.dumps(envelope, separators=(",", ":"))[:-1]},"data":{data}}}}}'

@@ -195,6 +195,9 @@ class Sender:
         for webhook_id, waiting in self._waiting.items():
             stuck = now - self._answered_at.get(webhook_id, now) >= SPILL_SECONDS
             cutoff = now - (SPILL_SECONDS if stuck else BACKLOG_SECONDS)
+            # Oldest first: if the first waited less, all did (a queue may hold thousands).
+            if not waiting or waiting[0][2] >= cutoff:
+                continue
             if any(c.unstored is not None and at < cutoff for _, c, at in waiting):
                 kept = deque(w for w in waiting if w[1].unstored is None or w[2] >= cutoff)
                 spilled += [c for _, c, at in waiting if c.unstored is not None and at < cutoff]
