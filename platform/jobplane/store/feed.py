@@ -25,23 +25,9 @@ from jobplane.store.types import WATCH_WAIT_MS
 
 # The type the feed gives a step's progress report, which is no trail event.
 PROGRESS_REPORTED = "progress_reported"
-# A run without its trail's fields but those a delivery's `sequence` needs, `_id` and
-# `runVersion` (a run's trail can be long, and decoding it was most of reading the run).
-_TRAIL_ORDER = {
-    f"trail.{name}": 0
-    for name in (
-        "jobId",
-        "type",
-        "from",
-        "to",
-        "message",
-        "metadata",
-        "actor",
-        "scope",
-        "scopeId",
-        "createAt",
-    )
-}
+# The trail fields a delivery's `sequence` needs (a run's trail can be long). Excluding more
+# of them cost mongod more than decoding them cost the notifier (`docs/benchmarks.md`).
+_TRAIL_ORDER = {"trail.metadata": 0, "trail.message": 0, "trail.actor": 0, "trail.from": 0}
 _POSITION = "webhook_feed"
 
 
