@@ -19,6 +19,7 @@ from tests.integration.conftest import Register, options, served
 from tests.integration.flow import until
 from tests.integration.workers import running
 
+U1 = {"scope": "user", "scope_id": "u1"}
 REPORT = Template(
     "t_report",
     payload={"type": "object", "required": ["account"]},
@@ -139,22 +140,38 @@ async def test_the_sync_client_has_the_same_names(
         with SyncClient(**options(mode, url, settings)) as sync:
             assert sync.templates.apply(REPORT).created is True
             assert sync.templates.get("t_report").version == 1
-            made = [sync.runs.create("t_noop", scope="user", scope_id="u1") for _ in range(60)]
+            assert {t.type for t in sync.templates.list()} == {"t_noop", "t_report"}
+
+            made = [sync.runs.create("t_noop", scope="user", scope_id="u1") for _ in range(59)]
+            [more] = sync.runs.create_many([{"template_type": "t_noop", **U1}])
+            assert isinstance(more, Run)
+            made.append(more)
             every = sync.runs.list()
             assert [next(every).id for _ in range(3)] == [r.id for r in made[:-4:-1]]
             every.close()  # left after the first page: its generator is closed in the loop
             assert len(list(sync.runs.list(template_type="t_noop"))) == 60
-            cron = sync.schedules.create("t_noop", cron="@daily", scope="user", scope_id="u1")
-            assert [s.id for s in sync.schedules.list()] == [cron.id]
-            assert sync.schedules.trigger(cron.id).schedule_id == cron.id
+            assert sync.runs.get(made[0].id).id == made[0].id
             with pytest.raises(TimeoutError):
                 sync.runs.wait_many([made[1].id], timeout=0.1)
-            sync.cancel(made[0].id)
+            assert sync.runs.cancel(made[0].id).status == RunStatus.CANCELLED
+            assert sync.runs.wait(made[0].id, timeout=5).status == RunStatus.CANCELLED
             [ended] = sync.runs.wait_many([made[0].id], timeout=5)
             assert ended.status == RunStatus.CANCELLED
+
+            cron = sync.schedules.create("t_noop", cron="@daily", scope="user", scope_id="u1")
+            assert [s.id for s in sync.schedules.list()] == [cron.id]
+            assert sync.schedules.get(cron.id).cron == "@daily"
+            assert sync.schedules.update(cron.id, enabled=False).enabled is False
+            assert len(sync.schedules.preview(cron.id, count=3).times) == 3
+            assert sync.schedules.trigger(cron.id).schedule_id == cron.id
+            sync.schedules.delete(cron.id)
+            with pytest.raises(NotFound):
+                sync.schedules.get(cron.id)
+
             assert next(e.type for e in sync.events.list(job_id=made[0].id)) == "created"
             key = sync.keys.create("k", role="auditor")
             assert key.id in [k.id for k in sync.keys.list()]
+            assert sync.keys.revoke(key.id).revoked_at is not None
 
     await asyncio.to_thread(work)
 
