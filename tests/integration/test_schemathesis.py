@@ -102,7 +102,7 @@ async def test_every_operation_holds_to_the_document(
 
 
 async def test_chains_of_operations_hold_to_the_document(
-    url: str, settings: Settings, backends: Backends
+    url: str, settings: Settings, backends: Backends, tmp_path: Path
 ) -> None:
     """Schemathesis's stateful phase: operations chained by the links it infers from the
     document (a created run's id to its read, its cancel, its rerun; a schedule's to its change
@@ -130,6 +130,7 @@ async def test_chains_of_operations_hold_to_the_document(
         "--seed=1",
         "--workers=1",
         "--no-color",
+        cwd=tmp_path,  # where it keeps its cache (`.schemathesis/`)
         stdout=asyncio.subprocess.PIPE,
         stderr=asyncio.subprocess.STDOUT,
     )
