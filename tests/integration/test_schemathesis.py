@@ -14,6 +14,7 @@ Generation is derandomized, so a run is repeatable.
 """
 
 import asyncio
+import re
 import sys
 from collections.abc import Callable, Iterator
 from functools import partial
@@ -138,7 +139,9 @@ async def test_chains_of_operations_hold_to_the_document(
         said, _ = await proc.communicate()
     report = said.decode()
     assert proc.returncode == 0, report
-    assert "Stateful" in report and "links" in report.lower(), report
+    # It ran chains, not nothing: some links of the document were followed.
+    covered = re.search(r"API Links:\s+(\d+) covered", report)
+    assert covered is not None and int(covered[1]) > 0, report
     await backends.store.trail.flush()
     assert await half_written(backends) == []
 

@@ -35,20 +35,10 @@ class DirectTransport:
         self._api: httpx.AsyncClient | None = None
 
     async def open(self) -> None:
-        # The API's import is the direct mode's alone: an HTTP producer never loads FastAPI.
-        from jobplane.api.app import create_app
-        from jobplane.api.auth import Caller
-
         with _reachable():
-            backends = await self._stack.enter_async_context(open_backends(self.settings))
-        self._service = RunService(backends.store, backends.queue)
-        self._waiting = Waiting(backends.store, backends.queue)
-        kind, _, name = self.actor.partition(":")
-        caller = Caller(name or kind, "admin", acting_as=self.actor)
-        app = create_app(self.settings, backends, trusted=caller)
-        self._api = await self._stack.enter_async_context(
-            httpx.AsyncClient(transport=httpx.ASGITransport(app), base_url="http://direct")
-        )
+            self._backends = await self._stack.enter_async_context(open_backends(self.settings))
+        self._service = RunService(self._backends.store, self._backends.queue)
+        self._waiting = Waiting(self._backends.store, self._backends.queue)
 
     async def create(self, request: CreateRequest) -> Run:
         checked_request = read_request(request.body(), self.settings.max_payload_bytes)
@@ -74,16 +64,31 @@ class DirectTransport:
             return await self.service.cancel(run_id, self.actor, reason)
 
     async def call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
-        assert self._api is not None, "opened by Client before any call"
         with _reachable():
-            return checked(await self._api.request(method, path, **kwargs))
+            return checked(await self._app().request(method, path, **kwargs))
 
     def follow(self, path: str) -> AbstractAsyncContextManager[AsyncIterator[str]]:
         # An in-process call answers once it has ended: waiting polls instead.
         raise Unavailable("live streams need the HTTP API")
 
     async def close(self) -> None:
+        if self._api is not None:
+            await self._api.aclose()
         await self._stack.aclose()
+
+    def _app(self) -> httpx.AsyncClient:
+        """The API's app in this process, made at the first call that needs it: a producer
+        that only creates and reads runs never loads FastAPI, in either mode."""
+        if self._api is None:
+            from jobplane.api.app import create_app
+            from jobplane.api.auth import Caller
+
+            kind, _, name = self.actor.partition(":")
+            caller = Caller(name or kind, "admin", acting_as=self.actor)
+            app = create_app(self.settings, self._backends, trusted=caller)
+            transport = httpx.ASGITransport(app)
+            self._api = httpx.AsyncClient(transport=transport, base_url="http://direct")
+        return self._api
 
     @property
     def service(self) -> RunService:
