@@ -10,12 +10,11 @@ from datetime import datetime
 from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
-from urllib.parse import quote
 
 from pydantic import BaseModel, ValidationError
 
 from jobplane.cli import templates
-from jobplane.cli.client import APIClient, CLIError
+from jobplane.cli.client import APIClient, CLIError, segment
 from jobplane.cli.render import (
     KEY_HEADER,
     QUEUE_HEADER,
@@ -203,11 +202,6 @@ def _present(**fields: Any) -> dict[str, Any]:
     return {k: v for k, v in fields.items() if v is not None}
 
 
-def _segment(value: str) -> str:
-    # Ids and types come from the user; a `/` or `?` in one must not change the route.
-    return quote(value, safe="")
-
-
 def _scope_of(args: argparse.Namespace, client: APIClient) -> tuple[str, str]:
     """The scope a new run or schedule is made in: as given; else the key's only scope (a user
     key's with one); else system:cli."""
@@ -247,7 +241,7 @@ def _runs_create(args: argparse.Namespace, client: APIClient) -> None:
 
 
 def _runs_get(args: argparse.Namespace, client: APIClient) -> None:
-    print(json.dumps(client.call("GET", f"/v1/runs/{_segment(args.run_id)}"), indent=2))
+    print(json.dumps(client.call("GET", f"/v1/runs/{segment(args.run_id)}"), indent=2))
 
 
 def _runs_list(args: argparse.Namespace, client: APIClient) -> None:
@@ -264,13 +258,13 @@ def _runs_list(args: argparse.Namespace, client: APIClient) -> None:
 
 
 def _runs_cancel(args: argparse.Namespace, client: APIClient) -> None:
-    path = f"/v1/runs/{_segment(args.run_id)}/cancel"
+    path = f"/v1/runs/{segment(args.run_id)}/cancel"
     run = client.call("POST", path, json=_present(reason=args.reason))
     print(f"{run['id']} {run['status']}")
 
 
 def _runs_rerun(args: argparse.Namespace, client: APIClient) -> None:
-    run = client.call("POST", f"/v1/runs/{_segment(args.run_id)}/rerun")
+    run = client.call("POST", f"/v1/runs/{segment(args.run_id)}/rerun")
     print(run["id"])
     if args.watch:
         _watch(client, run["id"], args.interval)
@@ -302,7 +296,7 @@ def _followed(client: APIClient, run_id: str, interval: float) -> Iterator[Run]:
     paused, a worker gone), which its stream looks at only once a second. A stream that broke,
     or ended before the run did, is polled for too, and opened again STREAM_RETRY_SECONDS
     later, so that a long watch outlives a restart of the API without polling to the end."""
-    path = f"/v1/runs/{_segment(run_id)}"
+    path = f"/v1/runs/{segment(run_id)}"
     retry_at = 0.0
     while True:
         run = Run.model_validate(client.call("GET", path))
@@ -373,7 +367,7 @@ def _keys_list(args: argparse.Namespace, client: APIClient) -> None:
 
 
 def _keys_revoke(args: argparse.Namespace, client: APIClient) -> None:
-    key = client.call("DELETE", f"/v1/api-keys/{_segment(args.key_id)}")
+    key = client.call("DELETE", f"/v1/api-keys/{segment(args.key_id)}")
     print(f"revoked {key['id']} ({key['name']}) at {key['revokedAt']} by {key['revokedBy']}")
 
 
@@ -387,7 +381,7 @@ def _queues_list(args: argparse.Namespace, client: APIClient) -> None:
 def _queues_act(args: argparse.Namespace, client: APIClient) -> None:
     """pause, resume: a POST to the queue's action, with the reason when given."""
     body = _present(reason=args.reason)
-    queue = client.call("POST", f"/v1/queues/{_segment(args.queue)}/{args.action}", json=body)
+    queue = client.call("POST", f"/v1/queues/{segment(args.queue)}/{args.action}", json=body)
     print(QUEUE_HEADER)
     print(queue_row(queue))
 
@@ -417,17 +411,17 @@ def _schedules_list(args: argparse.Namespace, client: APIClient) -> None:
 
 
 def _schedules_get(args: argparse.Namespace, client: APIClient) -> None:
-    print(json.dumps(client.call("GET", f"/v1/schedules/{_segment(args.schedule_id)}"), indent=2))
+    print(json.dumps(client.call("GET", f"/v1/schedules/{segment(args.schedule_id)}"), indent=2))
 
 
 def _schedules_delete(args: argparse.Namespace, client: APIClient) -> None:
-    client.call("DELETE", f"/v1/schedules/{_segment(args.schedule_id)}")
+    client.call("DELETE", f"/v1/schedules/{segment(args.schedule_id)}")
     print(f"deleted {args.schedule_id}")
 
 
 def _schedules_act(args: argparse.Namespace, client: APIClient) -> None:
     """pause, resume, trigger: a POST to the schedule's action."""
-    answer = client.call("POST", f"/v1/schedules/{_segment(args.schedule_id)}/{args.action}")
+    answer = client.call("POST", f"/v1/schedules/{segment(args.schedule_id)}/{args.action}")
     if args.action == "trigger":
         print(answer["id"])  # the run it created
     else:
@@ -435,7 +429,7 @@ def _schedules_act(args: argparse.Namespace, client: APIClient) -> None:
 
 
 def _schedules_preview(args: argparse.Namespace, client: APIClient) -> None:
-    path = f"/v1/schedules/{_segment(args.schedule_id)}/preview"
+    path = f"/v1/schedules/{segment(args.schedule_id)}/preview"
     for t in client.call("GET", path, params={"count": args.count})["times"]:
         print(f"{t['utc']}  {t['local']}")
 

@@ -4,6 +4,7 @@ import json
 from collections.abc import Iterator
 from types import TracebackType
 from typing import Any
+from urllib.parse import quote
 
 import httpx
 
@@ -100,6 +101,12 @@ def api_error(response: httpx.Response) -> CLIError:
     except (ValueError, KeyError, TypeError):
         return CLIError(f"HTTP {response.status_code}", response.text[:200] or "(no body)")
     return CLIError(code, _said_once(message, error.get("details") or {}))
+
+
+def segment(value: str) -> str:
+    """`value` as one segment of a path: ids and types come from the user, and a `/` or `?` in
+    one must not change the route."""
+    return quote(value, safe="")
 
 
 def located(problem: dict[str, Any]) -> str:

@@ -7,9 +7,8 @@ import os
 import sys
 from pathlib import Path
 from typing import TYPE_CHECKING
-from urllib.parse import quote
 
-from jobplane.cli.client import APIClient, CLIError, located
+from jobplane.cli.client import APIClient, CLIError, located, segment
 from jobplane.cli.render import template_line
 from jobplane.errors import ValidationFailed
 from jobplane.model import Template
@@ -64,14 +63,14 @@ def list_latest(args: argparse.Namespace, client: APIClient) -> None:
 
 
 def show(args: argparse.Namespace, client: APIClient) -> None:
-    path = f"/v1/templates/{quote(args.type, safe='')}"
+    path = f"/v1/templates/{segment(args.type)}"
     if args.version is not None:
         path += f"/versions/{args.version}"
     print(json.dumps(client.call("GET", path), indent=2))
 
 
 def toggle(args: argparse.Namespace, client: APIClient) -> None:
-    path = f"/v1/templates/{quote(args.type, safe='')}/{args.action}"
+    path = f"/v1/templates/{segment(args.type)}/{args.action}"
     print(template_line(Template.model_validate(client.call("POST", path))))
 
 
