@@ -14,12 +14,12 @@ $(BIN)/python:
 	$(BIN)/pip install --quiet --upgrade pip
 
 $(STAMP_LOCAL): $(BIN)/python pyproject.toml
-	$(BIN)/pip install --quiet -e '.[local]'
+	$(BIN)/pip install --quiet -e '.[local,otel]'
 	rm -f $(VENV)/.installed-local-*
 	touch $(STAMP_LOCAL)
 
 $(STAMP): $(BIN)/python pyproject.toml
-	$(BIN)/pip install --quiet -e '.[local,dev]'
+	$(BIN)/pip install --quiet -e '.[local,otel,dev]'
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP) $(STAMP_LOCAL)
 

@@ -16,6 +16,7 @@ from types import MappingProxyType
 from typing import Any, Literal, TypeVar
 
 import uvicorn
+from opentelemetry import trace
 
 LogFormat = Literal["json", "text"]
 T = TypeVar("T")
@@ -158,6 +159,11 @@ def _fields(record: logging.LogRecord) -> dict[str, str]:
     )
     if token := found.pop("lease_token", None):
         found["lease"] = token[:LEASE_PREFIX]
+    # Written inside a span (a step's, say): the line names it, to be found from the trace.
+    span = trace.get_current_span().get_span_context()
+    if span.is_valid:
+        found["trace_id"] = trace.format_trace_id(span.trace_id)
+        found["span_id"] = trace.format_span_id(span.span_id)
     return found
 
 

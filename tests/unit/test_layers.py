@@ -13,6 +13,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "jobplane.errors": ("jobplane.",),
     "jobplane.groupcommit": ("jobplane.",),
     "jobplane.process": ("jobplane.",),
+    "jobplane.tracing": ("jobplane.",),
     "jobplane.queue.connect": ("jobplane.",),
     "jobplane.queue.keys": ("jobplane.",),
     "jobplane.schedules.cron": ("jobplane.",),

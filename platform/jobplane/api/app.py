@@ -9,6 +9,7 @@ from starlette.datastructures import Headers
 from starlette.exceptions import HTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from jobplane import tracing
 from jobplane.api import errors
 from jobplane.api.auth import Caller
 from jobplane.api.live import RunChanges
@@ -54,7 +55,15 @@ def create_app(
             attach(app, opened)
             yield
 
-    app = FastAPI(title="jobplane", version="1", lifespan=None if backends else lifespan)
+    # FastAPI makes a SERVER span for each request while a tracer provider is installed; not
+    # three more for its dependencies, endpoint and serialization, which a run's trace does
+    # not need and each request would pay for.
+    app = FastAPI(
+        title="jobplane",
+        version="1",
+        lifespan=None if backends else lifespan,
+        telemetry={"operation_spans": False},
+    )
     app.state.settings = settings
     app.state.trusted = trusted
     app.state.stop = stop or asyncio.Event()
@@ -82,7 +91,32 @@ def create_app(
     limit = max(settings.max_payload_bytes + 64 * 1024, MAX_TEMPLATE_BYTES)
     app.add_middleware(BodyLimit, limit=limit, paths={runs.BATCH_PATH: settings.max_batch_bytes})
     app.add_middleware(WrittenPaths)
+    app.add_middleware(TraceContext)
     return app
+
+
+class TraceContext:
+    """A request that carries a `traceparent` is served in the caller's trace: the runs and
+    schedules it creates continue it (`jobplane/tracing.py`)."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http":
+            carried = {
+                name.decode("latin-1"): value.decode("latin-1")
+                for name, value in scope["headers"]
+                if name in _TRACE_HEADERS
+            }
+            if carried:
+                with tracing.continued(carried):
+                    await self.app(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+_TRACE_HEADERS = (b"traceparent", b"tracestate")
 
 
 class WrittenPaths:

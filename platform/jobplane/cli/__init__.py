@@ -84,7 +84,7 @@ def _client(args: argparse.Namespace) -> APIClient:
 def _api(args: argparse.Namespace) -> None:
     from jobplane import api
 
-    settings = _start_process(args)
+    settings = _start_process(args, "jobplane-api")
     _run(api.serve(settings))
 
 
@@ -92,7 +92,7 @@ def _worker(args: argparse.Namespace) -> None:
     from jobplane import worker
     from jobplane.metrics import serve_metrics
 
-    settings = _start_process(args)
+    settings = _start_process(args, "jobplane-worker")
     serve_metrics(settings)
     _run(worker.serve(settings, args.drain_seconds))
 
@@ -101,7 +101,7 @@ def _scheduler(args: argparse.Namespace) -> None:
     from jobplane import scheduler
     from jobplane.metrics import serve_metrics
 
-    settings = _start_process(args)
+    settings = _start_process(args, "jobplane-scheduler")
     serve_metrics(settings)
     _run(scheduler.serve(settings))
 
@@ -110,7 +110,7 @@ def _notifier(args: argparse.Namespace) -> None:
     from jobplane.metrics import serve_metrics
     from jobplane.webhooks import notifier
 
-    settings = _start_process(args)
+    settings = _start_process(args, "jobplane-notifier")
     serve_metrics(settings)
     _run(notifier.serve(settings))
 
@@ -119,7 +119,7 @@ def _external_worker(args: argparse.Namespace) -> None:
     from jobplane.worker.external import serve_external
     from jobplane.worker.worker import default_worker_id
 
-    _start_process(args, needs=())
+    _start_process(args, "jobplane-external-worker", needs=())
     url, key = _endpoint(args)
     worker_id = args.worker_id or default_worker_id()
     modules = [m for m in args.handlers.split(",") if m]
@@ -143,9 +143,12 @@ def _run(main: Coroutine[Any, Any, "T"]) -> "T":
 BACKEND_URLS = ("mongodb_url", "redis_url")
 
 
-def _start_process(args: argparse.Namespace, needs: tuple[str, ...] = BACKEND_URLS) -> Settings:
-    """Settings for a long-running process, and its logging set up: JSON lines unless told
-    otherwise."""
+def _start_process(
+    args: argparse.Namespace, service: str, needs: tuple[str, ...] = BACKEND_URLS
+) -> Settings:
+    """Settings for a long-running process, its logging set up (JSON lines unless told
+    otherwise), and its traces exported as the OTEL_* variables ask, as `service`."""
+    from jobplane import tracing
     from jobplane.process import configure_logging
 
     settings = _settings(args)
@@ -153,13 +156,16 @@ def _start_process(args: argparse.Namespace, needs: tuple[str, ...] = BACKEND_UR
         hint = "only `jobplane dev` runs without them: it starts local servers"
         raise CLIError("InvalidSettings", f"{unset} ({hint})")
     configure_logging(settings.log_format)
+    tracing.configure(service)
     return settings
 
 
 def _dev(args: argparse.Namespace) -> None:
+    from jobplane import tracing
     from jobplane.devstack.dev import run_dev
 
     settings = _settings(args)
+    tracing.configure("jobplane-dev")
     try:
         code = _run(run_dev(settings, args.templates, args.demo, args.exit_after_demo))
     except RuntimeError as exc:  # a local server that would not start says why

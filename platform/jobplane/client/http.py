@@ -12,6 +12,7 @@ from urllib.parse import quote
 import httpx
 from pydantic import BaseModel, ValidationError
 
+from jobplane import tracing
 from jobplane.client.request import CreateRequest
 from jobplane.errors import JobplaneError, ServerError, Unavailable, ValidationFailed, answered
 from jobplane.model import Run
@@ -75,7 +76,10 @@ class HTTPTransport:
 
     async def call(self, method: str, path: str, **kwargs: Any) -> httpx.Response:
         """One request (httpx's keyword arguments); an answer of 400 or more is raised as the
-        API's error, no answer as `Unavailable`."""
+        API's error, no answer as `Unavailable`. Sent inside a trace, it carries its context
+        (`traceparent`): the runs it creates continue the caller's trace."""
+        if (context := tracing.carrier()) is not None:
+            kwargs["headers"] = {**kwargs.get("headers", {}), **context}
         async with self._slots:
             http = self._idle.pop() if self._idle else self._connection()
             try:

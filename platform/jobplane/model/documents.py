@@ -24,6 +24,7 @@ from pydantic import (
     ValidationError,
     ValidatorFunctionWrapHandler,
     WrapValidator,
+    computed_field,
     model_validator,
 )
 from pydantic.alias_generators import to_camel
@@ -531,6 +532,9 @@ class Run(Document):
     schedule_id: str | None = None
     scheduled_for: datetime | None = None
     rerun_of: str | None = None
+    # The W3C context (`traceparent`, `tracestate`) its creation ran in: every attempt and
+    # step continues that trace (`jobplane/tracing.py`).
+    trace_context: dict[str, str] | None = None
     # A map step's child: its parent run and step, the first run of its family, and which of
     # the step's items it is.
     parent_run_id: str | None = None
@@ -549,6 +553,15 @@ class Run(Document):
     version: int = 1
     # Not stored: the run service says it when it answers (`runs/waiting.py`).
     waiting_for: WaitingFor | None = None
+
+    @computed_field  # type: ignore[prop-decorator]
+    @property
+    def trace_id(self) -> str | None:
+        """Not stored: the id of the trace `trace_context` names (32 hex digits)."""
+        if self.trace_context is None or "traceparent" not in self.trace_context:
+            return None
+        # A stored context is one an SDK wrote: `00-<trace id>-<span id>-<flags>`.
+        return self.trace_context["traceparent"][3:35]
 
     @property
     def start_limits(self) -> StartLimits | None:
@@ -646,6 +659,8 @@ class Schedule(ScheduleSpec):
     next_run_at: datetime | None = None
     last_run_at: datetime | None = None
     last_run_id: str | None = None
+    # The W3C context it was created in: each fire's trace links to it (`jobplane/tracing.py`).
+    trace_context: dict[str, str] | None = None
     created_by: str
     create_at: datetime
     update_at: datetime

@@ -7,7 +7,9 @@ from dataclasses import dataclass, field, replace
 from datetime import datetime, timedelta
 from typing import Any, Literal
 
-from jobplane import metrics
+from opentelemetry.trace import Span
+
+from jobplane import metrics, tracing
 from jobplane.clock import as_stored
 from jobplane.errors import (
     ConcurrencyConflict,
@@ -68,10 +70,16 @@ class RunService:
         out of Redis until the active run ends and `Lifecycle.admit_next` hands it the key.
         """
         template, new = await self._prepare(request)
+        new, span = _sending(new)
         try:
             run = await self._insert(new, template, actor, request.queue_behind is not None)
         except DuplicateRun as duplicate:
+            tracing.sent(span, duplicate.run.id)
             return _repeated(duplicate, template, request), False
+        except BaseException as exc:
+            tracing.sent(span, None, exc)
+            raise
+        tracing.sent(span, run.id)
         metrics.RUNS_CREATED.labels(template.type).inc()
         return run, True
 
@@ -86,7 +94,7 @@ class RunService:
         trip; runs with one go through `create`.
         """
         outcomes: list[tuple[Run, bool] | JobplaneError | None] = [None] * len(requests)
-        plain: list[tuple[int, RunRequest, Template, NewRun]] = []
+        plain: list[tuple[int, RunRequest, Template, NewRun, Span | None]] = []
         keyed: list[tuple[int, RunRequest]] = []
         for i, request in enumerate(requests):
             if isinstance(request, JobplaneError):
@@ -98,21 +106,29 @@ class RunService:
                 outcomes[i] = error
                 continue
             if new.dedupe_key is None:
-                plain.append((i, request, template, new))
+                plain.append((i, request, template, *_sending(new)))
             else:
                 keyed.append((i, request))
-        inserted = await self.store.runs.insert_many([new for *_, new in plain], actor)
+        try:
+            inserted = await self.store.runs.insert_many([p[3] for p in plain], actor)
+        except BaseException as exc:
+            for *_, span in plain:
+                tracing.sent(span, None, exc)
+            raise
         fresh: list[Run] = []
-        for (i, request, template, _), result in zip(plain, inserted, strict=True):
+        for (i, request, template, _, span), result in zip(plain, inserted, strict=True):
             if isinstance(result, DuplicateRun):
+                tracing.sent(span, result.run.id)
                 try:
                     outcomes[i] = _repeated(result, template, request), False
                 except JobplaneError as error:
                     outcomes[i] = error
             elif isinstance(result, Exception):
+                tracing.sent(span, None, result)
                 # The run it collided with was removed before it could be read (archived, say).
                 outcomes[i] = ResourceInvalidState(f"{result}; try again")
             else:
+                tracing.sent(span, result.id)
                 fresh.append(result)
                 outcomes[i] = result, True
                 metrics.RUNS_CREATED.labels(template.type).inc()
@@ -291,6 +307,13 @@ def validate_payload(template: Template, payload: dict[str, Any]) -> None:
                 for e in errors
             ],
         )
+
+
+def _sending(new: NewRun) -> tuple[NewRun, Span | None]:
+    """The run's `send` span begun, and the run with the context it stores."""
+    t = new.template
+    span, context = tracing.send(t.queue, t.type, t.version, new.scope, new.scope_id)
+    return (new if context is None else replace(new, trace_context=context)), span
 
 
 def _repeated(duplicate: DuplicateRun, template: Template, request: RunRequest) -> Run:

@@ -15,7 +15,7 @@ from typing import Any
 from bson import ObjectId
 from pydantic import ValidationError
 
-from jobplane import metrics
+from jobplane import metrics, tracing
 from jobplane.errors import NotFound, ResourceInvalidState, TemplateDisabled, ValidationFailed
 from jobplane.model import Run, Schedule, ScheduleSpec, Template
 from jobplane.queue.redis import RedisQueue
@@ -51,6 +51,7 @@ class ScheduleService:
             id=schedule_id,
             next_run_at=cron.next_after(now),
             created_by=actor,
+            trace_context=tracing.carrier(),
             create_at=now,
             update_at=now,
         )
@@ -156,9 +157,10 @@ class ScheduleService:
             await self._skip(schedule, at, f"overlap: run {active.id} is {active.status}")
             return None
         try:
-            run, new = await RunService(self.store, self.queue).create(
-                _request(schedule, at), ACTOR
-            )
+            with tracing.fire(schedule.id, schedule.trace_context, at.isoformat()):
+                run, new = await RunService(self.store, self.queue).create(
+                    _request(schedule, at), ACTOR
+                )
         except (NotFound, TemplateDisabled):
             metrics.SCHEDULE_FIRES.labels("template_disabled").inc()
             await self._skip(schedule, at, "template_disabled")

@@ -335,11 +335,12 @@ def _new_run(new: NewRun, actor: str, now: datetime) -> tuple[Run, Doc]:
         schedule_id=new.schedule_id,
         scheduled_for=new.scheduled_for,
         rerun_of=new.rerun_of,
+        trace_context=new.trace_context,
         **_child(new.child),
         create_at=now,
         update_at=now,
     )
-    doc = run.model_dump(by_alias=True, exclude_none=True)
+    doc = run.model_dump(by_alias=True, exclude_none=True, exclude={"trace_id"})
     del doc["id"]
     doc["_id"] = oid
     created = convert.event(

@@ -156,6 +156,8 @@ class NewRun:
     scheduled_for: datetime | None = None
     rerun_of: str | None = None
     child: "ChildOf | None" = None
+    # The context of its `send` span, or of its creator's trace (`jobplane/tracing.py`).
+    trace_context: dict[str, str] | None = None
 
     @property
     def waits(self) -> bool:

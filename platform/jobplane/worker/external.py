@@ -19,6 +19,7 @@ import httpx
 from jobplane.clock import SystemClock
 from jobplane.model import Run, Template
 from jobplane.process import Stopped, log_context, unless_stopped
+from jobplane.worker import spans
 from jobplane.worker.context import CancelRequested, FatalError, StepContext, StepInterrupted
 from jobplane.worker.handlers import HandlerRegistry, registry
 
@@ -106,7 +107,8 @@ class ExternalWorker:
         ctx = StepContext(run, template, index, dict(run.outputs), cancel, beat, renew)
         keeper = asyncio.create_task(self._keep_alive(renew, every))
         try:
-            output = await self._call(step.handler, ctx)
+            with spans.process(run), spans.step(run, step.id):
+                output = await self._call(step.handler, ctx)
         except (CancelRequested, StepInterrupted) as exc:
             await self._report(f"{base}/fail", {**lease, "message": f"stopped: {exc!r}"})
         except FatalError as exc:

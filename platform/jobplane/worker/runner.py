@@ -25,6 +25,7 @@ from jobplane.runs.policy import cancel_asked, retry_at
 from jobplane.runs.service import RunService
 from jobplane.store import Lost, Moved, StepEnd, Store
 from jobplane.templates.expressions import ExpressionError, evaluate_when
+from jobplane.worker import spans
 from jobplane.worker.call import Caller
 from jobplane.worker.context import CancelRequested, FatalError, step_failure
 from jobplane.worker.fanout import ChildrenActive, Fanout, MapFailed
@@ -189,7 +190,8 @@ class Runner:
             step = RunningStep(at, StepStart(self.clock.now(), lent.attempt))
             status, output, error, retryable = StepStatus.SUCCEEDED, None, None, False
             try:
-                output = await self._caller.call(held, step, dict(run.outputs))
+                with spans.step(run, at.id):
+                    output = await self._caller.call(held, step, dict(run.outputs))
             except CancelRequested:
                 status = StepStatus.CANCELLED
             except Overdue:
@@ -292,6 +294,7 @@ class Runner:
         if walk.stopping is not None:
             raise walk.stopping
         if (failure := walk.failure) is not None:
+            spans.failed(failure.error.message)
             if not failure.retried:
                 # The run ends: its waiting map steps stop with it (their children are
                 # cancelled as it ends).
@@ -612,12 +615,13 @@ class Runner:
         """Do a step's work: a map step's fan-out, a lent step's watch, or its handler's
         call."""
         at = running.at
-        if running.lent is not None:
+        if running.lent is not None:  # worked, and traced, by its borrower
             return await self._watch(held, running, walk)
-        if at.template.steps[at.index].worker_type == "map":
-            made = flow.made.get(at.index)
-            return await self._fanout.run(at, running.start, flow.activation(), made)
-        return await self._caller.call(held, running, flow.outputs)
+        with spans.step(held.run, at.id):
+            if at.template.steps[at.index].worker_type == "map":
+                made = flow.made.get(at.index)
+                return await self._fanout.run(at, running.start, flow.activation(), made)
+            return await self._caller.call(held, running, flow.outputs)
 
     def _check(self, run: Run, outcome: Moved | Lost | None) -> None:
         """Say so when a write finished `run`, and stop the run when the write was lost."""

@@ -28,6 +28,7 @@ from jobplane.runs.service import RunService
 from jobplane.settings import Settings
 from jobplane.store import Store
 from jobplane.store.types import lease_token, step_of
+from jobplane.worker import spans
 from jobplane.worker.handlers import HandlerRegistry, registry
 from jobplane.worker.held import Held
 from jobplane.worker.lending import Lending
@@ -279,14 +280,16 @@ class Worker:
 
     async def _execute(self, held: Held) -> None:
         try:
-            await self.runner.run(held)
+            with spans.process(held.run):
+                await self.runner.run(held)
         finally:
             self.held.pop(held.run.id, None)
             self._slot_free.set()
 
     async def _execute_lent(self, held: Held) -> None:
         try:
-            await self.runner.run_lent(held)
+            with spans.process(held.run):
+                await self.runner.run_lent(held)
         finally:
             self.borrowed.pop(held.lease.key, None)
             self._slot_free.set()
