@@ -1,14 +1,15 @@
 """Every compose file, alone or with its override, through `docker-compose config`: the files
 parse, merge and interpolate as a real compose implementation does it, and the merged model
 has the services, the dependencies and the JOBPLANE_REDIS_URL each variant promises, the
-one-off that registers the templates, the worker built from a directory of one's own, and no
-server of its own when the servers are yours."""
+one-off that registers the templates, the worker built from a directory of one's own, no
+server of its own when the servers are yours, and an OpenTelemetry Collector that every
+jobplane service sends its spans to, with a configuration that takes them in and passes them on."""
 
 import os
 import re
 import shutil
 import subprocess
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
@@ -22,6 +23,11 @@ ROOT = Path(__file__).parents[2]
 BASE = "compose/docker-compose.yml"
 WORKER_IMAGE = "compose/worker-image.yml"
 EXTERNAL = "compose/external-servers.yml"
+OTEL = "compose/otel-collector.yml"
+# Not a compose file: the collector's own, which OTEL mounts into it.
+COLLECTOR_CONFIG = "compose/otel-collector-config.yaml"
+COLLECTOR = "otel-collector"
+COLLECTOR_URL = f"http://{COLLECTOR}:4318"
 JOBPLANE = ("api", "worker", "scheduler", "notifier")
 SENTINEL_URL = "redis+sentinel://sentinel-1:26379,sentinel-2:26379,sentinel-3:26379/mymaster/0"
 CLUSTER_URL = "redis+cluster://redis-1:6379,redis-2:6379,redis-3:6379"
@@ -56,6 +62,13 @@ SENTINEL = Variant(
 CLUSTER = Variant(SERVICES | {"redis-1", "redis-2", "redis-3"}, CLUSTER_URL, HEALTHY, DONE)
 # `mongo` and `redis` stay, as one-offs that run no server (the file's header says why).
 OWN_SERVERS = Variant(SERVICES, OWN["JOBPLANE_REDIS_URL"], DONE, DONE, OWN)
+
+
+def traced(variant: Variant) -> Variant:
+    """`variant` with OTEL added: the same, and the collector."""
+    return replace(variant, services=variant.services | {COLLECTOR})
+
+
 # files given with -f, in order -> what they promise
 VARIANTS: dict[tuple[str, ...], Variant] = {
     (BASE,): ONE,
@@ -65,6 +78,9 @@ VARIANTS: dict[tuple[str, ...], Variant] = {
     (BASE, "compose/redis-cluster.yml", WORKER_IMAGE): CLUSTER,
     (BASE, EXTERNAL): OWN_SERVERS,
     (BASE, EXTERNAL, WORKER_IMAGE): OWN_SERVERS,
+    (BASE, OTEL): traced(ONE),
+    (BASE, "compose/redis-sentinel.yml", OTEL): traced(SENTINEL),
+    (BASE, EXTERNAL, WORKER_IMAGE, OTEL): traced(OWN_SERVERS),
 }
 
 needs_compose = pytest.mark.skipif(shutil.which("docker-compose") is None, reason=COMPOSE_MISSING)
@@ -96,7 +112,7 @@ def merged(files: tuple[str, ...], variables: dict[str, str]) -> dict[str, Any]:
 
 def test_every_compose_file_is_checked() -> None:
     shipped = {f"compose/{p.name}" for p in (ROOT / "compose").glob("*.y*ml")}
-    assert shipped == {f for files in VARIANTS for f in files}
+    assert shipped == {f for files in VARIANTS for f in files} | {COLLECTOR_CONFIG}
 
 
 @needs_compose
@@ -117,6 +133,11 @@ def test_variant_merges_into_the_promised_services(
         own = name == "worker" and WORKER_IMAGE in files
         context = Path(required["JOBPLANE_WORKER_BUILD"]) if own else ROOT
         assert Path(service["build"]["context"]) == context
+        # Tracing is off unless OTEL is given: then every process exports to the collector.
+        otel = {k: v for k, v in service["environment"].items() if k.startswith("OTEL_")}
+        assert otel == ({"OTEL_EXPORTER_OTLP_ENDPOINT": COLLECTOR_URL} if OTEL in files else {})
+        if OTEL in files:
+            assert service["depends_on"][COLLECTOR] == {"condition": "service_started"}
     for name, service in services.items():
         for needed in service.get("depends_on", {}):
             assert needed in services, f"{name} depends on {needed}, which is not a service"
@@ -244,3 +265,38 @@ def test_cluster_url_names_the_nodes_that_announce_themselves(required: dict[str
     create = " ".join(f"{host}:{port}" for host, port in nodes)
     assert f"redis-cli --cluster create {create} --cluster-yes" in form["command"][-1]
     assert form["restart"] == "no"
+
+
+def collector_config() -> dict[str, Any]:
+    config: dict[str, Any] = yaml.safe_load((ROOT / COLLECTOR_CONFIG).read_text())
+    return config
+
+
+@needs_compose
+def test_the_collector_listens_where_the_services_send(required: dict[str, str]) -> None:
+    collector = merged((BASE, OTEL), required)["services"][COLLECTOR]
+    # A version of its own, not whatever `latest` is on the day of a pull.
+    assert re.fullmatch(r"otel/opentelemetry-collector-contrib:\d+\.\d+\.\d+", collector["image"])
+    (flag,) = collector["command"]
+    inside = flag.removeprefix("--config=")
+    assert collector["volumes"] == [f"{ROOT / COLLECTOR_CONFIG}:{inside}:ro"]
+    protocols = collector_config()["receivers"]["otlp"]["protocols"]
+    # On every interface (the collector's default is localhost), at the port the services use.
+    assert protocols["http"]["endpoint"] == f"0.0.0.0:{urlsplit(COLLECTOR_URL).port}"
+    assert protocols["grpc"]["endpoint"] == "0.0.0.0:4317"
+    published = [{"published": port, "target": port} for port in (4317, 4318)]
+    assert collector["ports"] == published
+
+
+def test_the_collector_passes_traces_from_otlp_to_its_exporters() -> None:
+    config = collector_config()
+    pipelines = config["service"]["pipelines"]
+    assert set(pipelines) == {"traces"}
+    assert pipelines["traces"]["receivers"] == ["otlp"]
+    # Out of the box it only prints; a backend is the commented example's to add.
+    assert pipelines["traces"]["exporters"] == ["debug"]
+    # The collector refuses a pipeline naming a component it lacks; one defined and in no
+    # pipeline would be silently off (say, a backend's exporter added but not wired).
+    for kind in ("receivers", "processors", "exporters"):
+        used = {name for pipeline in pipelines.values() for name in pipeline.get(kind, [])}
+        assert used == set(config.get(kind) or {}), kind
