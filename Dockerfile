@@ -4,6 +4,7 @@ WORKDIR /app
 COPY pyproject.toml README.md ./
 COPY platform ./platform
 COPY templates ./templates
-RUN pip install --no-cache-dir .
+# With the otel extra: a process exports traces once OTEL_EXPORTER_OTLP_ENDPOINT is set.
+RUN pip install --no-cache-dir '.[otel]'
 ENV JOBPLANE_HOST=0.0.0.0
 ENTRYPOINT ["jobplane"]

@@ -8,11 +8,13 @@ from opentelemetry.sdk.trace import ReadableSpan, TracerProvider
 from opentelemetry.sdk.trace.export import SimpleSpanProcessor
 from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 from opentelemetry.trace import TracerProvider as AnyProvider
+from opentelemetry.util._once import Once
 
 
 def install(provider: AnyProvider | None) -> None:
     """Make `provider` the process's (None: none, as before anything installs one). The API
     lets a process install one provider for its life; a test installs its own and removes it."""
+    trace._TRACER_PROVIDER_SET_ONCE = Once()
     trace._TRACER_PROVIDER = provider
 
 

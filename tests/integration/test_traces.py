@@ -136,7 +136,8 @@ async def test_a_run_continues_its_callers_trace_from_send_to_each_steps_own_spa
     first, second = named(ended, "step first"), named(ended, "step second")
     own_async, own_sync = named(ended, "handler async"), named(ended, "handler sync")
     assert {hex_of(s)[0] for s in ended} == {CALLER_TRACE}, "one trace, the caller's"
-    assert answered["traceContext"]["traceparent"] == f"00-{CALLER_TRACE}-{hex_of(send)[1]}-01"
+    stored = answered["traceContext"]["traceparent"]
+    assert stored.startswith(f"00-{CALLER_TRACE}-{hex_of(send)[1]}-"), "the send span's context"
 
     server = named(ended, "POST /v1/runs")  # FastAPI's, in the caller's trace
     assert (server.kind, parent_of(server)) == (SpanKind.SERVER, CALLER_SPAN)
