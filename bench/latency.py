@@ -188,6 +188,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--redis-url")
     parser.add_argument("--write-concern", choices=["majority", "1"], default="majority")
     parser.add_argument("--json", action="store_true", help="end with the figures as JSON")
+    parser.add_argument("--tracing", action="store_true", help=throughput.TRACING_HELP)
     args = parser.parse_args(argv)
     check_rate(parser, args)
     return args

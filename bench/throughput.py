@@ -58,7 +58,7 @@ import redis.asyncio as aioredis
 from bson import ObjectId
 
 import jobplane.process
-from jobplane import Client
+from jobplane import Client, tracing
 from jobplane.backends import Backends, open_backends
 from jobplane.devstack.servers import MongoServer, RedisServer, free_port
 from jobplane.devstack.topologies import RedisClusterNodes, SentinelGroup
@@ -70,6 +70,7 @@ from jobplane.settings import Settings
 from jobplane.store.database import Collections
 
 CALLERS = 32
+TRACING_HELP = "trace every process, exporting OTLP to a local receiver"
 ACTOR = "user:bench"
 TEMPLATE = TemplateSpec.model_validate(
     {"type": "bench_noop", "steps": [{"id": "only", "handler": "builtin.noop"}]}
@@ -235,7 +236,32 @@ def servers(args: argparse.Namespace) -> Iterator[tuple[str, str, Processes]]:
             mongo_url, procs.servers["mongod"] = mongo.url, mongo.pid or 0
         if not redis_url:
             redis_url = start_redis("single", root, procs, st)
+        if getattr(args, "tracing", False):
+            start_tracing(root, procs, st)
         yield mongo_url, redis_url, procs
+
+
+def start_tracing(root: Path, procs: Processes, stack: contextlib.ExitStack) -> None:
+    """Trace every process of the benchmark, this one (the producer) too, exporting through
+    the SDK's batch processor to a local receiver (`otlp_sink.py`; its CPU counts as
+    `otlp-sink`)."""
+    port = free_port()
+    with (root / "otlp-sink.log").open("wb") as log:
+        sink = subprocess.Popen(
+            [sys.executable, str(Path(__file__).with_name("otlp_sink.py")), str(port)],
+            stdout=log,
+            stderr=subprocess.STDOUT,
+        )
+    stack.callback(sink.kill)
+    procs.servers["otlp-sink"] = sink.pid
+    deadline = time.monotonic() + 30
+    while b"listening" not in (root / "otlp-sink.log").read_bytes():
+        if sink.poll() is not None or time.monotonic() > deadline:
+            raise RuntimeError("the OTLP receiver did not start")
+        time.sleep(0.02)
+    # The children inherit it: each process sets its own tracing up from it.
+    os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = f"http://127.0.0.1:{port}"
+    tracing.configure("bench-producer")
 
 
 def start_redis(topology: str, root: Path, procs: Processes, stack: contextlib.ExitStack) -> str:
@@ -710,6 +736,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--write-concern", choices=["majority", "1"], default="majority")
     parser.add_argument("--repeat", type=int, default=1)
     parser.add_argument("--json", action="store_true", help="end with the medians as JSON")
+    parser.add_argument("--tracing", action="store_true", help=TRACING_HELP)
     parser.add_argument(
         "--workloads",
         type=lambda s: [w for w in s.split(",") if w],
