@@ -56,6 +56,8 @@ import pymongo
 import redis
 import redis.asyncio as aioredis
 from bson import ObjectId
+from opentelemetry import trace
+from opentelemetry.sdk.trace import TracerProvider
 
 import jobplane.process
 from jobplane import Client, tracing
@@ -262,6 +264,9 @@ def start_tracing(root: Path, procs: Processes, stack: contextlib.ExitStack) -> 
     # The children inherit it: each process sets its own tracing up from it.
     os.environ["OTEL_EXPORTER_OTLP_ENDPOINT"] = f"http://127.0.0.1:{port}"
     tracing.configure("bench-producer")
+    provider = trace.get_tracer_provider()
+    if isinstance(provider, TracerProvider):
+        stack.callback(provider.shutdown)  # its last spans sent before the receiver stops
 
 
 def start_redis(topology: str, root: Path, procs: Processes, stack: contextlib.ExitStack) -> str:

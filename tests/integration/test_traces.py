@@ -19,7 +19,7 @@ from jobplane.runs import RunRequest, RunService
 from jobplane.schedules.service import ScheduleService
 from jobplane.settings import Settings
 from jobplane.worker import StepContext, registry
-from tests.integration.conftest import Register
+from tests.integration.conftest import Register, options
 from tests.integration.test_external import external
 from tests.integration.workers import running, settled
 from tests.tracing import named, recorded
@@ -333,3 +333,30 @@ async def test_the_http_client_sends_its_current_context(
     server, send = named(ended, "POST /v1/runs"), named(ended, "send default")
     assert parent_of(server) == trace.format_span_id(mine.span_id)
     assert parent_of(send) == hex_of(server)[1]
+
+
+async def test_a_direct_client_sends_from_the_applications_current_span(
+    url: str, settings: Settings, register: Register, spans: InMemorySpanExporter
+) -> None:
+    await register("plain", steps=[{"id": "only", "handler": "builtin.noop"}])
+    async with Client(**options("direct", url, settings)) as client:
+        with handlers().start_as_current_span("producer") as producer:
+            run = await client.create("plain", scope="user", scope_id="u1")
+    mine = producer.get_span_context()
+    assert run.trace_id == trace.format_trace_id(mine.trace_id)
+    send = named(spans.get_finished_spans(), "send default")
+    assert parent_of(send) == trace.format_span_id(mine.span_id)
+
+
+async def test_a_step_timeout_is_an_event_and_fails_its_span(
+    backends: Backends, settings: Settings, register: Register, spans: InMemorySpanExporter
+) -> None:
+    await register("slow", steps=[{"id": "nap", "handler": "builtin.sleep", "timeoutSeconds": 0.2}])
+    service = RunService(backends.store, backends.queue)
+    run, _ = await service.create(RunRequest("slow", "user", "u1", {"sleepSeconds": 30}), "u:t")
+    async with running(backends, settings):
+        [done] = await settled(backends.store, [run.id])
+    assert done.status == RunStatus.FAILED and done.error and done.error.code == "step_timeout"
+    step = named(spans.get_finished_spans(), "step nap")
+    assert [e.name for e in step.events] == ["timeout", "exception"]
+    assert step.status.status_code == StatusCode.ERROR

@@ -4,14 +4,20 @@ span they were written in."""
 import json
 import logging
 from collections.abc import Iterator
+from datetime import UTC, datetime
 
 import pytest
 from opentelemetry import trace
 from opentelemetry.sdk.trace import TracerProvider
 from opentelemetry.sdk.trace.export import BatchSpanProcessor, ConsoleSpanExporter
+from opentelemetry.trace import StatusCode
 
 from jobplane import tracing
+from jobplane.model import Run, RunStatus
 from jobplane.process import JSONFormatter
+from jobplane.worker import spans as spans_of
+from jobplane.worker.context import CancelRequested
+from jobplane.worker.held import Stopped
 from tests.tracing import install, recorded
 
 VARIABLES = (
@@ -146,3 +152,29 @@ def test_a_send_span_s_context_is_what_the_run_stores() -> None:
     assert list(stored) == ["traceparent"]
     assert stored["traceparent"].startswith(f"00-{trace_id}-{span_id}-")
     assert ended.attributes is not None and ended.attributes["messaging.message.id"] == "run-1"
+
+
+@pytest.mark.parametrize(
+    ("stop", "event"),
+    [
+        (Stopped("lost"), "lease lost"),
+        (Stopped("shutdown"), "stopped: shutdown"),
+        (CancelRequested("r1"), "cancel requested"),
+    ],
+)
+def test_what_stops_a_step_without_failing_it_is_an_event(stop: Exception, event: str) -> None:
+    run = Run(
+        id="r1",
+        template_type="t",
+        template_version=1,
+        scope="user",
+        scope_id="u",
+        status=RunStatus.RUNNING,
+        create_at=datetime.now(UTC),
+        update_at=datetime.now(UTC),
+    )
+    with recorded() as spans, pytest.raises(type(stop)), spans_of.step(run, "s1"):
+        raise stop
+    [ended] = spans.get_finished_spans()
+    assert [e.name for e in ended.events] == [event]
+    assert ended.status.status_code == StatusCode.UNSET
