@@ -2,6 +2,7 @@
 
 from pathlib import Path
 from typing import Annotated, Literal
+from urllib.parse import urlsplit
 
 from pydantic import BeforeValidator, Field, ValidationError, field_validator
 from pydantic_core import ErrorDetails
@@ -96,6 +97,10 @@ class Settings(BaseSettings):
     # Tries in flight at once in one notifier (each webhook has at most 16 of them).
     webhook_concurrency: Annotated[int, Field(ge=1, le=10_000)] = 64
 
+    # Where the dashboard links a run's trace: `{traceId}` is replaced by the run's trace id.
+    # Unset (or empty): the trace id is shown as text.
+    trace_url: str | None = None
+
     @field_validator("redis_url")
     @classmethod
     def _redis_url(cls, url: str | None) -> str | None:
@@ -108,6 +113,26 @@ class Settings(BaseSettings):
     def _redis_prefix(cls, prefix: str) -> str:
         Keys(prefix)  # raises, saying what is wrong
         return prefix
+
+    @field_validator("trace_url")
+    @classmethod
+    def _trace_url(cls, url: str | None) -> str | None:
+        if not url:
+            return None
+        try:
+            parts = urlsplit(url)
+            # `port` raises unless the port is absent or a number up to 65535.
+            web = parts.scheme in ("http", "https") and bool(parts.hostname) and parts.port != 0
+        except ValueError:  # that, or an unclosed `[`
+            web = False
+        if not web:
+            raise ValueError("JOBPLANE_TRACE_URL must be an http:// or https:// URL with a host")
+        # Every key's dashboard reads it (GET /v1/overview), so it may not carry a password.
+        if parts.username is not None or parts.password is not None:
+            raise ValueError("JOBPLANE_TRACE_URL may not hold a user name or password")
+        if "{traceId}" not in url:
+            raise ValueError("JOBPLANE_TRACE_URL must hold {traceId}, where the trace id goes")
+        return url
 
     def unset(self, *fields: str) -> str | None:
         """Which of `fields` a process needs but lacks, naming each variable; None when all

@@ -98,6 +98,21 @@ def running_stack(
                 client.delete(*keys)
 
 
+@contextmanager
+def another_api(stack: Stack, logs: Path, **settings: Any) -> Iterator[Stack]:
+    """One more API process on the stack's database and Redis, on a port of its own, with
+    `settings` changed: a setting only the API reads, tested beside the stack's own API."""
+    changed = stack.settings.model_copy(update={**settings, "port": free_port()})
+    logs.mkdir(parents=True, exist_ok=True)
+    process = spawn(changed, "api", logs / "another_api.log")
+    other = Stack(changed, f"http://127.0.0.1:{changed.port}", stack.admin_key, logs)
+    try:
+        _wait_ready(other, [process])
+        yield other
+    finally:
+        terminate(process)
+
+
 def _wait_ready(stack: Stack, processes: list[Any], within: float = 60) -> None:
     deadline = time.monotonic() + within
     while time.monotonic() < deadline:

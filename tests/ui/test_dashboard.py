@@ -7,6 +7,7 @@ import io
 import re
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 from urllib.parse import urlparse
 from uuid import uuid4
@@ -16,7 +17,7 @@ import pytest
 from playwright.sync_api import Locator, Page, Request, Route, expect
 
 from tests.ui.conftest import PAUSABLE_QUEUE, sign_in
-from tests.ui.stack import Stack
+from tests.ui.stack import Stack, another_api
 
 pytestmark = pytest.mark.timeout(120)
 
@@ -569,6 +570,73 @@ def test_a_map_step_counts_its_children_and_links_to_their_list(
     expect(page).to_have_url(re.compile(f"parentRunId={run_id}"))
     listed = page.get_by_role("region", name="Runs")
     expect(listed.get_by_role("link", name=re.compile(r"^run "))).to_have_count(3)
+
+
+# -- traces: a run created in a caller's trace shows its trace id, linked when the server says
+# where traces are shown (JOBPLANE_TRACE_URL).
+
+TRACE_ID = "0af7651916cd43dd8448eb211c80319c"
+TRACEPARENT = f"00-{TRACE_ID}-b7ad6b7169203331-01"
+
+
+def create_traced_run(admin: httpx.Client, scope_id: str) -> str:
+    """A run of `ui_steps` created with a `traceparent`: it keeps that trace."""
+    payload = {"sleepSeconds": 0}
+    body = {"templateType": "ui_steps", "scope": "user", "scopeId": scope_id, "payload": payload}
+    response = admin.post("/v1/runs", json=body, headers={"traceparent": TRACEPARENT})
+    assert response.status_code == 201, response.text
+    assert response.json()["traceId"] == TRACE_ID
+    return str(response.json()["id"])
+
+
+def fact(page: Page, term: str) -> Locator:
+    """The value the run page's facts give for `term` (its <dd>)."""
+    return page.locator(f"dl.facts dt:text-is('{term}') + dd")
+
+
+def test_a_run_s_trace_id_is_shown_as_text_without_a_trace_url(
+    page: Page, stack: Stack, scope_id: str
+) -> None:
+    with stack.admin() as admin:
+        traced = create_traced_run(admin, scope_id)
+        untraced = create_run(admin, "ui_steps", scope_id, sleepSeconds=0)
+        assert admin.get(f"/v1/runs/{untraced}").json()["traceId"] is None
+    sign_in(page, stack)
+    page.goto(f"{stack.dashboard}#/runs/{traced}")
+    expect(run_status(page)).to_have_text("succeeded", timeout=15_000)
+    trace = fact(page, "Trace")
+    expect(trace).to_have_text(TRACE_ID)
+    expect(trace.locator(".mono")).to_have_text(TRACE_ID)
+    expect(trace.get_by_role("link")).to_have_count(0)
+
+    page.goto(f"{stack.dashboard}#/runs/{untraced}")
+    expect(run_status(page)).to_have_text("succeeded", timeout=15_000)
+    expect(fact(page, "Created")).to_be_visible()
+    expect(page.locator("dl.facts dt:text-is('Trace')")).to_have_count(0)
+
+
+def test_a_run_s_trace_id_links_to_the_trace_url(
+    page: Page, stack: Stack, scope_id: str, tmp_path: Path
+) -> None:
+    template = "https://jaeger.example/trace/{traceId}?from=jobplane"
+    with another_api(stack, tmp_path, trace_url=template) as linked, stack.admin() as admin:
+        traced = create_traced_run(admin, scope_id)
+        untraced = create_run(admin, "ui_steps", scope_id, sleepSeconds=0)
+        sign_in(page, linked)
+        page.goto(f"{linked.dashboard}#/runs/{traced}")
+        expect(run_status(page)).to_have_text("succeeded", timeout=15_000)
+        link = fact(page, "Trace").get_by_role("link", name=TRACE_ID, exact=True)
+        expect(link).to_have_attribute(
+            "href", f"https://jaeger.example/trace/{TRACE_ID}?from=jobplane"
+        )
+        expect(link).to_have_attribute("target", "_blank")
+        expect(link).to_have_attribute("rel", "noopener")
+        expect(link).to_have_class("mono")
+
+        page.goto(f"{linked.dashboard}#/runs/{untraced}")
+        expect(run_status(page)).to_have_text("succeeded", timeout=15_000)
+        expect(fact(page, "Created")).to_be_visible()
+        expect(page.locator("dl.facts dt:text-is('Trace')")).to_have_count(0)
 
 
 # -- live streams: the run page and the overview follow the API's streams, and poll while a

@@ -178,6 +178,26 @@ async def test_any_key_may_read_it_and_an_author_sees_no_runs(
     error_of(await client_for("jp_x_y").get("/v1/overview"), 401, "Unauthorized")
 
 
+async def test_it_says_where_the_dashboard_links_a_trace(
+    client_for: Client, backends: Backends, settings: Settings
+) -> None:
+    """JOBPLANE_TRACE_URL as set, for any key: the dashboard's run page links a run's trace id
+    with it. Null when unset."""
+    assert settings.admin_key is not None
+    admin = client_for(settings.admin_key)
+    author = client_for(await _key(admin, "writer", "author", []))
+    assert (await author.get("/v1/overview")).json()["traceUrl"] is None
+
+    template = "https://jaeger.example/trace/{traceId}"
+    linked = settings.model_copy(update={"trace_url": template})
+    transport = httpx.ASGITransport(app=create_app(linked, backends))
+    headers = {"authorization": f"Bearer {settings.admin_key}"}
+    async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+        response = await client.get("/v1/overview", headers=headers)
+    assert response.status_code == 200, response.text
+    assert response.json()["traceUrl"] == template
+
+
 async def test_redis_down_leaves_its_figures_out(backends: Backends, settings: Settings) -> None:
     down = Redis.from_url(f"redis://127.0.0.1:{free_port()}/0")  # nothing listens there
     cut_off = Backends(backends.store, RedisQueue(down, backends.queue.keys))

@@ -150,6 +150,9 @@ class Overview(ResponseBody):
     workers: Workers
     scheduler: SchedulerFigures
     backends: Backends
+    # The dashboard links a run's trace id here, `{traceId}` replaced (JOBPLANE_TRACE_URL);
+    # None when unset.
+    trace_url: str | None
 
 
 @router.get(
@@ -196,6 +199,7 @@ async def read_overview(
         backends=Backends(
             mongodb=gauges.get(("jobplane_backend_up", ("mongodb",))) == 1, redis=redis_up
         ),
+        trace_url=settings.trace_url,
     )
 
 

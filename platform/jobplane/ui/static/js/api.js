@@ -24,6 +24,8 @@ export class ApiError extends Error {
 export const session = {
   key: sessionStorage.getItem(KEY_ITEM),
   identity: null,
+  // Where a run's trace is shown, `{traceId}` in place of its id (GET /v1/overview); null: nowhere.
+  traceUrl: null,
   can(permission) {
     return Boolean(this.identity && this.identity.permissions.includes(permission));
   },
@@ -43,6 +45,7 @@ export function signOut() {
   sessionStorage.removeItem(KEY_ITEM);
   session.key = null;
   session.identity = null;
+  session.traceUrl = null;
   cache.clear();
 }
 

@@ -98,7 +98,7 @@ function showLogin(notice) {
     try {
       const found = await get("/v1/overview", {}, { key });
       signIn(key);
-      session.identity = found.caller;
+      learn(found);
       route();
     } catch (error) {
       const refused = error instanceof ApiError && error.status === 401;
@@ -118,6 +118,12 @@ onUnauthorized(() => {
   signOut();
   showLogin("The API refused your key (it may have been revoked). Sign in again.");
 });
+
+// What the shell keeps from the overview for every page: who the key is, where traces are shown.
+function learn(overview) {
+  session.identity = overview.caller;
+  session.traceUrl = overview.traceUrl;
+}
 
 // -- layout ----------------------------------------------------------------------------------
 
@@ -176,7 +182,7 @@ async function route() {
   }
   if (!session.identity) {
     try {
-      session.identity = (await get("/v1/overview")).caller;
+      learn(await get("/v1/overview"));
     } catch (error) {
       if (error instanceof ApiError && error.status === 401) return; // onUnauthorized showed sign-in
       fill(app, h("main", { class: "boot" }, errorBox(error, { title: "The dashboard could not start." })));

@@ -178,6 +178,7 @@ class RunView {
         ["Rerun of", run.rerunOf ? runLink(run.rerunOf, { full: true }) : undefined],
         ["Idempotency key", run.idempotencyKey ? h("span", { class: "mono" }, run.idempotencyKey) : undefined],
         ["Dedupe key", run.dedupeKey ? h("span", { class: "mono" }, run.dedupeKey) : undefined],
+        ["Trace", run.traceId ? trace(run.traceId) : undefined],
       ])),
       card("Lease", facts([
         [TERMINAL.has(run.status) ? "Last held by" : "Held by", run.lockedBy ? h("span", { class: "mono" }, run.lockedBy) : "no worker"],
@@ -285,6 +286,15 @@ function waitingNote(run) {
   }[reason];
   // A reason newer than this page is still said, in the API's words.
   return h("p", { class: "waiting", role: "status", "data-reason": reason }, ...(said ? said() : [`Waiting (${reason}): ${detail}.`]));
+}
+
+// The run's trace id; a link into the trace viewer when the server names one
+// (JOBPLANE_TRACE_URL), opened beside the dashboard.
+function trace(id) {
+  if (!session.traceUrl) return h("span", { class: "mono" }, id);
+  // split/join rather than replace: a replacement string would read `$` patterns.
+  const href = session.traceUrl.split("{traceId}").join(encodeURIComponent(id));
+  return h("a", { href, class: "mono", target: "_blank", rel: "noopener" }, id);
 }
 
 function errorCard(error) {
