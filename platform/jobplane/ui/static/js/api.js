@@ -1,5 +1,5 @@
 // The public HTTP API, as the dashboard calls it: the signed-in key on every request, errors
-// as ApiError with SPEC.md's {code, message, details}. Nothing here reaches past /v1.
+// as ApiError with docs/contract.md's {code, message, details}. Nothing here reaches past /v1.
 
 const KEY_ITEM = "jobplane.apiKey";
 
