@@ -8,6 +8,7 @@ by the other worker in the trace its creation began.
 """
 
 import asyncio
+import os
 import signal
 import subprocess
 from collections.abc import Awaitable, Callable
@@ -145,8 +146,15 @@ def succeeded(run: Run) -> bool:
 
 @pytest.mark.slow
 async def test_a_runs_trace_crosses_the_api_and_worker_processes_and_survives_a_killed_worker(
-    backends: Backends, settings: Settings, register: Register, tmp_path: Path
+    backends: Backends,
+    settings: Settings,
+    register: Register,
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
 ) -> None:
+    # The processes inherit this one's variables: only the test's own OTEL_* may reach them.
+    for name in [n for n in os.environ if n.startswith("OTEL_")]:
+        monkeypatch.delenv(name)
     await register("traced_call", steps=[{"id": "call", "handler": "traced.call"}])
     await register(
         "traced_hang",
