@@ -161,7 +161,7 @@ def configure(service: str) -> None:
 
     Nothing is installed when the application installed a tracer provider of its own, when
     OTEL_SDK_DISABLED is true, or when neither OTEL_TRACES_EXPORTER nor an OTLP endpoint is
-    set. The SDK and its exporter are the `jobplane[otel]` extra."""
+    set. The SDK and its exporter are the `jobplane[otel]` extra (`exporting.py`)."""
     env = os.environ
     if tracer() is not None or env.get("OTEL_SDK_DISABLED", "").strip().lower() == "true":
         return
@@ -175,38 +175,11 @@ def configure(service: str) -> None:
     if not exporters:
         return
     try:
-        from opentelemetry.sdk.resources import SERVICE_NAME, Resource
-        from opentelemetry.sdk.trace import TracerProvider
-        from opentelemetry.sdk.trace.export import BatchSpanProcessor
+        from jobplane.exporting import provider
     except ImportError:
         log.warning(
             "OTEL_* variables ask for traces, but the OpenTelemetry SDK is not installed: "
             "pip install 'jobplane[otel]'"
         )
         return
-    resource = Resource.create()
-    if str(resource.attributes.get(SERVICE_NAME, "")).startswith("unknown_service"):
-        resource = resource.merge(Resource({SERVICE_NAME: service}))
-    provider = TracerProvider(resource=resource)
-    for name in exporters:
-        if (exporter := _exporter(name)) is not None:
-            provider.add_span_processor(BatchSpanProcessor(exporter))
-    trace.set_tracer_provider(provider)
-
-
-def _exporter(name: str) -> Any:
-    if name == "console":
-        from opentelemetry.sdk.trace.export import ConsoleSpanExporter
-
-        return ConsoleSpanExporter()
-    if name != "otlp":
-        log.warning("OTEL_TRACES_EXPORTER %r is not one jobplane knows (otlp, console)", name)
-        return None
-    protocol = os.environ.get("OTEL_EXPORTER_OTLP_TRACES_PROTOCOL") or os.environ.get(
-        "OTEL_EXPORTER_OTLP_PROTOCOL", "http/protobuf"
-    )
-    if protocol != "http/protobuf":
-        log.warning("OTLP protocol %r is not supported: exporting over http/protobuf", protocol)
-    from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
-
-    return OTLPSpanExporter()
+    trace.set_tracer_provider(provider(service, exporters))

@@ -14,6 +14,7 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
     "jobplane.groupcommit": ("jobplane.",),
     "jobplane.process": ("jobplane.",),
     "jobplane.tracing": ("jobplane.",),
+    "jobplane.exporting": ("jobplane.",),
     "jobplane.queue.connect": ("jobplane.",),
     "jobplane.queue.keys": ("jobplane.",),
     "jobplane.schedules.cron": ("jobplane.",),
@@ -41,7 +42,11 @@ FORBIDDEN: dict[str, tuple[str, ...]] = {
 }
 # But for these: direct mode serves the API's routes in its own process, so that both modes
 # answer every call alike (`docs/architecture.md`, "The client's two modes").
-ALLOWED: dict[str, tuple[str, ...]] = {"jobplane.client.direct": ("jobplane.api",)}
+# And a process's exporter, which tracing loads only when asked for (it needs the otel extra).
+ALLOWED: dict[str, tuple[str, ...]] = {
+    "jobplane.client.direct": ("jobplane.api",),
+    "jobplane.tracing": ("jobplane.exporting",),
+}
 
 
 def module_name(path: Path) -> str:

@@ -50,7 +50,7 @@ def step(run: Run, step_id: str) -> Iterator[None]:
         return
     with tracer.start_as_current_span(
         f"step {step_id}",
-        attributes={**_attributes(run), "jobplane.step.id": step_id},
+        attributes=_attributes(run),
         record_exception=False,
         set_status_on_exception=False,
     ) as span:
