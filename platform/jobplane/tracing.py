@@ -1,5 +1,5 @@
 """Traces: the trace context a run carries, the spans of its creation and of a schedule's fire,
-and a process's exporter.
+and whether a process exports them (how: `exporting.py`).
 
 Spans follow OpenTelemetry's messaging conventions (`docs/operations.md`, "Traces"): a run's
 creation is a PRODUCER span, `send <queue>`, whose W3C context the run stores as

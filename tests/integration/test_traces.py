@@ -217,13 +217,16 @@ async def test_with_tracing_off_a_run_keeps_its_callers_context_and_no_span_is_m
     body = {"templateType": "plain", "scope": "user", "scopeId": "u1"}
     carried = await api.post("/v1/runs", json=body, headers={"traceparent": TRACEPARENT})
     plain = await api.post("/v1/runs", json=body)
+    # A malformed header is no trace context at all, as the W3C specification says.
+    garbled = await api.post("/v1/runs", json=body, headers={"traceparent": "00-nonsense-01"})
+    assert garbled.status_code == 201 and garbled.json()["traceContext"] is None
     assert carried.json()["traceContext"] == {"traceparent": TRACEPARENT}
     assert carried.json()["traceId"] == CALLER_TRACE
     assert plain.json()["traceContext"] is None and plain.json()["traceId"] is None
     stored = await backends.store.runs.get(plain.json()["id"])
     assert stored is not None and stored.trace_context is None
     async with running(backends, settings):
-        done = await settled(backends.store, [carried.json()["id"], plain.json()["id"]])
+        done = await settled(backends.store, [r.json()["id"] for r in (carried, plain, garbled)])
     assert {r.status for r in done} == {RunStatus.SUCCEEDED}
     assert tracing.tracer() is None
 
