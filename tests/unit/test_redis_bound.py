@@ -60,3 +60,40 @@ async def test_a_driver_writing_to_a_closed_connection_is_a_redis_error() -> Non
             await queue.signal_cancel("r1")
     finally:
         await redis.aclose()
+
+
+# A write redis-py 8.1 makes to a connection a reset closed meanwhile (redis/redis-py#4287),
+# compiled as if it were redis-py's own code: where the error is raised is what tells it apart.
+_CLOSED_WRITE = compile(
+    "async def write(*args, **kwargs):\n    None.writelines(args)\n",
+    "/site-packages/redis/asyncio/connection.py",
+    "exec",
+)
+
+
+async def test_a_driver_failing_inside_its_connection_write_is_a_redis_error() -> None:
+    found: dict[str, object] = {}
+    exec(_CLOSED_WRITE, found)
+    redis = Redis(host="127.0.0.1", port=1)
+    redis.execute_command = found["write"]  # type: ignore[method-assign]
+    queue = RedisQueue(redis, Keys("t:"), timeout_seconds=0.3)
+    try:
+        with pytest.raises(REDIS_DOWN, match="writelines"):
+            await queue.signal_cancel("r1")
+    finally:
+        await redis.aclose()
+
+
+async def test_an_attribute_error_of_our_own_is_not_taken_for_redis() -> None:
+    redis = Redis(host="127.0.0.1", port=1)
+
+    async def ours(*args: object, **kwargs: object) -> None:
+        raise AttributeError("a bug of ours")
+
+    redis.execute_command = ours  # type: ignore[method-assign]
+    queue = RedisQueue(redis, Keys("t:"), timeout_seconds=0.3)
+    try:
+        with pytest.raises(AttributeError, match="a bug of ours"):
+            await queue.signal_cancel("r1")
+    finally:
+        await redis.aclose()
