@@ -158,14 +158,13 @@ async def test_a_lock_whose_holder_was_killed_is_free_within_a_lease_length(
         await until(lambda: backends.queue.redis.exists(lock), 60)
         proc.send_signal(signal.SIGKILL)
         proc.wait(10)
-        killed = asyncio.get_running_loop().time()
-        await until(lambda: _gone(backends, lock), settings.lease_seconds + 1)
-        freed = asyncio.get_running_loop().time() - killed
+        # Its holder dead, nothing renews it: what its last renewal left is at most a lease
+        # length (read from Redis, not timed here, so a slow machine cannot fail it; -2: gone).
+        left = await backends.queue.redis.pttl(lock)
+        assert left == -2 or 0 < left <= settings.lease_seconds * 1000
+        await until(lambda: _gone(backends, lock), settings.lease_seconds + 30)
     finally:
         terminate(proc)
-    # Gone a lease length after its last renewal at most, seen by `until` up to one look
-    # (50 ms) later.
-    assert freed <= settings.lease_seconds + 0.05
     # The reaper gives the run to another worker, which takes the lock again.
     quick = {**payload, "seconds": 0.1}
     await backends.store.runs.get(doomed.id)
