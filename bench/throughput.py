@@ -300,6 +300,10 @@ class Counters:
     """Server-wide counters and CPU times at one instant; differences give the cost of a span."""
 
     mongo: dict[str, float]
+    # MongoDB commands by name (`metrics.commands`), each a round trip of some client.
+    commands: dict[str, float]
+    # Documents written and read, and bytes: the journal's and both ways on the network.
+    volume: dict[str, float]
     # `top`: per "collection.kind" the number of operations and the µs they took (wall time,
     # waits on locks and I/O included, concurrent operations summed).
     top_count: dict[str, float]
@@ -316,6 +320,20 @@ class Counters:
         mongo["journal syncs"] = status["wiredTiger"]["log"]["log sync operations"]
         mongo["transactions"] = status["transactions"]["totalStarted"]
         mongo["aborted transactions"] = status["transactions"]["totalAborted"]
+        commands = {
+            name: float(c["total"])
+            for name, c in status["metrics"]["commands"].items()
+            if isinstance(c, dict) and isinstance(c.get("total"), int)
+        }
+        document = status["metrics"]["document"]
+        volume: dict[str, float] = {
+            "docs inserted": document["inserted"],
+            "docs updated": document["updated"],
+            "docs returned": document["returned"],
+            "journal bytes": status["wiredTiger"]["log"]["log bytes written"],
+            "bytes in": status["network"]["bytesIn"],
+            "bytes out": status["network"]["bytesOut"],
+        }
         top_count: dict[str, float] = {}
         top_time: dict[str, float] = {}
         for ns, kinds in (await admin.command("top"))["totals"].items():
@@ -328,7 +346,7 @@ class Counters:
             for k, v in stats.items():
                 name = k.removeprefix("cmdstat_")
                 calls[name] = calls.get(name, 0) + float(v["calls"])
-        return Counters(mongo, top_count, top_time, calls, procs.cpu())
+        return Counters(mongo, commands, volume, top_count, top_time, calls, procs.cpu())
 
     def per_run(self, later: Counters, runs: int, seconds: float) -> list[str]:
         """Lines describing what `runs` runs cost between this reading and `later`."""
@@ -347,6 +365,8 @@ class Counters:
         cores = runs * (ours + others) / 1000 / seconds if seconds else 0
         return [
             "mongod per run: " + _fmt(delta(self.mongo, later.mongo), "{:.2f}"),
+            "mongod commands per run: " + _fmt(delta(self.commands, later.commands), "{:.3f}"),
+            "mongod volume per run: " + _fmt(delta(self.volume, later.volume), "{:.0f}"),
             "mongod top per run (count, µs): " + _fmt(top, "{:.0f}", 8),
             f"redis per run: {sum(rds.values()):.2f} commands: " + _fmt(rds, "{:.2f}", 7),
             "cpu ms per run: "
