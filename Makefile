@@ -79,9 +79,10 @@ chaos: $(STAMP)
 	$(BIN)/python -m tests.chaos
 
 # Every benchmark, one after another (about an hour); each prints its own figures, and
-# docs/benchmarks.md says what they mean. The peers' comparison installs Celery and SAQ in
-# virtual environments of their own (.bench-venvs/).
-bench: $(STAMP)
+# docs/benchmarks.md says what they mean. The peers' comparison installs Celery, SAQ and
+# procrastinate in virtual environments of their own (.bench-venvs/), and runs procrastinate on
+# a private PostgreSQL cluster from Debian's server binaries.
+bench: $(STAMP) postgresql
 	$(BIN)/python bench/as_users.py --repeat 3
 	$(BIN)/python bench/throughput.py --repeat 3
 	$(BIN)/python bench/redis_topologies.py --repeat 3
@@ -96,6 +97,22 @@ bench: $(STAMP)
 	$(BIN)/python bench/memory.py
 	$(BIN)/python bench/scale.py
 	$(BIN)/python bench/peers/run.py
+
+# Debian's PostgreSQL server, for procrastinate in the peers' comparison: installed like Chromium
+# when missing (its package also starts Debian's own cluster, which the comparison does not use).
+.PHONY: postgresql
+postgresql:
+	@if ls /usr/lib/postgresql/*/bin/postgres >/dev/null 2>&1; then :; \
+	elif [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		echo "Installing PostgreSQL for the peers' comparison (apt-get install postgresql)"; \
+		export DEBIAN_FRONTEND=noninteractive; \
+		apt-get install -y --no-install-recommends postgresql >/dev/null 2>&1 \
+		|| { apt-get update -qq && apt-get install -y --no-install-recommends postgresql >/dev/null; } \
+		|| echo "make: could not install PostgreSQL; bench/peers/run.py will say so"; \
+	else \
+		echo "make: PostgreSQL's server is missing and apt-get cannot install it here (needs root);" \
+			"bench/peers/run.py will say so"; \
+	fi
 
 bench-api: $(STAMP)
 	$(BIN)/python bench/api.py

@@ -9,7 +9,8 @@ started done` (wall-clock seconds, `time.time()`). `i` is the job's index, carri
 arguments with `enqueued` (the producer's clock just before the enqueue call); `started` is
 read first thing in the task body; `done` is read in the peer's hook that runs after the job's
 completion was recorded (Celery's `task_postrun`, after the result is stored; SAQ's
-`after_process`, after the job's `complete` write). One `write()` per job, a few microseconds.
+`after_process`, after the job's `complete` write; for procrastinate, which has no such hook,
+when the worker's `finish_job` call returns). One `write()` per job, a few microseconds.
 """
 
 from __future__ import annotations

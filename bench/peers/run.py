@@ -1,11 +1,12 @@
-"""jobplane side by side with Celery and SAQ: the same workloads, the same servers, interleaved.
+"""jobplane side by side with Celery, SAQ and procrastinate: the same workloads, interleaved.
 
 One local Redis and one local MongoDB (jobplane's devstack servers: a one-node replica set and a
-Redis without persistence) serve every system. Each round runs every system once, in order
-(jobplane, celery-mongo, celery-redis, saq by default), each workload as its own subprocess,
-with Redis flushed and every non-system MongoDB database dropped before each one. The table
-shows per system the median and min-max over the rounds, and jobplane's median divided by each
-peer's.
+Redis without persistence) serve every system, and a private PostgreSQL cluster serves
+procrastinate. Each round runs every system once, in order (jobplane, celery-mongo,
+celery-redis, saq, procrastinate by default), each workload as its own subprocess, with Redis
+flushed, every non-system MongoDB database dropped and PostgreSQL's database made anew before
+each one. The table shows per system the median and min-max over the rounds, and jobplane's
+median divided by each peer's; then the ratios the goals are stated in.
 
     drain    N jobs enqueued first, then P worker processes start: first job started (jobplane:
              first claim) to last job done, jobs/s
@@ -18,7 +19,8 @@ peer's.
 jobplane's figures come from its own benchmarks, as subprocesses: `bench/throughput.py --json`
 (drain, e2e and create, its in-process producer) and `bench/latency.py --json`. The peers run in
 their own virtual environments under `.bench-venvs/` (created on first use from the pinned
-`requirements-*.txt` here) through `celery_jobs.py` and `saq_jobs.py`. See README.md here.
+`requirements-*.txt` here) through `celery_jobs.py`, `saq_jobs.py` and `procrastinate_jobs.py`.
+See README.md here.
 
     .venv/bin/python bench/peers/run.py [--rounds K] [--runs N] [--workers 1,2,4] [--systems ...]
 """
@@ -30,7 +32,9 @@ import contextlib
 import json
 import os
 import platform
+import pwd
 import resource
+import shutil
 import signal
 import subprocess
 import sys
@@ -51,13 +55,13 @@ from common import WORKLOADS, median_range
 
 sys.path.insert(1, str(Path(__file__).resolve().parent.parent))
 from jobplane.devstack.servers import MongoServer, RedisServer, free_port
-from throughput import cpu_seconds, machine_cpu_seconds
+from throughput import CLOCK_TICK, cpu_seconds, machine_cpu_seconds
 
 HERE = Path(__file__).resolve().parent
 BENCH = HERE.parent
 ROOT = BENCH.parent
 VENVS = ROOT / ".bench-venvs"
-DEFAULT_SYSTEMS = ("jobplane", "celery-mongo", "celery-redis", "saq")
+DEFAULT_SYSTEMS = ("jobplane", "celery-mongo", "celery-redis", "saq", "procrastinate")
 # Other processes busier than this (in cores) make a run wait a little (`--settle`).
 QUIET_CORES = 0.15
 RUN_TIMEOUT = 1800  # seconds for one subprocess; a stall is caught sooner inside each driver
@@ -81,6 +85,7 @@ class Servers:
     mongodb_url: str
     redis_url: str
     pids: tuple[int, ...]  # for the CPU they use, when this runner started them
+    postgres: PostgresServer | None = None  # when procrastinate is compared
 
     def database_url(self, name: str) -> str:
         """The MongoDB URL with a default database, as Celery's result backend wants it."""
@@ -171,6 +176,8 @@ class Peer(System):
             argv += ["--concurrency", str(args.concurrency)]
         if self.venv == "celery":
             argv += ["--pool", args.celery_pool]
+        if self.venv == "procrastinate" and servers.postgres is not None:
+            argv += ["--postgres-url", servers.postgres.url]
         if args.callers:
             argv += ["--callers", str(args.callers)]
         return [Run([*argv, "--workload", w], (w,)) for w in args.workloads]
@@ -181,6 +188,7 @@ class Peer(System):
             [str(python), "-m", "pip", "freeze"], capture_output=True, text=True, check=True
         ).stdout.split()
         wanted = ("celery==", "kombu==", "saq==", "redis==", "pymongo==", "hiredis==")
+        wanted += ("procrastinate==", "psycopg==", "psycopg-pool==")
         pins = ", ".join(v for v in versions if v.startswith(wanted))
         if self.venv == "celery":
             pool = args.celery_pool
@@ -188,6 +196,9 @@ class Peer(System):
                 pool, f"P workers of {args.concurrency or 1} threads"
             )
             callers = args.callers or 1
+        elif self.venv == "procrastinate":
+            shape = f"P workers of concurrency {args.concurrency or 1}"
+            callers = args.callers or 32
         else:
             shape = f"P workers of concurrency {args.concurrency or 10}"
             callers = args.callers or 32
@@ -218,6 +229,13 @@ SYSTEMS: dict[str, Peer] = {
         ["--backend", "redis"],
     ),
     "saq": Peer("saq", "saq", "saq_jobs.py", "Redis only (jobs and results in Redis)"),
+    "procrastinate": Peer(
+        "procrastinate",
+        "procrastinate",
+        "procrastinate_jobs.py",
+        "PostgreSQL only (jobs, their status and events in PostgreSQL, fsync and "
+        "synchronous_commit on)",
+    ),
 }
 
 
@@ -239,39 +257,192 @@ def ensure_venv(name: str) -> None:
 
 # -- servers and measuring -----------------------------------------------------------------------
 
+# Where Debian's `postgresql` package puts each major version's server binaries.
+POSTGRES_ROOT = Path("/usr/lib/postgresql")
+POSTGRES_DATABASE = "peers"
+POSTGRES_USER = "postgres"  # initdb refuses root: as root, the cluster runs as this account
+
+
+def postgres_binaries() -> Path:
+    """The newest PostgreSQL server installed, or a message saying how to install one."""
+    found = [p.parent for p in POSTGRES_ROOT.glob("*/bin/postgres")]
+    found = [p for p in found if (p / "initdb").exists() and (p / "psql").exists()]
+    if not found:
+        raise SystemExit(
+            f"procrastinate runs on PostgreSQL, whose server is not installed (no "
+            f"{POSTGRES_ROOT}/*/bin/postgres): `make bench` installs Debian's `postgresql` "
+            f"package when run as root, or run `apt-get install postgresql`; or leave "
+            f"procrastinate out of --systems"
+        )
+    return max(found, key=lambda p: [int(v) for v in p.parent.name.split(".") if v.isdigit()])
+
+
+class PostgresServer:
+    """A private PostgreSQL cluster in a temporary directory, on a free loopback port.
+
+    Made by `initdb` and served by `postgres` with the durability defaults written out (fsync and
+    synchronous_commit on: a commit returns once its WAL is flushed to disk). initdb and postgres
+    refuse to run as root, so a root runner starts both as the `postgres` account, which Debian's
+    package creates. Only TCP on 127.0.0.1 (no Unix socket), trust authentication."""
+
+    def __init__(self, log_path: Path) -> None:
+        self.bin = postgres_binaries()
+        self.port = free_port()
+        self.log_path = log_path
+        self.url = f"postgresql://postgres@127.0.0.1:{self.port}/{POSTGRES_DATABASE}"
+        self.user: dict[str, Any] = {}
+        if os.geteuid() == 0:
+            try:
+                account = pwd.getpwnam(POSTGRES_USER)
+            except KeyError:
+                raise SystemExit(
+                    f"PostgreSQL refuses to run as root and there is no `{POSTGRES_USER}` "
+                    f"account to run it as (Debian's `postgresql` package creates it)"
+                ) from None
+            self.user = {"user": account.pw_uid, "group": account.pw_gid, "extra_groups": []}
+        # Not under the runner's own temporary directory: that one is private to its owner.
+        self.root = Path(tempfile.mkdtemp(prefix="peers-bench-postgres-"))
+        if self.user:
+            os.chown(self.root, self.user["user"], self.user["group"])
+        self.process: subprocess.Popen[bytes] | None = None
+
+    @property
+    def pid(self) -> int:
+        return 0 if self.process is None else self.process.pid
+
+    def start(self, timeout: float = 60) -> None:
+        data = self.root / "data"
+        with self.log_path.open("ab") as log:
+            initdb = [str(self.bin / "initdb"), "-D", str(data), "-U", "postgres"]
+            initdb += ["--auth=trust", "--no-locale", "--encoding=UTF8"]
+            run = subprocess.run(
+                initdb, stdout=log, stderr=subprocess.STDOUT, cwd=self.root, **self.user
+            )
+            if run.returncode != 0:
+                raise RuntimeError(f"initdb exited with {run.returncode}; see {self.log_path}")
+            settings = {
+                "listen_addresses": "127.0.0.1",
+                "unix_socket_directories": "",
+                "fsync": "on",
+                "synchronous_commit": "on",
+                "max_connections": "300",  # each peer process keeps a pool of connections
+            }
+            argv = [str(self.bin / "postgres"), "-D", str(data), "-p", str(self.port)]
+            for name, value in settings.items():
+                argv += ["-c", f"{name}={value}"]
+            self.process = subprocess.Popen(
+                argv,
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                cwd=self.root,
+                start_new_session=True,
+                **self.user,
+            )
+        deadline = time.monotonic() + timeout
+        ready = [str(self.bin / "pg_isready"), "-q", "-h", "127.0.0.1", "-p", str(self.port)]
+        while subprocess.run(ready).returncode != 0:
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                raise RuntimeError(f"postgres did not start; see {self.log_path}")
+            time.sleep(0.05)
+
+    def psql(self, sql: str, database: str = "postgres") -> str:
+        argv = [str(self.bin / "psql"), "-X", "-q", "-A", "-t", "-v", "ON_ERROR_STOP=1"]
+        argv += ["-h", "127.0.0.1", "-p", str(self.port), "-U", "postgres", "-d", database]
+        done = subprocess.run([*argv, "-c", sql], capture_output=True, text=True, check=False)
+        if done.returncode != 0:
+            raise RuntimeError(f"psql {sql!r}: {done.stderr.strip()}")
+        return done.stdout.strip()
+
+    def recreate(self) -> None:
+        """An empty database for the next run; procrastinate's driver applies its schema."""
+        self.psql(f"DROP DATABASE IF EXISTS {POSTGRES_DATABASE} WITH (FORCE)")
+        self.psql(f"CREATE DATABASE {POSTGRES_DATABASE}")
+
+    def stop(self, timeout: float = 30) -> None:
+        if self.process is not None:
+            self.process.send_signal(signal.SIGINT)  # fast shutdown: clients are not waited for
+            try:
+                self.process.wait(timeout)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+            self.process = None
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+def tree_cpu_seconds(root: int) -> float:
+    """User + system CPU time of a process and its descendants, live or ended, from /proc.
+
+    PostgreSQL's postmaster forks a backend for each connection, which ends with it; a reaped
+    backend's time is in its parent's cutime and cstime, so those are counted too."""
+    if root <= 0:
+        return 0.0
+    stats: dict[int, tuple[int, int]] = {}  # pid: (parent, ticks)
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+        except OSError:
+            continue
+        fields = stat[stat.rindex(")") + 2 :].split()
+        stats[int(entry.name)] = (int(fields[1]), sum(int(f) for f in fields[11:15]))
+    children: dict[int, list[int]] = defaultdict(list)
+    for pid, (parent, _) in stats.items():
+        children[parent].append(pid)
+    ticks, todo = 0, [root] if root in stats else []
+    while todo:
+        pid = todo.pop()
+        ticks += stats[pid][1]
+        todo.extend(children[pid])
+    return ticks / CLOCK_TICK
+
 
 @contextlib.contextmanager
 def servers(args: argparse.Namespace, root: Path) -> Iterator[Servers]:
-    if args.mongodb_url and args.redis_url:
-        yield Servers(args.mongodb_url, args.redis_url, ())
-        return
-    mongo = MongoServer(root / "mongo", free_port(), root / "mongod.log")
-    rds = RedisServer(root / "redis", free_port(), root / "redis.log")
+    postgres = PostgresServer(root / "postgres.log") if "procrastinate" in args.systems else None
     try:
-        mongo.start()
-        rds.start()
-        yield Servers(mongo.url, rds.url, (mongo.pid or 0, rds.pid or 0))
+        if postgres is not None:
+            postgres.start()
+        if args.mongodb_url and args.redis_url:
+            yield Servers(args.mongodb_url, args.redis_url, (), postgres)
+            return
+        mongo = MongoServer(root / "mongo", free_port(), root / "mongod.log")
+        rds = RedisServer(root / "redis", free_port(), root / "redis.log")
+        try:
+            mongo.start()
+            rds.start()
+            yield Servers(mongo.url, rds.url, (mongo.pid or 0, rds.pid or 0), postgres)
+        finally:
+            rds.stop()
+            mongo.stop()
     finally:
-        rds.stop()
-        mongo.stop()
+        if postgres is not None:
+            postgres.stop()
 
 
 def flush(servers: Servers) -> None:
-    """Nothing left from the run before: every key, every database but MongoDB's own."""
+    """Nothing left from the run before: every key, every database but MongoDB's own, and
+    PostgreSQL's database made anew."""
     redis.Redis.from_url(servers.redis_url).flushall()
     client: pymongo.MongoClient[dict[str, Any]]
     with pymongo.MongoClient(servers.mongodb_url) as client:
         for name in client.list_database_names():
             if name not in {"admin", "config", "local"}:
                 client.drop_database(name)
+    if servers.postgres is not None:
+        servers.postgres.recreate()
 
 
 def ours(servers: Servers) -> float:
-    """CPU seconds of this runner, its finished subprocesses (and theirs), and the servers."""
+    """CPU seconds of this runner, its finished subprocesses (and theirs), and the servers
+    (PostgreSQL's: the postmaster and every backend it forked)."""
     me = resource.getrusage(resource.RUSAGE_SELF)
     kids = resource.getrusage(resource.RUSAGE_CHILDREN)
     own = me.ru_utime + me.ru_stime + kids.ru_utime + kids.ru_stime
-    return own + sum(cpu_seconds(pid) for pid in servers.pids)
+    postgres = tree_cpu_seconds(servers.postgres.pid) if servers.postgres is not None else 0.0
+    return own + sum(cpu_seconds(pid) for pid in servers.pids) + postgres
 
 
 @dataclass
@@ -407,7 +578,41 @@ def server_versions(servers: Servers) -> str:
     with pymongo.MongoClient(servers.mongodb_url) as client:
         mongod = client.admin.command("buildInfo")["version"]
     rds = redis.Redis.from_url(servers.redis_url).info("server")["redis_version"]
-    return f"mongod {mongod} (one-node replica set), redis-server {rds}"
+    versions = f"mongod {mongod} (one-node replica set), redis-server {rds}"
+    if servers.postgres is not None:
+        show = "SELECT current_setting('server_version') || ', fsync ' || current_setting('fsync')"
+        show += " || ', synchronous_commit ' || current_setting('synchronous_commit')"
+        versions += f", postgres {servers.postgres.psql(show)}"
+    return versions
+
+
+# The goals the comparison is read against: (what, jobplane's figure, the peer's or None for
+# jobplane's own figure, at least or at most, the bound).
+GOALS = (
+    ("e2e jobplane/saq", "e2e", "saq", ">=", 0.75),
+    ("latency p50 jobplane/procrastinate", "latency_p50_ms", "procrastinate", "<=", 1.0),
+    ("latency p99 jobplane", "latency_p99_ms", None, "<=", 10.0),
+)
+
+
+def goals(figures: dict[str, dict[str, list[float]]]) -> list[str]:
+    """One line per goal whose figures were measured, from the medians."""
+    out = []
+    base = figures.get("jobplane", {})
+    for what, figure, peer, sense, bound in GOALS:
+        ours_ = base.get(figure, [])
+        theirs = figures.get(peer, {}).get(figure, []) if peer else [1.0]
+        if not ours_ or not theirs or median_range(theirs)[0] <= 0:
+            continue
+        value = median_range(ours_)[0] / median_range(theirs)[0]
+        met = value >= bound if sense == ">=" else value <= bound
+        unit = "" if peer else " ms"
+        sign = "\u2265" if sense == ">=" else "\u2264"
+        out.append(
+            f"{what} = {value:.2f}{unit} (goal {sign} {bound:g}{unit}): "
+            + ("met" if met else "not met")
+        )
+    return out
 
 
 def report(figures: Figures, systems: list[str]) -> None:
@@ -415,6 +620,9 @@ def report(figures: Figures, systems: list[str]) -> None:
         rounds = max(len(v) for f in by_system.values() for k, v in f.items() if k in COLUMNS)
         print(f"\nP = {workers} worker processes, {rounds} rounds:\n")
         print("\n".join(table(by_system, systems)))
+        if lines := goals(by_system):
+            print("\ngoals (medians):\n")
+            print("\n".join(lines))
     if len(figures) > 1:
         print("\nmedians by worker processes:\n")
         print("\n".join(scaling(figures, systems)))
@@ -468,8 +676,9 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--concurrency",
         type=int,
-        help="jobs at once per worker process for jobplane, SAQ and Celery's threads pool "
-        "(default: each one's own, 32 for jobplane's benchmarks and 10 for SAQ)",
+        help="jobs at once per worker process for jobplane, SAQ, procrastinate and Celery's "
+        "threads pool (default: each one's own, 32 for jobplane's benchmarks, 10 for SAQ, 1 for "
+        "procrastinate)",
     )
     parser.add_argument(
         "--systems",
@@ -490,8 +699,8 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--callers",
         type=int,
-        help="concurrent producer callers for the peers (default: 32 for SAQ, as jobplane's "
-        "benchmarks; 1 for Celery, its fastest)",
+        help="concurrent producer callers for the peers (default: 32 for SAQ and procrastinate, "
+        "as jobplane's benchmarks; 1 for Celery, its fastest)",
     )
     parser.add_argument(
         "--settle",
@@ -507,7 +716,11 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--redo", type=int, default=2, help="at most this many times")
     parser.add_argument("--report", type=Path, help="print the tables of a figures.json again")
-    parser.add_argument("--mongodb-url", help="with --redis-url: existing servers, all flushed!")
+    parser.add_argument(
+        "--mongodb-url",
+        help="with --redis-url: existing servers, all flushed! (PostgreSQL is always the "
+        "runner's own)",
+    )
     parser.add_argument("--redis-url")
     args = parser.parse_args(argv)
     if unknown := set(args.systems) - {"jobplane", *SYSTEMS}:
@@ -538,6 +751,8 @@ def main() -> None:
 
 def compare(args: argparse.Namespace) -> None:
     systems: dict[str, System] = {}
+    if "procrastinate" in args.systems:
+        postgres_binaries()  # before any set-up, a clear message when PostgreSQL is missing
     for name in args.systems:
         if name == "jobplane":
             systems[name] = Jobplane()
