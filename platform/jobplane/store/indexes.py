@@ -25,12 +25,6 @@ _EVENT_FILTERS: list[list[tuple[str, int]]] = [
     [("actor", ASCENDING)],
 ]
 DELIVERY_RETENTION_SECONDS = 30 * 86400
-# The `_id` index by name, the hint of the hot path's reads and writes of runs by `_id` (a
-# claim, its read-back, a lease holder's write). Their filters also name the guards (status,
-# lease, scope), so without it the planner weighs every index that covers one, for each
-# statement: a fifth of mongod's CPU per run (docs/benchmarks.md, "Issue 31"). Only for a
-# filter with `_id` at its top level, which bounds the scan.
-BY_ID = "_id_"
 # Indexes of earlier versions, replaced by partial ones (fewer entries to keep up on every
 # write), by ones that start with the shard key, or found unused; `ensure_indexes` drops them.
 _REPLACED_INDEXES = {

@@ -28,7 +28,6 @@ from jobplane.model import (
 from jobplane.store import convert, rows, steps
 from jobplane.store.convert import NO_TRAIL, OWNER_FIELDS, Doc, known_owner, merged, object_id
 from jobplane.store.gates import MongoGateStore
-from jobplane.store.indexes import BY_ID
 from jobplane.store.steps import HELD_STEP, RUNNING_STEP, UNDONE_STEP, WAITING_STEP
 from jobplane.store.types import Admission, Known, Lease, Lost, Moved, lease_token
 from jobplane.store.writes import RunWrites, TrailEntry, held_by, recorded
@@ -169,7 +168,7 @@ class MongoTransitionStore:
         claimable, take = rows.claiming(
             t, oids, claim.event_ids, worker_id, claim.token, until, now, places
         )
-        await self._db.runs.update_many(claimable, take, hint=BY_ID)
+        await self._db.runs.update_many(claimable, take)
         return claim
 
     async def _read(self, claim: _Claim) -> list[Doc]:
@@ -181,7 +180,6 @@ class MongoTransitionStore:
                 {"$match": {"_id": {"$in": claim.oids}, **held_by(claim.worker_id, claim.token)}},
                 {"$set": {"trail": {"$filter": {"input": "$trail", "cond": mine}}}},
             ],
-            hint=BY_ID,
         )
         docs: list[Doc] = await cursor.to_list()
         return docs

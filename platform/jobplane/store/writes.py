@@ -31,7 +31,6 @@ from jobplane.store.convert import (
     merged,
 )
 from jobplane.store.database import Collections
-from jobplane.store.indexes import BY_ID
 from jobplane.store.trail import MongoTrailStore
 from jobplane.store.types import Known, Lease, Lost
 
@@ -238,9 +237,7 @@ class RunWrites:
     async def _update_many(self, updates: list[Update]) -> list[bool | Exception]:
         """Apply many writers' conditional updates in one unordered bulk write; each learns
         whether its own filter matched."""
-        ops = [
-            UpdateOne(u.query, u.update, array_filters=u.array_filters, hint=BY_ID) for u in updates
-        ]
+        ops = [UpdateOne(u.query, u.update, array_filters=u.array_filters) for u in updates]
         outcomes: list[bool | Exception] = [True] * len(updates)
         try:
             result = await self.db.runs.bulk_write(ops, ordered=False)
