@@ -33,9 +33,10 @@ Variants (`--variant`, several interleaved, `--repeat K` rounds):
 
 same        jobplane's documents, updates, indexes and event copies: the floor of its data model.
 no-copy     the same without the copies to `job_events`.
-lean        the least a durable queue on MongoDB does: a small run document and the `_id` index
-            alone; the same claim (`update_many` + read), a fenced `UpdateOne` per run to end it
-            (group-committed), no events, no trail.
+lean        the least a durable queue on MongoDB does: a run document of `_id`, `status` and
+            `createAt`, the `_id` index alone; a claim of one `update_many` ($set of the lease)
+            and one `find`, a lease-fenced `UpdateOne` per run to end it (group-committed); no
+            events, no trail.
 jobplane    throughput.py's end-to-end workload itself (workers, a scheduler, this process as the
             producer), so that the platform's figures sit beside the floor's in one table.
 
@@ -44,7 +45,9 @@ started and idle, then this process creates N runs from 32 concurrent callers wh
 Window: just before the first create to the last `completedAt`. Per run: CPU ms of each process
 (from /proc, as throughput.py reads it), MongoDB's `serverStatus` opcounters and
 `metrics.document`, journal syncs and Redis calls. At the end of each workload every run must be
-`succeeded` (and, for `same`, 5 events per run in `job_events`). The table shows the medians.
+`succeeded` (and, for `same`, 5 events per run in `job_events`). The table shows each column's
+median over the rounds (so a total is not the sum of the medians above it). throughput.py's
+readings have no `metrics.document`: the `jobplane` row shows "-" there.
 
     .venv/bin/python bench/floor.py [--runs N] [--variant same,no-copy,lean,jobplane] [--repeat K]
 """
