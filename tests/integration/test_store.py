@@ -1,4 +1,5 @@
-"""Uniqueness that MongoDB enforces for the store: dedupe, idempotency, template versions."""
+"""Uniqueness that MongoDB enforces for the store (dedupe, idempotency, template versions), and
+the reads of the template cache."""
 
 import asyncio
 
@@ -96,3 +97,20 @@ async def test_processes_starting_together_all_ensure_the_indexes(store: MongoSt
     await raw(store).schedules.drop()
     await asyncio.gather(*(store.ensure_indexes() for _ in range(4)))
     assert len(await raw(store).schedules.index_information()) > 1
+
+
+async def test_creates_that_miss_the_template_cache_together_share_one_read(
+    store: MongoStore,
+) -> None:
+    await store.templates.register(template_spec("shared"))
+    db = raw(store).templates.database
+    await db.command("profile", 2)
+    try:
+        found = await asyncio.gather(*(store.templates.cached("shared") for _ in range(32)))
+    finally:
+        await db.command("profile", 0)
+    assert {t.type for t in found if t is not None} == {"shared"} and None not in found
+    reads = await db["system.profile"].count_documents(
+        {"ns": f"{db.name}.job_templates", "op": "query"}
+    )
+    assert reads == 1

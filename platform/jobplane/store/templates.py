@@ -1,5 +1,6 @@
 """Templates: versioned, immutable definitions, and the short cache creates read them through."""
 
+import asyncio
 import time
 
 from pymongo import DESCENDING
@@ -20,6 +21,7 @@ class MongoTemplateStore:
         self._db = db
         self._clock = clock
         self._cache: dict[tuple[str, int | None], tuple[float, Template]] = {}
+        self._reading: dict[tuple[str, int | None], asyncio.Future[Template | None]] = {}
 
     async def register(self, spec: TemplateSpec) -> tuple[Template, bool]:
         """Store `spec` as the next version of its type; an unchanged spec returns the latest.
@@ -67,9 +69,20 @@ class MongoTemplateStore:
         cached = self._cache.get(key)
         if cached is not None and now - cached[0] < TEMPLATE_CACHE_SECONDS:
             return cached[1]
-        template = await self.get(type_, version)
+        # Creates that miss together share one read: at each expiry a busy process had every
+        # concurrent caller send its own (a tenth of its MongoDB requests per run at 32 callers).
+        reading = self._reading.get(key)
+        if reading is None:
+            reading = asyncio.ensure_future(self._read(key, now))
+            self._reading[key] = reading
+            reading.add_done_callback(lambda done: self._reading.pop(key, None))
+        # A caller cancelled does not cancel the read the others wait for.
+        return await asyncio.shield(reading)
+
+    async def _read(self, key: tuple[str, int | None], at: float) -> Template | None:
+        template = await self.get(*key)
         if template is not None:  # one registered meanwhile is found at once
-            self._cache[key] = (now, template)
+            self._cache[key] = (at, template)
         return template
 
     async def latest(self) -> list[Template]:
