@@ -42,6 +42,7 @@ import argparse
 import asyncio
 import contextlib
 import gc
+import json
 import os
 import secrets
 import signal
@@ -212,6 +213,14 @@ def summary(bench: Bench) -> None:
         )
 
 
+def medians(bench: Bench, name: str) -> dict[str, float]:
+    """The last line for bench/peers: a set-up's medians under the peers' workload names."""
+    names = {"e2e": "e2e: runs/s", "latency_p50_ms": "latency: p50 ms"}
+    names["latency_p99_ms"] = "latency: p99 ms"
+    figures = bench.results.get(name, {})
+    return {k: statistics.median(figures[v]) for k, v in names.items() if v in figures}
+
+
 def configuration(args: argparse.Namespace) -> list[str]:
     return [
         f"set-ups {', '.join(args.setups)}; workloads {', '.join(args.workloads)}; "
@@ -244,6 +253,9 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--max-load", type=float, help="wait for a 1-minute load below this")
     parser.add_argument("--mongodb-url")
     parser.add_argument("--redis-url")
+    parser.add_argument(
+        "--json", action="store_true", help="end with the first set-up's medians as JSON"
+    )
     args = parser.parse_args(argv)
     if unknown := set(args.setups) - set(SETUPS):
         parser.error(f"unknown set-ups: {', '.join(sorted(unknown))}")
@@ -277,6 +289,8 @@ def main() -> None:
                         runner(bench.round())
                     signal.signal(signal.SIGTERM, interrupt)  # closing a loop resets it
             summary(bench)
+            if args.json:
+                print(json.dumps(medians(bench, args.setups[0])))
     except (KeyboardInterrupt, asyncio.CancelledError):
         sys.exit(130)
 

@@ -61,7 +61,16 @@ HERE = Path(__file__).resolve().parent
 BENCH = HERE.parent
 ROOT = BENCH.parent
 VENVS = ROOT / ".bench-venvs"
-DEFAULT_SYSTEMS = ("jobplane", "celery-mongo", "celery-redis", "saq", "procrastinate")
+DEFAULT_SYSTEMS = (
+    "jobplane",
+    "jobplane-users",
+    "celery-mongo",
+    "celery-redis",
+    "saq",
+    "procrastinate",
+)
+# jobplane's set-ups: the tuned one (its own benchmarks' defaults) and as users run it.
+JOBPLANES = ("jobplane", "jobplane-users")
 # Other processes busier than this (in cores) make a run wait a little (`--settle`).
 QUIET_CORES = 0.15
 RUN_TIMEOUT = 1800  # seconds for one subprocess; a stall is caught sooner inside each driver
@@ -153,6 +162,32 @@ class Jobplane(System):
         return (
             f"jobplane at {state}: concurrency {args.concurrency or 32} per worker process, "
             f"32 producer callers (in process), write concern majority{missing}"
+        )
+
+
+class JobplaneAsUsers(System):
+    """jobplane as a user runs it: `jobplane.Client` in direct mode from a process of its own
+    (32 concurrent `create` calls, plain `asyncio.run`), workers at their default concurrency
+    (`bench/as_users.py`'s `users-direct`). End to end and latency only."""
+
+    name = "jobplane-users"
+
+    def runs(self, args: argparse.Namespace, workers: int, servers: Servers) -> list[Run]:
+        asked = tuple(w for w in args.workloads if w in ("e2e", "latency"))
+        if not asked:
+            return []
+        argv = [sys.executable, str(BENCH / "as_users.py"), "--json", "--repeat", "1"]
+        argv += ["--setups", "users-direct", "--workloads", ",".join(asked)]
+        argv += ["--runs", str(args.runs), "--rate", str(args.rate), "--seconds"]
+        argv += [str(args.seconds), "--warmup", str(args.warmup), "--workers", str(workers)]
+        argv += ["--mongodb-url", servers.mongodb_url, "--redis-url", servers.redis_url]
+        return [Run(argv, asked)]
+
+    def describe(self, args: argparse.Namespace) -> str:
+        return (
+            "jobplane-users: as users run it, jobplane.Client (direct) in a process of its own "
+            "with 32 concurrent creates, workers at their default concurrency; e2e and "
+            "latency only"
         )
 
 
@@ -535,11 +570,13 @@ def table(figures: dict[str, dict[str, list[float]]], systems: list[str]) -> lis
         others = values.get("others", [])
         busy = f"{min(others):.2f}{DASH}{max(others):.2f}" if others else DASH
         out.append(f"| {system} | " + " | ".join(cells) + f" | {busy} |")
-    base = figures.get("jobplane", {})
-    peers = [s for s in systems if s != "jobplane"]
-    if base and peers:
+    peers = [s for s in systems if s not in JOBPLANES]
+    for ours_ in (s for s in JOBPLANES if s in systems):
+        base = figures.get(ours_, {})
+        if not base or not peers:
+            continue
         headings = " | ".join(COLUMNS[c] for c in columns)
-        out += ["", f"| jobplane ÷ peer (medians) | {headings} |"]
+        out += ["", f"| {ours_} ÷ peer (medians) | {headings} |"]
         out.append("|---|" + "---:|" * len(columns))
         for peer in peers:
             ratios = [ratio(base.get(c, []), figures[peer].get(c, [])) for c in columns]
@@ -596,10 +633,18 @@ GOALS = (
 
 
 def goals(figures: dict[str, dict[str, list[float]]]) -> list[str]:
-    """One line per goal whose figures were measured, from the medians."""
+    """One line per goal and jobplane set-up whose figures were measured, from the medians."""
     out = []
-    base = figures.get("jobplane", {})
-    for what, figure, peer, sense, bound in GOALS:
+    for system in JOBPLANES:
+        out += goals_of(system, figures)
+    return out
+
+
+def goals_of(system: str, figures: dict[str, dict[str, list[float]]]) -> list[str]:
+    out = []
+    base = figures.get(system, {})
+    for goal, figure, peer, sense, bound in GOALS:
+        what = goal.replace("jobplane", system, 1)
         ours_ = base.get(figure, [])
         theirs = figures.get(peer, {}).get(figure, []) if peer else [1.0]
         if not ours_ or not theirs or median_range(theirs)[0] <= 0:
@@ -684,7 +729,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
         "--systems",
         type=lambda s: s.split(","),
         default=list(DEFAULT_SYSTEMS),
-        help=f"comma-separated, in round order, of: jobplane, {', '.join(SYSTEMS)}",
+        help=f"comma-separated, in round order, of: {', '.join([*JOBPLANES, *SYSTEMS])}",
     )
     parser.add_argument(
         "--workloads",
@@ -723,7 +768,7 @@ def parse(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--redis-url")
     args = parser.parse_args(argv)
-    if unknown := set(args.systems) - {"jobplane", *SYSTEMS}:
+    if unknown := set(args.systems) - {*JOBPLANES, *SYSTEMS}:
         parser.error(f"unknown systems: {', '.join(sorted(unknown))}")
     if unknown := set(args.workloads) - set(WORKLOADS):
         parser.error(f"unknown workloads: {', '.join(sorted(unknown))}")
@@ -756,6 +801,8 @@ def compare(args: argparse.Namespace) -> None:
     for name in args.systems:
         if name == "jobplane":
             systems[name] = Jobplane()
+        elif name == "jobplane-users":
+            systems[name] = JobplaneAsUsers()
         else:
             ensure_venv(SYSTEMS[name].venv)
             systems[name] = SYSTEMS[name]
