@@ -40,10 +40,13 @@ import math
 import os
 import secrets
 import statistics
+import subprocess
+import sys
 import time
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import dataclass, field
 from importlib.metadata import version
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -55,7 +58,7 @@ from jobplane.store.database import Collections
 
 # bench/ is not a package: Python puts a script's own folder first on sys.path, so the sibling
 # benchmark's process registry, throwaway servers and counters are importable from here.
-from throughput import Counters, Processes, begin, run_main
+from throughput import Child, Counters, Processes, begin, run_main
 
 TEMPLATE = {
     "type": "bench_noop",
@@ -69,6 +72,8 @@ RUN_BODY = json.dumps(
     {"templateType": "bench_noop", "scope": "user", "scopeId": "bench", "payload": {}}
 ).encode()
 ROLES = ("admin", "user")
+# Not a key: the bare endpoint of bench/bare_api.py in place of `jobplane api`, the path's floor.
+BARE = "bare"
 SETTLE_SECONDS = 30.0
 
 
@@ -162,15 +167,19 @@ class Bench:
         base_url = f"http://{settings.host}:{settings.port}"
         async with open_backends(settings) as backends:
             try:
-                # The port reaches the process as JOBPLANE_PORT, like every other setting.
-                self.procs.start(settings, "api")
-                admin = {"authorization": f"Bearer {settings.admin_key}"}
-                await self.procs.api_ready(base_url)
-                async with httpx.AsyncClient(base_url=base_url, headers=admin) as setup:
-                    await call(setup, "/v1/templates", TEMPLATE)
-                    key = settings.admin_key
-                    if role == "user":
-                        key = (await call(setup, "/v1/api-keys", USER_KEY))["key"]
+                key = settings.admin_key
+                if role == BARE:
+                    self.start_bare(settings)
+                    await self.procs.api_ready(base_url)
+                else:
+                    # The port reaches the process as JOBPLANE_PORT, like every other setting.
+                    self.procs.start(settings, "api")
+                    admin = {"authorization": f"Bearer {settings.admin_key}"}
+                    await self.procs.api_ready(base_url)
+                    async with httpx.AsyncClient(base_url=base_url, headers=admin) as setup:
+                        await call(setup, "/v1/templates", TEMPLATE)
+                        if role == "user":
+                            key = (await call(setup, "/v1/api-keys", USER_KEY))["key"]
                 # A client per caller, not one pool for all: httpcore's pool looks at each of its
                 # connections for every request, which cost about three times the CPU per
                 # request at 32 connections. Each client keeps its one connection alive.
@@ -192,25 +201,47 @@ class Bench:
                 if keys:
                     await backends.queue.redis.delete(*keys)
 
+    def start_bare(self, settings: Settings) -> None:
+        """bench/bare_api.py on the stack's port and key; its CPU counts as the API's."""
+        env = os.environ | {
+            "JOBPLANE_PORT": str(settings.port),
+            "JOBPLANE_ADMIN_KEY": str(settings.admin_key),
+        }
+        log = self.procs.log_dir / f"bare-api-{len(self.procs.children)}.log"
+        with log.open("wb") as out:
+            proc = subprocess.Popen(
+                [sys.executable, str(Path(__file__).with_name("bare_api.py"))],
+                env=env,
+                stdin=subprocess.DEVNULL,
+                stdout=out,
+                stderr=subprocess.STDOUT,
+            )
+        self.procs.children.append(Child("api", proc, log))
+
     async def round(self, role: str) -> None:
         a = self.args
+        bare = role == BARE
         async with self.stack(role) as stack:
             await create_runs(stack.clients, a.warmup)
             total = a.warmup
-            await settle(stack, total)
+            if not bare:
+                await settle(stack, total)
+            what = "bare endpoint" if bare else f"{role} key"
             for name, n, callers in (
-                (f"{role} key, {a.callers} callers", a.runs, a.callers),
-                (f"{role} key, sequential", a.sequential_runs, 1),
+                (f"{what}, {a.callers} callers", a.runs, a.callers),
+                (f"{what}, sequential", a.sequential_runs, 1),
             ):
                 before = await Counters.read(stack.backends, stack.settings, self.procs)
                 window = await create_runs(stack.clients[:callers], n)
                 total += n
                 # The API copies each run's events to `job_events` just after answering: that
                 # work belongs to these runs, so the counters are read once it is done.
-                await settle(stack, total)
+                if not bare:
+                    await settle(stack, total)
                 after = await Counters.read(stack.backends, stack.settings, self.procs)
                 self.record(name, window, before, after)
-            await verify(stack, a.warmup + a.runs + a.sequential_runs)
+            if not bare:
+                await verify(stack, a.warmup + a.runs + a.sequential_runs)
 
     def record(self, name: str, window: Window, before: Counters, after: Counters) -> None:
         cpu = {k: 1000 * (after.cpu[k] - before.cpu.get(k, 0)) / window.runs for k in after.cpu}
@@ -316,9 +347,11 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--warmup", type=int, default=200, help="unmeasured runs first")
     parser.add_argument(
         "--key-role",
-        choices=[*ROLES, "both"],
+        choices=[*ROLES, "both", BARE, "floor"],
         default="both",
-        help="the bootstrap admin key, a stored user key, or both (default)",
+        help="the bootstrap admin key, a stored user key, or both (default); bare: "
+        "bench/bare_api.py's endpoint instead of the API (the path's floor); floor: admin, "
+        "then bare",
     )
     parser.add_argument("--mongodb-url")
     parser.add_argument("--redis-url")
@@ -327,7 +360,7 @@ def parse(argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if min(args.runs, args.sequential_runs, args.callers, args.repeat) < 1 or args.warmup < 0:
         parser.error("--runs, --sequential-runs, --callers and --repeat must be at least 1")
-    args.roles = list(ROLES) if args.key_role == "both" else [args.key_role]
+    args.roles = {"both": list(ROLES), "floor": ["admin", BARE]}.get(args.key_role, [args.key_role])
     return args
 
 
