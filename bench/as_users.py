@@ -34,6 +34,7 @@ as throughput.py does, and "others": CPU that processes the benchmark did not st
 meanwhile. The workers import bench/latency.py for the latency workload's handler.
 
     .venv/bin/python bench/as_users.py [--setups a,b,...] [--repeat K] [--runs N] [--rate R]
+                                       [--json]   # last line: the first set-up's medians
 """
 
 from __future__ import annotations
