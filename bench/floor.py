@@ -46,8 +46,7 @@ Window: just before the first create to the last `completedAt`. Per run: CPU ms 
 (from /proc, as throughput.py reads it), MongoDB's `serverStatus` opcounters and
 `metrics.document`, journal syncs and Redis calls. At the end of each workload every run must be
 `succeeded` (and, for `same`, 5 events per run in `job_events`). The table shows each column's
-median over the rounds (so a total is not the sum of the medians above it). throughput.py's
-readings have no `metrics.document`: the `jobplane` row shows "-" there.
+median over the rounds (so a total is not the sum of the medians above it).
 
     .venv/bin/python bench/floor.py [--runs N] [--variant same,no-copy,lean,jobplane] [--repeat K]
 """
@@ -707,7 +706,8 @@ class Floor:
 def flat(c: throughput.Counters) -> dict[str, float]:
     """throughput.py's reading in the floor's terms."""
     cpu = {f"cpu {k}": v for k, v in c.cpu.items()}
-    return c.mongo | {"redis calls": sum(c.redis.values())} | cpu
+    documents = {k: c.volume[k] for k in ("docs inserted", "docs updated")}
+    return c.mongo | documents | {"redis calls": sum(c.redis.values())} | cpu
 
 
 CPU_COLUMNS = ("producer", "workers", "scheduler", "mongod", "redis", "total", "others")

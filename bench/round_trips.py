@@ -76,7 +76,7 @@ async def measure(backends: Backends, runs: int) -> None:
         if i == 0:
             idle, idle_span = spent, span
         else:
-            # The idle worker's background, scaled to this span.
+            # What the servers saw with no run (drivers' monitoring), scaled to this span.
             for k, v in idle.items():
                 spent[k] -= v * span / idle_span
             per_run.update(spent)
