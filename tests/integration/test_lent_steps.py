@@ -76,7 +76,10 @@ async def test_branches_whose_handlers_live_on_different_workers_run_at_once(
     backends: Backends, settings: Settings, register: Register, tmp_path: Path
 ) -> None:
     await register("flow", steps=diamond())
-    _, run = await create(backends, {"b": {"sleep": 1}, "c": {"sleep": 1}})
+    # Each branch waits, once started, until the other has started too.
+    meet = {"b": {"meet": {"dir": str(tmp_path), "with": "c"}}}
+    meet["c"] = {"meet": {"dir": str(tmp_path), "with": "b"}}
+    _, run = await create(backends, meet)
     async with fleet(settings, tmp_path) as procs:
         procs.append(worker(settings, tmp_path, "one"))
         procs.append(worker(settings, tmp_path, "two"))
