@@ -365,9 +365,10 @@ async def test_a_dead_endpoint_delays_no_other_endpoint(
     await register("t_noop")
 
     def hangs(request: Request, earlier: list[Request]) -> Answer:
-        return 200, {}, 30.0
+        return 200, {}, 60.0
 
-    settings = hook_settings(settings, webhook_timeout_seconds=10)
+    # A timeout far above what the other endpoint's deliveries take, however loaded the machine.
+    settings = hook_settings(settings, webhook_timeout_seconds=30)
     async with (
         serving(Receiver(answer=hangs)) as dead,
         serving(Receiver()) as alive,
@@ -377,9 +378,9 @@ async def test_a_dead_endpoint_delays_no_other_endpoint(
         await subscribe(api, alive.url, ["run.created"])
         for _ in range(30):
             await api.post("/v1/runs", json=RUN)
-        # Behind the dead endpoint's tries they would wait their 10 s timeout: under 9 s they
-        # did not, however loaded the machine.
-        await received(alive, lambda r: len(r.received) == 30, within=9)
+        # Behind the dead endpoint's tries they would wait their 30 s timeout: under 25 s they
+        # did not.
+        await received(alive, lambda r: len(r.received) == 30, within=25)
         assert len(dead.received) == 16, "the dead endpoint holds 16 tries, no more"
 
         async def untried() -> bool:
@@ -387,7 +388,7 @@ async def test_a_dead_endpoint_delays_no_other_endpoint(
             waiting = [d for d in listed if (d["status"], d["attempts"]) == ("pending", 0)]
             return len(waiting) == 14 and len(listed) == 14  # the 16 in flight are not stored
 
-        await until(untried, within=9)
+        await until(untried, within=25)  # before the 16 tries time out and are stored
 
 
 async def test_deliveries_queued_behind_an_endpoint_that_answers_keep_their_first_try(
