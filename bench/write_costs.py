@@ -179,19 +179,13 @@ async def measure(args: argparse.Namespace, url: str, pid: int) -> None:
 
         return block
 
-    def inserting(indexes: str) -> Callable[[], Awaitable[float]]:
+    def inserting(
+        collection: AsyncCollection[Doc], document: Callable[[datetime], Doc], size: int
+    ) -> Callable[[], Awaitable[float]]:
         async def block() -> float:
             now = datetime.now(UTC)
-            ops = [InsertOne(run_document(now)) for _ in range(args.block)]
-            return await timed(pid, in_batches(runs[indexes], ops, BATCH))
-
-        return block
-
-    def copying(indexes: str) -> Callable[[], Awaitable[float]]:
-        async def block() -> float:
-            now = datetime.now(UTC)
-            ops = [InsertOne(event_document(now)) for _ in range(args.block)]
-            return await timed(pid, in_batches(events[indexes], ops, EVENT_BATCH))
+            ops = [InsertOne(document(now)) for _ in range(args.block)]
+            return await timed(pid, in_batches(collection, ops, size))
 
         return block
 
@@ -207,8 +201,14 @@ async def measure(args: argparse.Namespace, url: str, pid: int) -> None:
                 "fewer indexes",
             )
         },
-        "insert": {"every index": inserting("every"), "four indexes": inserting("four")},
-        "event copy": {"six indexes": copying("six"), "_id only": copying("_id")},
+        "insert": {
+            "every index": inserting(runs["every"], run_document, BATCH),
+            "four indexes": inserting(runs["four"], run_document, BATCH),
+        },
+        "event copy": {
+            "six indexes": inserting(events["six"], event_document, EVENT_BATCH),
+            "_id only": inserting(events["_id"], event_document, EVENT_BATCH),
+        },
     }
     for kind, variants in kinds.items():
         names = list(variants)

@@ -44,7 +44,15 @@ from jobplane.runs import RunRequest, RunService
 from jobplane.scheduler import Scheduler
 from jobplane.schedules import ScheduleService
 from jobplane.settings import Settings
-from jobplane.store import EventQuery, Lease, MongoStore, NewRun, RunQuery, ScheduleQuery
+from jobplane.store import (
+    EventQuery,
+    Lease,
+    MongoStore,
+    Moved,
+    NewRun,
+    RunQuery,
+    ScheduleQuery,
+)
 from jobplane.worker import Worker
 from tests.integration.conftest import template_spec
 from tests.integration.db import raw
@@ -912,7 +920,9 @@ async def test_the_hottest_queries_examine_only_what_they_return(store: MongoSto
 
     async def complete() -> list[object]:  # the claimed runs' ends, group-committed
         ends = [store.transitions.complete(lease, 1, "second", None, None) for lease in claimed]
-        return list(await asyncio.gather(*ends))
+        moved = list(await asyncio.gather(*ends))
+        assert all(isinstance(m, Moved) for m in moved), moved
+        return moved
 
     # In this order: the claim takes the runs `claimable` finds.
     calls: dict[str, Callable[[], Awaitable[Sequence[Any]]]] = {
