@@ -21,6 +21,7 @@ from jobplane.settings import Settings
 from jobplane.worker.handlers import registry
 from jobplane.worker.worker import Worker
 from tests.conftest import sync_redis
+from tests.integration import lock_handlers  # noqa: F401 (its handlers, for workers in here)
 from tests.integration.conftest import Register
 from tests.integration.flow import until, workers
 from tests.integration.processes import spawn, terminate
@@ -172,6 +173,32 @@ async def test_a_lock_whose_holder_was_killed_is_free_within_a_lease_length(
     async with workers(settings, tmp_path, 1, JOBPLANE_HANDLERS=HANDLERS):
         [done] = await settled(backends.store, [next_run.id], within=60)
     assert done.status == RunStatus.SUCCEEDED
+
+
+async def test_a_step_whose_lock_lapsed_while_it_ran_writes_no_end_and_runs_again(
+    backends: Backends, settings: Settings, register: Register
+) -> None:
+    """A holder whose lock lapsed while its step ran (deleted here, as an expiry would; its
+    heartbeat too far off to notice) may have shared it: the step's end is not written as if
+    it had held the lock, and the run is handed back, without spending an attempt, to run the
+    step again under a new grant. (The step runs past half the lock's TTL, beyond which its
+    end asks Redis; its second run ends well within the TTL.)"""
+    await register("sync_in", steps=holding())
+    service = RunService(backends.store, backends.queue)
+    payload = {"partner": "acme", "seconds": 2.5}
+    run = (await service.create(RunRequest("sync_in", "user", "u", payload), "t"))[0]
+    lock = backends.queue.keys.lock(ACME)
+    deaf = settings.model_copy(update={"heartbeat_seconds": 60, "lease_seconds": 4})
+    async with running(backends, deaf):
+        await until(lambda: backends.queue.redis.exists(lock))
+        first = int((await backends.queue.redis.get(lock)).split(b"\n")[1])
+        await backends.queue.redis.delete(lock)
+        [done] = await settled(backends.store, [run.id], within=30)
+    assert done.status == RunStatus.SUCCEEDED and done.attempt == 1
+    assert done.outputs["call"]["token"] > first, "the step ran again, under a new grant"
+    trail = await backends.store.trail.events_of(run.id)
+    assert [e.type for e in trail].count("step_finished") == 1
+    assert "release" in [e.metadata.get("transition") for e in trail]
 
 
 async def _gone(backends: Backends, key: str) -> bool:

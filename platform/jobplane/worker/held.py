@@ -6,6 +6,7 @@ and `worker/steplocks.py` keeps the locks its steps hold; this is the state they
 """
 
 import asyncio
+import math
 import time
 from dataclasses import dataclass, field
 from datetime import datetime
@@ -45,6 +46,9 @@ class Held:
     # ...then those of them no step has taken up yet: a step whose locks are all here starts
     # without asking Redis, and what is left once the first steps started is let go.
     taken_ahead: set[str] = field(default_factory=set)
+    # Until when (monotonic seconds) every lock in `locks` is surely its own still: a lock
+    # lives a TTL after the take or renewal that last answered for it was sent.
+    locks_sure: float = math.inf
     # When MongoDB last confirmed the lease (monotonic seconds); past the lease length the
     # worker assumes the reaper may have given the run away and stops its handlers itself.
     renewed: float = field(default_factory=time.monotonic)
@@ -60,6 +64,10 @@ class Held:
     def log_fields(self) -> dict[str, str]:
         """For lines about the run logged outside its own task (whose context has them)."""
         return {"run_id": self.run.id, "lease_token": self.lease.token}
+
+    def vouched(self, asked: float, ttl_seconds: float) -> None:
+        """Locks taken (or renewed) by a call sent at `asked` are its own for a TTL after."""
+        self.locks_sure = min(self.locks_sure, asked + ttl_seconds)
 
     def interrupt(self, reason: Stop) -> None:
         self.stop = reason

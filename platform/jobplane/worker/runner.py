@@ -340,10 +340,12 @@ class Runner:
                 walk.ended.append(self._stopped(step, StepStatus.CANCELLED))
                 return False
             except Exception as exc:
+                await self._step_locks.confirm(held, step.locks)
                 walk.failure = await self._step_failed(held, flow, step, exc, walk)
                 if walk.failure is not None and not walk.failure.retried:
                     self._cancel_all(walk.running)
                 return False
+            await self._step_locks.confirm(held, step.locks)
             return await self._succeeded(held, flow, step, output)
         except (CancelRequested, Stopped, Overdue) as exc:
             # What stops one step (or its write) stops the run: the steps beside it stop too,

@@ -6,6 +6,7 @@ does to them, is `runs/admission/locks.py`'s.
 
 import asyncio
 import logging
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -15,7 +16,7 @@ from jobplane.runs.admission.keys import lock_id, lock_named
 from jobplane.runs.admission.locks import Locks, holder
 from jobplane.runs.lifecycle import HeldStep, Lifecycle
 from jobplane.worker.context import LockTimeout
-from jobplane.worker.held import Held, stop_if_lost
+from jobplane.worker.held import Held, Stopped, stop_if_lost
 
 log = logging.getLogger("jobplane.worker")
 
@@ -43,10 +44,12 @@ class StepLocks:
         if held.taken_ahead.issuperset(wanted):
             held.taken_ahead.difference_update(wanted)
         else:
+            asked = time.monotonic()
             taken = await self.locks.take(wanted, holder(held.run.id, held.lease.token))
             if isinstance(taken, Blocked):
                 raise LockHeld(taken)
             held.locks.update(taken.tokens)
+            held.vouched(asked, self.locks.ttl_seconds)
         if held.run.lock_wait is not None:
             try:
                 stop_if_lost(await self.lifecycle.locks_taken(at, wanted))
@@ -55,6 +58,29 @@ class StepLocks:
                 raise
             held.run = held.run.model_copy(update={"lock_wait": None})
         return wanted
+
+    async def confirm(self, held: Held, lock_ids: list[str]) -> None:
+        """Before a step's end is written, make sure it held its locks all along. A holder
+        that missed renewals for a TTL (a stalled process, a slow heartbeat) may have shared a
+        lock meanwhile; then `Stopped("lock")`: its end is not written as if it had held it,
+        and the run is handed back to run the step again under the lock, as when its
+        heartbeat finds a lock lost.
+
+        Within half a TTL of the last take or renewal that answered for the locks they are
+        surely its own (the steady state: the heartbeat renews them every few seconds), and
+        nothing is asked. Past that, they are renewed: each is still its own only if it never
+        lapsed (a lapsed lock is gone from Redis, or another's). A Redis that cannot answer
+        cannot vouch for them either."""
+        if not lock_ids or time.monotonic() < held.locks_sure - self.locks.ttl_seconds / 2:
+            return
+        try:
+            lost = await self.locks.renew(lock_ids, holder(held.run.id, held.lease.token))
+        except Exception as exc:
+            log.warning("run %s: locks %s not confirmed: %s", held.run.id, lock_ids, exc)
+            raise Stopped("lock") from exc
+        if lost:
+            log.warning("run %s: locks %s lapsed while its step ran", held.run.id, sorted(lost))
+            raise Stopped("lock")
 
     @staticmethod
     async def adopt_ahead(held: Held) -> None:
@@ -100,11 +126,15 @@ class StepLocks:
         owner = holder(held.run.id, held.lease.token)
         loop, pause = asyncio.get_running_loop(), 0.05
         until = loop.time() + wait
-        while isinstance(taken := await self.locks.take([lock], owner), Blocked):
+        while True:
+            asked = time.monotonic()
+            if not isinstance(taken := await self.locks.take([lock], owner), Blocked):
+                break
             if loop.time() >= until:
                 by = taken.holder.split(":", 1)[0]
                 raise LockTimeout(f"lock {lock} is held by run {by}")
             await asyncio.sleep(min(pause, max(0.0, until - loop.time())))
             pause = min(2 * pause, 1.0)
         held.locks.update(taken.tokens)
+        held.vouched(asked, self.locks.ttl_seconds)
         return lock, taken.tokens[lock], True

@@ -242,6 +242,7 @@ class Worker:
         seconds = self.settings.lease_seconds
         token = lease_token()
         ahead = {i: sl.locks for i, sl in limits.items() if sl.locks and not sl.gated}
+        asked = time.monotonic()
         taking = asyncio.ensure_future(self.locks.take_ahead(ahead, token)) if ahead else None
         adopted: set[str] = set()
         try:
@@ -253,6 +254,7 @@ class Worker:
                     held = Held(run, lease)
                     if run.id in ahead and lease.token == token:
                         held.ahead = taking
+                        held.vouched(asked, seconds)
                         adopted.add(run.id)
                     if run.status == RunStatus.CANCEL_REQUESTED:  # asked between claim and read
                         held.cancel.set()
@@ -376,8 +378,11 @@ class Worker:
         back, to take the lock again."""
         for held in helds:
             owner = holder(held.run.id, held.lease.token)
-            lost = await self.locks.renew(list(held.locks), owner)
-            if lost and held.busy and held.stop is None:
+            asked, renewing = time.monotonic(), list(held.locks)
+            lost = await self.locks.renew(renewing, owner)
+            if not lost and held.locks.keys() <= set(renewing):  # none taken meanwhile
+                held.locks_sure = asked + self.locks.ttl_seconds
+            elif held.busy and held.stop is None:
                 log.warning(
                     "run %s: locks %s lost; stopping its step",
                     held.run.id,
