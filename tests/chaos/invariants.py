@@ -25,7 +25,7 @@ from typing import Any
 
 from pymongo.asynchronous.database import AsyncDatabase
 
-from jobplane.model import ALLOWED, LEASED, TERMINAL, RunStatus, StepStatus
+from jobplane.model import ALLOWED, LEASED, TERMINAL, RunStatus
 from jobplane.model.graph import Graph
 from jobplane.runs.admission.keys import lock_named
 
@@ -494,12 +494,13 @@ def lock_overlaps(
     runs, no other step naming it does.
 
     A step's run is recorded from when it began (below) to its `step_finished` event, whose
-    `now` is read after its holder confirmed it still held the step's locks (each renewed, so
-    none had lapsed) and which is written before they are let go; the next holder takes the
-    lock after that and reads its start after it took it. A run of a step cut short (its
-    lease lost, its worker killed, a cancel acknowledged, a lock lost or lapsed) has no
-    recorded end, or a `cancelled` one written after its locks were let go: it lets them go,
-    or they expire, at a time MongoDB does not know, and it is left out.
+    `now` is read after the handler returned and its holder confirmed the locks were its own
+    still (`StepLocks.confirm`), and which is written before the step's locks are let go
+    (with the walk's failure, for a step that ended once the walk had failed); the next holder
+    takes the lock after that and reads its start after it took it. A run of a step cut short
+    (its lease lost, its worker killed, a cancel acknowledged, a lock lost or lapsed) has no
+    recorded end: it lets its locks go, or they expire, at a time MongoDB does not know, and
+    it is left out.
 
     A lock lives in Redis under a lease its holder renews (`runs/admission/locks.py`): a fault
     that wipes Redis, or keeps a holder from renewing for a lease length (a pause, a MongoDB
@@ -556,9 +557,7 @@ def _step_spans(run: Doc, events: list[Doc]) -> list[tuple[str, datetime, dateti
         elif event["type"] == "step_started":
             opened[step] = min(filter(None, [event["createAt"], began.get(step)]))
         elif event["type"] == "step_finished" and step in opened:
-            start = opened.pop(step)
-            if event["metadata"].get("status") != StepStatus.CANCELLED:
-                spans.append((step, start, event["createAt"]))
+            spans.append((step, opened.pop(step), event["createAt"]))
     return spans
 
 

@@ -381,19 +381,6 @@ def test_a_step_cut_short_holds_no_recorded_span() -> None:
     assert lock_overlaps(trailed, templates(LOCKED)) == []
 
 
-def test_a_step_cancelled_beside_a_failure_holds_no_recorded_span() -> None:
-    """r1's step was stopped as a step beside it failed: its `cancelled` end is written with
-    the run's next write, after its locks were let go, and r2 took the lock in between."""
-    stopped = [
-        event("status_changed", 50, "running"),
-        event("step_started", 100, step="call"),
-        event("step_finished", 2_500, step="call", status="cancelled"),
-        event("status_changed", 2_500, "queued"),
-    ]
-    trailed = [stepped("r1", 3_000, 3_100, "acme", *stopped), stepped("r2", 2_100, 2_200)]
-    assert lock_overlaps(trailed, templates(LOCKED)) == []
-
-
 def test_an_earlier_run_of_a_step_counts_from_its_own_events() -> None:
     """r1's step failed at its first attempt (its start written 50 ms in) and ran again later,
     which the progress dates; r2's step ran inside the first."""

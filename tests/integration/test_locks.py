@@ -6,6 +6,7 @@ import asyncio
 import itertools
 import signal
 from collections.abc import Sequence
+from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -199,6 +200,30 @@ async def test_a_step_whose_lock_lapsed_while_it_ran_writes_no_end_and_runs_agai
     trail = await backends.store.trail.events_of(run.id)
     assert [e.type for e in trail].count("step_finished") == 1
     assert "release" in [e.metadata.get("transition") for e in trail]
+
+
+async def test_a_failed_steps_locks_are_let_go_after_its_failure_is_written(
+    backends: Backends, settings: Settings, register: Register
+) -> None:
+    """A failed step's recorded span lies inside its hold of its locks, as every step's does:
+    its end is written with the attempt's failure once the walk stops, and its locks are let
+    go after that write (the run has left `running` at each let-go)."""
+    await register("sync_in", steps=holding("builtin.fail"))
+    service = RunService(backends.store, backends.queue)
+    seen: list[RunStatus] = []
+    async with running(backends, settings) as [worker]:
+        release = worker.locks.release
+
+        async def watched(lock_ids: Sequence[str], owner: str, now: datetime) -> None:
+            seen.append((await service.get(owner.split(":")[0])).status)
+            await release(lock_ids, owner, now)
+
+        worker.locks.release = watched  # type: ignore[method-assign]
+        payload = {"partner": "acme", "fatal": True}
+        run = (await service.create(RunRequest("sync_in", "user", "u", payload), "t"))[0]
+        [done] = await settled(backends.store, [run.id], within=30)
+    assert done.status == RunStatus.FAILED
+    assert seen == [RunStatus.FAILED], seen
 
 
 async def _gone(backends: Backends, key: str) -> bool:

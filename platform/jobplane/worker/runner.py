@@ -76,6 +76,9 @@ class _Walk:
     alone: Exception | None = None
     # Steps that stopped beside a failure, written with it.
     ended: list[StepEnd] = field(default_factory=list)
+    # The locks of steps that ended once the walk had failed: let go after the failure's
+    # write, which records their ends.
+    unlocking: list[str] = field(default_factory=list)
 
 
 class _External(Exception):
@@ -251,6 +254,14 @@ class Runner:
             await self._complete_ended(held, flow)
             return
         walk = _Walk()
+        try:
+            await self._walk(held, flow, walk)
+        finally:
+            await self._step_locks.let_go(held, walk.unlocking)
+
+    async def _walk(self, held: Held, flow: Flow, walk: _Walk) -> None:
+        """`_run_steps`'s walk of the graph, and the write that ends it."""
+        run, lease, template = held.run, held.lease, flow.template
         for index, lent in flow.lent.items():  # lent by an earlier holder, and not ended yet
             at = HeldStep(run, lease, template, index, flow.done)
             start = StepStart(lent.lent_at, lent.attempt)
@@ -363,7 +374,12 @@ class Runner:
                 held.interrupt(exc.reason)
             return False
         finally:
-            await self._step_locks.let_go(held, step.locks)
+            # Its end is written by now, or (the walk failed) with the failure: its locks are
+            # let go after it, so that its recorded span lies inside its hold of them.
+            if walk.failure is None:
+                await self._step_locks.let_go(held, step.locks)
+            else:
+                walk.unlocking += step.locks
 
     async def _start_ready(self, held: Held, flow: Flow, walk: _Walk) -> list[RunningStep]:
         """The steps to start now: every step whose needs are met, with its locks taken (those
