@@ -46,9 +46,9 @@ class Held:
     # ...then those of them no step has taken up yet: a step whose locks are all here starts
     # without asking Redis, and what is left once the first steps started is let go.
     taken_ahead: set[str] = field(default_factory=set)
-    # Until when (monotonic seconds) every lock in `locks` is surely its own still: a lock
-    # lives a TTL after the take or renewal that last answered for it was sent.
-    locks_sure: float = math.inf
+    # When (monotonic seconds) the oldest of the takes and renewals that last answered for the
+    # locks in `locks` was sent: each lives a TTL after that (`StepLocks.confirm`).
+    locks_answered: float = math.inf
     # When MongoDB last confirmed the lease (monotonic seconds); past the lease length the
     # worker assumes the reaper may have given the run away and stops its handlers itself.
     renewed: float = field(default_factory=time.monotonic)
@@ -65,9 +65,9 @@ class Held:
         """For lines about the run logged outside its own task (whose context has them)."""
         return {"run_id": self.run.id, "lease_token": self.lease.token}
 
-    def vouched(self, asked: float, ttl_seconds: float) -> None:
-        """Locks taken (or renewed) by a call sent at `asked` are its own for a TTL after."""
-        self.locks_sure = min(self.locks_sure, asked + ttl_seconds)
+    def answered(self, asked: float) -> None:
+        """Locks were taken by a call sent at `asked` (monotonic seconds)."""
+        self.locks_answered = min(self.locks_answered, asked)
 
     def interrupt(self, reason: Stop) -> None:
         self.stop = reason

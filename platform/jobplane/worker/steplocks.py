@@ -49,7 +49,7 @@ class StepLocks:
             if isinstance(taken, Blocked):
                 raise LockHeld(taken)
             held.locks.update(taken.tokens)
-            held.vouched(asked, self.locks.ttl_seconds)
+            held.answered(asked)
         if held.run.lock_wait is not None:
             try:
                 stop_if_lost(await self.lifecycle.locks_taken(at, wanted))
@@ -71,7 +71,7 @@ class StepLocks:
         nothing is asked. Past that, they are renewed: each is still its own only if it never
         lapsed (a lapsed lock is gone from Redis, or another's). A Redis that cannot answer
         cannot vouch for them either."""
-        if not lock_ids or time.monotonic() < held.locks_sure - self.locks.ttl_seconds / 2:
+        if not lock_ids or time.monotonic() - held.locks_answered < self.locks.ttl_seconds / 2:
             return
         try:
             lost = await self.locks.renew(lock_ids, holder(held.run.id, held.lease.token))
@@ -136,5 +136,5 @@ class StepLocks:
             await asyncio.sleep(min(pause, max(0.0, until - loop.time())))
             pause = min(2 * pause, 1.0)
         held.locks.update(taken.tokens)
-        held.vouched(asked, self.locks.ttl_seconds)
+        held.answered(asked)
         return lock, taken.tokens[lock], True

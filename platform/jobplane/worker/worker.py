@@ -254,7 +254,7 @@ class Worker:
                     held = Held(run, lease)
                     if run.id in ahead and lease.token == token:
                         held.ahead = taking
-                        held.vouched(asked, self.locks.ttl_seconds)
+                        held.answered(asked)
                         adopted.add(run.id)
                     if run.status == RunStatus.CANCEL_REQUESTED:  # asked between claim and read
                         held.cancel.set()
@@ -382,7 +382,7 @@ class Worker:
             lost = await self.locks.renew(renewing, owner)
             if not lost:
                 if held.locks.keys() <= set(renewing):  # none taken meanwhile
-                    held.locks_sure = asked + self.locks.ttl_seconds
+                    held.locks_answered = asked
             elif held.busy and held.stop is None:
                 log.warning(
                     "run %s: locks %s lost; stopping its step",
