@@ -12,11 +12,23 @@ from jobplane.runs import RunRequest, RunService
 from jobplane.runs.waiting import Waiting
 from jobplane.settings import Settings
 from jobplane.templates import load_file
-from jobplane.worker import registry
+from jobplane.worker import StepContext, registry
 from tests.integration.conftest import Register
 from tests.integration.workers import running, settled
 
 TEMPLATES = Path(__file__).parents[2] / "templates"
+
+# Run ids whose handler may reach its checkpoint: until then a cancel stays only requested,
+# however fast the worker hears of it.
+cued: set[str] = set()
+
+
+@registry.register("test.checkpoint_on_cue")
+async def checkpoint_on_cue(ctx: StepContext) -> None:
+    async with asyncio.timeout(20):
+        while ctx.run.id not in cued:  # noqa: ASYNC110
+            await asyncio.sleep(0.01)
+    ctx.checkpoint()
 
 
 async def test_demo_long_task_runs_to_success(backends: Backends, settings: Settings) -> None:
@@ -164,9 +176,8 @@ async def test_cancel_follows_rule_4_in_each_state(
     with pytest.raises(ResourceInvalidState):
         await service.cancel(queued.id, "user:a", None)
 
-    held, _ = await service.create(
-        RunRequest("t_noop", "user", "u", {"sleepSeconds": 30}), "user:a"
-    )
+    await register(steps=[{"id": "nap", "handler": "test.checkpoint_on_cue"}])
+    held, _ = await service.create(RunRequest("t_noop", "user", "u", {}), "user:a")
     async with running(backends, settings):
         async with asyncio.timeout(10):
             while (await service.get(held.id)).status != RunStatus.RUNNING:  # noqa: ASYNC110
@@ -175,6 +186,7 @@ async def test_cancel_follows_rule_4_in_each_state(
         assert asked.status == RunStatus.CANCEL_REQUESTED
         again = await service.cancel(held.id, "user:c", None)
         assert again.cancel_requested_by == "user:b", "a second cancel changes nothing"
+        cued.add(held.id)
         [stopped] = await settled(backends.store, [held.id], within=5)
     assert stopped.status == RunStatus.CANCELLED
 

@@ -48,7 +48,9 @@ async def test_cancel_mid_step_stops_at_the_next_checkpoint(
     async with running(backends, settings):
         await wait_status(backends, run.id, RunStatus.RUNNING)
         asked = await service.cancel(run.id, "user:a", "no longer needed")
-        assert asked.status == RunStatus.CANCEL_REQUESTED
+        # The worker may have stopped already by the time the answer is read; the trail below
+        # shows the request came first.
+        assert asked.status in {RunStatus.CANCEL_REQUESTED, RunStatus.CANCELLED}
         [done] = await settled(backends.store, [run.id], within=5)
     assert done.status == RunStatus.CANCELLED
     assert [s.status for s in done.progress.steps] == [StepStatus.CANCELLED, StepStatus.SKIPPED]
