@@ -11,6 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from jobplane.backends import Backends
+from jobplane.groupcommit import GroupCommit
 from jobplane.model import RunStatus, StartLimits, StepStatus
 from jobplane.queue.entry import QueueEntry, run_of
 from jobplane.queue.locks import Blocked, Taken
@@ -200,6 +201,34 @@ async def test_a_step_whose_lock_lapsed_while_it_ran_writes_no_end_and_runs_agai
     trail = await backends.store.trail.events_of(run.id)
     assert [e.type for e in trail].count("step_finished") == 1
     assert "release" in [e.metadata.get("transition") for e in trail]
+
+
+async def test_a_heartbeat_renews_every_held_runs_locks_in_one_round_trip(
+    backends: Backends, settings: Settings, register: Register
+) -> None:
+    """The runs a worker holds have their locks renewed together, so the last is renewed as
+    soon as the first: a beat with many locked runs leaves none of them closer to lapsing."""
+    await register("sync_in", steps=holding())
+    service = RunService(backends.store, backends.queue)
+    partners = [f"p{i}" for i in range(5)]
+    beating = settings.model_copy(update={"heartbeat_seconds": 0.3})
+    batches: list[list[str]] = []
+    renew_many = backends.queue.locks._renew_many
+
+    async def counted(renewals: list[tuple[list[str], str, int]]) -> list[Any]:
+        batches.append(sorted(lock for lock_ids, _, _ in renewals for lock in lock_ids))
+        return await renew_many(renewals)
+
+    backends.queue.locks._renewals = GroupCommit(counted)
+    async with running(backends, beating):
+        runs = [
+            (await service.create(RunRequest("sync_in", "user", "u", p), "t"))[0]
+            for p in ({"partner": partner, "seconds": 2} for partner in partners)
+        ]
+        done = await settled(backends.store, [r.id for r in runs], within=30)
+    assert {r.status for r in done} == {RunStatus.SUCCEEDED}
+    every = sorted(f'partner-api:["{p}"]' for p in partners)
+    assert every in batches, f"no beat renewed all five runs' locks at once: {batches}"
 
 
 async def test_a_failed_steps_locks_are_let_go_after_its_failure_is_written(

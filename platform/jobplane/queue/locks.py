@@ -56,6 +56,7 @@ class RedisLocks:
         self._renew = script(redis, "renew")
         self._tokens = script(redis, "tokens")
         self._takes = GroupCommit(self._take_many)
+        self._renewals = GroupCommit(self._renew_many)
         self._releases = GroupCommit(self._release_many)
 
     # -- the singletons' locks ------------------------------------------------------------------
@@ -109,14 +110,21 @@ class RedisLocks:
             replies: list[Any] = await pipe.execute(raise_on_error=False)
         return replies
 
-    @bounded
     async def renew(self, lock_ids: Sequence[str], owner: str, ttl_seconds: float) -> set[str]:
-        """Extend the locks `owner` still holds; returns those it lost."""
+        """Extend the locks `owner` still holds; returns those it lost. Concurrent renewals
+        (a heartbeat's, one per held run) share one round trip (group commit)."""
         if not lock_ids:
             return set()
-        keys = [self.keys.lock(i) for i in lock_ids]
-        kept = await self._renew(keys=keys, args=[owner, int(ttl_seconds * 1000)])
+        kept = await self._renewals.submit((list(lock_ids), owner, int(ttl_seconds * 1000)))
         return {i for i, k in zip(lock_ids, kept, strict=True) if not int(k)}
+
+    @bounded
+    async def _renew_many(self, renewals: list[tuple[list[str], str, int]]) -> list[Any]:
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for lock_ids, owner, ttl_ms in renewals:
+                eval_in(pipe, self._renew, [self.keys.lock(i) for i in lock_ids], [owner, ttl_ms])
+            replies: list[Any] = await pipe.execute(raise_on_error=False)
+        return replies
 
     async def release(self, lock_ids: Sequence[str], owner: str, now: datetime) -> int:
         """Let go of the locks `owner` holds, and put the run that waited longest for each back

@@ -373,24 +373,27 @@ class Worker:
                     self.lifecycle.observe(held.run, lost)
 
     async def _renew_locks(self, helds: list[Held]) -> None:
-        """Extend the locks the runs' steps hold. A step whose lock was lost (it expired, or
-        Redis was wiped) no longer excludes anyone: its handler is stopped and the run handed
-        back, to take the lock again."""
-        for held in helds:
-            owner = holder(held.run.id, held.lease.token)
-            asked, renewing = time.monotonic(), list(held.locks)
-            lost = await self.locks.renew(renewing, owner)
-            if not lost:
-                if held.locks.keys() <= set(renewing):  # none taken meanwhile
-                    held.locks_answered = asked
-            elif held.busy and held.stop is None:
-                log.warning(
-                    "run %s: locks %s lost; stopping its step",
-                    held.run.id,
-                    sorted(lost),
-                    extra=held.log_fields,
-                )
-                held.interrupt("lock")
+        """Extend the locks the runs' steps hold, every run's at once: they share one round
+        trip, so a beat's renewals come as close together as they can. A step whose lock was
+        lost (it expired, or Redis was wiped) no longer excludes anyone: its handler is stopped
+        and the run handed back, to take the lock again."""
+        await asyncio.gather(*map(self._renew_run_locks, helds))
+
+    async def _renew_run_locks(self, held: Held) -> None:
+        owner = holder(held.run.id, held.lease.token)
+        asked, renewing = time.monotonic(), list(held.locks)
+        lost = await self.locks.renew(renewing, owner)
+        if not lost:
+            if held.locks.keys() <= set(renewing):  # none taken meanwhile
+                held.locks_answered = asked
+        elif held.busy and held.stop is None:
+            log.warning(
+                "run %s: locks %s lost; stopping its step",
+                held.run.id,
+                sorted(lost),
+                extra=held.log_fields,
+            )
+            held.interrupt("lock")
 
     async def _cancel_listener(self) -> None:
         while not self._closing.is_set():
