@@ -11,6 +11,8 @@ from dataclasses import dataclass
 from datetime import datetime
 from typing import Any
 
+from redis.commands.core import AsyncScript
+
 from jobplane.groupcommit import GroupCommit
 from jobplane.queue.calls import bounded, epoch_ms, eval_in, script, text
 from jobplane.queue.connect import RedisClient
@@ -103,12 +105,11 @@ class RedisLocks:
 
     @bounded
     async def _take_many(self, takes: list[tuple[list[str], str, int]]) -> list[Any]:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for lock_ids, owner, ttl_ms in takes:
-                keys = [*(self.keys.lock(i) for i in lock_ids), self.keys.lock_tokens]
-                eval_in(pipe, self._lock, keys, [owner, ttl_ms, 1])
-            replies: list[Any] = await pipe.execute(raise_on_error=False)
-        return replies
+        keys = self.keys
+        calls = [
+            ([*map(keys.lock, ids), keys.lock_tokens], [owner, ttl, 1]) for ids, owner, ttl in takes
+        ]
+        return await self._each(self._lock, calls)
 
     async def renew(self, lock_ids: Sequence[str], owner: str, ttl_seconds: float) -> set[str]:
         """Extend the locks `owner` still holds; returns those it lost. Concurrent renewals
@@ -120,11 +121,8 @@ class RedisLocks:
 
     @bounded
     async def _renew_many(self, renewals: list[tuple[list[str], str, int]]) -> list[Any]:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for lock_ids, owner, ttl_ms in renewals:
-                eval_in(pipe, self._renew, [self.keys.lock(i) for i in lock_ids], [owner, ttl_ms])
-            replies: list[Any] = await pipe.execute(raise_on_error=False)
-        return replies
+        calls = [(list(map(self.keys.lock, ids)), [owner, ttl]) for ids, owner, ttl in renewals]
+        return await self._each(self._renew, calls)
 
     async def release(self, lock_ids: Sequence[str], owner: str, now: datetime) -> int:
         """Let go of the locks `owner` holds, and put the run that waited longest for each back
@@ -135,11 +133,12 @@ class RedisLocks:
 
     @bounded
     async def _release_many(self, releases: list[tuple[list[str], str, datetime]]) -> list[Any]:
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for lock_ids, owner, _ in releases:
-                keys = [*map(self.keys.lock, lock_ids), *map(self.keys.lock_waiters, lock_ids)]
-                eval_in(pipe, self._unlock, keys, [owner, 1])
-            replies: list[Any] = await pipe.execute(raise_on_error=False)
+        keys = self.keys
+        calls = [
+            ([*map(keys.lock, ids), *map(keys.lock_waiters, ids)], [owner, 1])
+            for ids, owner, _ in releases
+        ]
+        replies = await self._each(self._unlock, calls)
         woken = [
             QueueEntry.unheld(text(member))
             for reply in replies
@@ -149,6 +148,17 @@ class RedisLocks:
         if woken:
             await self._wake(woken, releases[0][2])
         return [r if isinstance(r, Exception) else int(r[0]) for r in replies]
+
+    async def _each(
+        self, script: AsyncScript, calls: list[tuple[list[str], list[Any]]]
+    ) -> list[Any]:
+        """`script` once for each (keys, args) of `calls`, in one round trip: each call's
+        reply, or the error that call alone met (the group commit hands it to its caller)."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            for keys, args in calls:
+                eval_in(pipe, script, keys, args)
+            replies: list[Any] = await pipe.execute(raise_on_error=False)
+        return replies
 
     @bounded
     async def incarnation(self, candidate: str) -> str:
