@@ -1,12 +1,13 @@
-"""Where a lone run's start goes, phase by phase: the create, the pop, a rate window's take (a
-template with `rateLimit`), the claim's write, its read-back, and the handler's start.
+"""Where a lone run's start goes, phase by phase: the create, the pop (which takes a rate
+window too, for a template with `rateLimit`), the claim's write, its read-back, and the
+handler's start.
 
 Runs are created one at a time, `--gap` seconds apart, so each arrives alone, as at a low rate.
 The producer and one worker share this process and its event loop (unlike bench/latency.py's
 worker processes), so that one clock times every phase. The loop they share makes the phases
 slower than in a deployment, so compare them with each other, not with latency.py's figures.
 Each phase is timed by wrapping the call that makes it: `RunService.create`,
-`RedisQueue.pop`, `RedisLimits.rate_take`, and the claim's update and read-back
+`RedisQueue.pop`, and the claim's update and read-back
 (`MongoTransitionStore._take` and `_read`).
 
     .venv/bin/python bench/phases.py [--runs N] [--gap S] [--template '{"rateLimit": ...}']
@@ -25,7 +26,6 @@ from typing import Any
 import throughput
 from jobplane.backends import open_backends
 from jobplane.model import TemplateSpec
-from jobplane.queue.limits import RedisLimits
 from jobplane.queue.redis import RedisQueue
 from jobplane.runs.service import RunRequest, RunService
 from jobplane.settings import Settings
@@ -36,8 +36,6 @@ from jobplane.worker import StepContext, Worker, handler
 marks: dict[str, dict[str, float]] = {}
 PHASES = [
     ("create", "created", "the create call"),
-    ("popped", "rate", "pop returned -> rate window asked"),
-    ("rate", "rated", "the rate window's take"),
     ("popped", "claim", "pop returned -> claim sent"),
     ("claim", "claimed", "the claim's write (majority)"),
     ("read", "read_back", "the claim's read-back"),
@@ -69,7 +67,6 @@ def timed(
 
 
 timed(RedisQueue, "pop", "pop", "popped", lambda _, popped: popped.run_ids)
-timed(RedisLimits, "rate_take", "rate", "rated", lambda args, _: [s[0] for s in args[0]])
 timed(MongoTransitionStore, "_take", "claim", "claimed", lambda _, c: [str(o) for o in c.oids])
 timed(MongoTransitionStore, "_read", "read", "read_back", lambda _, d: [str(x["_id"]) for x in d])
 

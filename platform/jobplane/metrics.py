@@ -130,10 +130,10 @@ def run_claimed(run: Run) -> None:
         START_DELAY.labels(run.queue).observe(_seconds(run.started_at, due))
 
 
-def rate_delayed(run: Run, seconds: float) -> None:
-    """Count a start a rate window refused, and how long the run waits."""
-    RATE_LIMIT_DELAYS.labels(run.template_type).inc()
-    RATE_LIMIT_DELAY.labels(run.template_type).observe(max(0.0, seconds))
+def rate_delayed(template_type: str, seconds: float) -> None:
+    """Count a start a rate window refused, and how long its run waits."""
+    RATE_LIMIT_DELAYS.labels(template_type).inc()
+    RATE_LIMIT_DELAY.labels(template_type).observe(max(0.0, seconds))
 
 
 def observe(run: Run, outcome: Moved | Lost | None, now: datetime) -> None:

@@ -75,15 +75,17 @@ TEMPLATES: list[Doc] = [
         "schedulable": True,
         "steps": [{"id": "only", "handler": "builtin.noop"}],
     },
-    # Flow control: two places per key (few keys: its runs are all in one account) and at most
-    # three runs started, so that runs wait for a place (`pending`, in MongoDB) and for a start
-    # (held back in Redis, which some faults wipe).
+    # Flow control: two places per key (few keys: its runs are all in one account), at most
+    # three runs started and five starts a second, so that runs wait for a place (`pending`, in
+    # MongoDB), for a start (held back in Redis, which some faults wipe) and for their rate
+    # window (taken by the pops the faults hit).
     {
         "type": "chaos_limited",
         "concurrencyPolicy": "queue_same_scope",
         "concurrencyLimit": 2,
         "dedupeKeys": ["payload.group"],
         "maxRunning": 3,
+        "rateLimit": {"limit": 5, "periodSeconds": 1},
         "steps": [{"id": "nap", "handler": "chaos.nap"}],
     },
     # A flow beyond a line: two branches nap side by side, a third is skipped by its `when`,

@@ -323,7 +323,7 @@ async def test_a_runs_first_locks_are_taken_beside_its_claim_under_its_lease(
     assert limits.locks == (ACME,) and not limits.gated
     worker = Worker(backends.store, backends.queue, settings)
     owners = counting_takes(worker)
-    await worker.claim(popped.run_ids, popped.limits)
+    await worker.claim(popped.run_ids, popped)
     [done] = await settled(backends.store, [run.id], within=30)
     assert done.status == RunStatus.SUCCEEDED
     [owner] = owners  # taken once...
@@ -346,7 +346,7 @@ async def test_locks_taken_ahead_of_a_claim_that_lost_the_run_are_let_go(
     await backends.store.transitions.claim([run.id], "another-worker", 30)
     worker = Worker(backends.store, backends.queue, settings)
     owners = counting_takes(worker)
-    await worker.claim(popped.run_ids, popped.limits)
+    await worker.claim(popped.run_ids, popped)
     assert len(owners) == 1 and not worker.held, "taken ahead, but the run is another's"
     assert not await backends.queue.redis.exists(backends.queue.keys.lock(ACME)), "let go"
 
@@ -365,7 +365,7 @@ async def test_two_workers_claiming_one_locked_run_start_it_once_and_free_its_lo
         ]
         popped = await pop(backends, settings)
         one, two = (Worker(backends.store, backends.queue, settings) for _ in range(2))
-        await asyncio.gather(*(w.claim(popped.run_ids, popped.limits) for w in (one, two)))
+        await asyncio.gather(*(w.claim(popped.run_ids, popped) for w in (one, two)))
         async with running(backends, settings):
             [done] = await settled(backends.store, [run.id], within=30)
         assert done.status == RunStatus.SUCCEEDED and done.attempt == 1
@@ -388,7 +388,7 @@ async def test_a_lock_taken_ahead_that_no_step_takes_up_is_let_go_before_the_run
     assert popped.limits[run.id].locks == (ACME,)
     worker = Worker(backends.store, backends.queue, settings)
     owners = counting_takes(worker)
-    await worker.claim(popped.run_ids, popped.limits)
+    await worker.claim(popped.run_ids, popped)
     assert [o.split(":")[0] for o in owners] == [run.id], "taken beside the claim"
 
     async def sleeping() -> bool:

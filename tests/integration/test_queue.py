@@ -13,7 +13,6 @@ from jobplane.clock import ManualClock
 from jobplane.model import RunRate, RunStatus, StartLimits
 from jobplane.queue.connect import RedisClient
 from jobplane.queue.entry import QueueEntry
-from jobplane.queue.limits import RateAnswer
 from jobplane.queue.locks import Blocked, Taken
 from jobplane.queue.redis import RedisQueue
 from jobplane.runs import RunRequest, RunService
@@ -351,17 +350,66 @@ async def test_locks_are_taken_together_renewed_and_let_go_to_their_oldest_waite
     assert isinstance(second, Taken) and min(second.tokens.values()) > first.tokens["b:[1]"]
 
 
-async def test_rate_windows_and_held_runs(queue: RedisQueue, store: MongoStore) -> None:
+async def test_a_pop_takes_each_popped_runs_rate_window(
+    queue: RedisQueue, store: MongoStore
+) -> None:
     now = store.clock.now()
-    window = ("run", '["t"]', 2, 1.0)
-    taken = await queue.limits.rate_take([(f"r{i}", *window[1:]) for i in range(4)], now)
-    assert taken[:2] == [RateAnswer(counted=True)] * 2
-    later = [t.retry_at for t in taken[2:]]
-    assert later[0] is not None and later[1] is not None and now < later[0] < later[1], "spread"
-    again = await queue.limits.rate_take([("r1", '["t"]', 2, 1.0)], now)
-    assert again == [RateAnswer(counted=False)], "a start counted before is not counted again"
-    await queue.limits.rate_return([("r0", '["t"]')])
-    assert await queue.limits.rate_take([("r9", '["t"]', 2, 1.0)], now) == [RateAnswer(True)]
+    rate = RunRate(key='["t"]', limit=2, period_seconds=1.0)
+    runs = [QueueEntry(i, "q", 3, limits=StartLimits("t", rate=rate)) for i in _ids(4)]
+    await queue.push(runs, now)
+    popped = await queue.pop(["q"], 5, now)
+    assert popped.run_ids == _ids(2)
+    assert popped.windows == dict.fromkeys(_ids(2), True), "counted now"
+    assert [limits for limits, _ in popped.refused] == [runs[2].limits, runs[3].limits]
+    dues = [due for _, due in popped.refused]
+    assert now < dues[0] < dues[1], "a backlog comes back spread at the limit's pace"
+    assert popped.next_due == dues[0], "the worker wakes for the first of them"
+    assert await queue.delayed_until(runs[2:]) == dues, "back in their delayed set"
+    assert await queue.redis.zcard(queue.keys.bell("q")) == 0
+    # A stale pop of a run counted before: it may start, and its count is not its own.
+    await queue.push([runs[0]], now)
+    again = await queue.pop(["q"], 5, now)
+    assert (again.run_ids, again.windows) == ([runs[0].run_id], {runs[0].run_id: False})
+    # A start given back makes room in the window (the key the pop script wrote).
+    await queue.limits.rate_return([(runs[1].run_id, rate.key)])
+    fresh = QueueEntry(_ids(1, 9)[0], "q", 0, limits=runs[0].limits)
+    await queue.push([fresh], now)
+    assert (await queue.pop(["q"], 5, now)).windows == {fresh.run_id: True}
+    # Due, the refused runs come back through their rated set and pass their window again.
+    later = await queue.pop(["q"], 5, dues[1] + timedelta(seconds=1))
+    assert later.run_ids == _ids(2, 3) and later.windows == dict.fromkeys(_ids(2, 3), True)
+
+
+async def test_a_blocking_pop_wakes_for_a_rated_run_and_takes_its_window(
+    queue: RedisQueue, store: MongoStore
+) -> None:
+    """A rated run rings its lane's bell rather than waiting where BZPOPMIN takes from: the
+    worker it wakes takes it in the pop script, past its window, in the same round trip when
+    it has more than one free slot, and in a second one otherwise."""
+    rate = RunRate(key='["t"]', limit=1, period_seconds=30)
+    runs = [QueueEntry(i, "q", 0, limits=StartLimits("t", rate=rate)) for i in _ids(3)]
+
+    async def push_soon(entries: list[QueueEntry]) -> None:
+        await asyncio.sleep(0.1)
+        await queue.push(entries, store.clock.now())
+
+    pusher = asyncio.create_task(push_soon(runs[:1]))
+    popped = await queue.pop(["q"], 2, store.clock.now(), 5)
+    await pusher
+    assert (popped.run_ids, popped.windows) == ([runs[0].run_id], {runs[0].run_id: True})
+    pusher = asyncio.create_task(push_soon(runs[1:]))
+    refused = await queue.pop(["q"], 1, store.clock.now(), 5)
+    await pusher
+    assert (refused.run_ids, len(refused.refused)) == ([], 1), "over the window"
+    assert await queue.redis.zcard(queue.keys.bell("q")) == 1, "the other one's bell"
+    last = await queue.pop(["q"], 1, store.clock.now(), 5)
+    assert (last.run_ids, len(last.refused)) == ([], 1)
+    assert await queue.redis.zcard(queue.keys.bell("q")) == 0, "no bell left for a delayed run"
+    assert await queue.delayed_until(runs[1:]) == [due for _, due in refused.refused + last.refused]
+
+
+async def test_held_runs_go_back_by_priority_then_age(queue: RedisQueue, store: MongoStore) -> None:
+    now = store.clock.now()
     capped = StartLimits("capped", 5)
     held = [QueueEntry(i, "q", p, limits=capped) for i, p in zip(_ids(3), (0, 5, 0), strict=True)]
     await queue.limits.hold(held)

@@ -8,6 +8,7 @@ from pathlib import Path
 from jobplane.backends import Backends
 from jobplane.model import RunStatus
 from jobplane.queue.entry import QueueEntry
+from jobplane.queue.redis import Popped
 from jobplane.runs import RunRequest, RunService
 from jobplane.runs.admission.starts import NONE_HELD_SECONDS, Starts
 from jobplane.runs.waiting import Waiting
@@ -174,6 +175,38 @@ async def test_a_run_sent_back_by_its_rate_window_says_until_when(
     assert run.status == RunStatus.QUEUED and run.attempt == 0
     assert run.waiting_for is not None and run.waiting_for.reason == "rate_limit"
     assert run.waiting_for.detail.startswith("1 starts per 30 s; tries again at ")
+
+
+async def test_a_rated_run_reaches_a_claim_only_past_its_window(
+    backends: Backends, register: Register
+) -> None:
+    """A window is taken by the pop alone. A rated run claimed without it (by id, or popped by a
+    blocking pop from the ready set an older version queued it in) is not claimed: it goes back
+    to its lane's rated set, and the next pop takes its window."""
+    await register("rated", rateLimit={"limit": 1, "periodSeconds": 30})
+    service = RunService(backends.store, backends.queue)
+    first, second = await create(service, "rated", 2)
+    queue, starts = backends.queue, Starts(backends.store, backends.queue)
+
+    async def claimed(run_ids: list[str], popped: Popped | None = None) -> list[str]:
+        return [
+            run.id async for batch in starts.claim(run_ids, "w", 30, popped) for run, _ in batch
+        ]
+
+    assert await claimed([first, second]) == []
+    # As an older version queued it: in the ready set a blocking pop takes from.
+    entry = QueueEntry.of(await service.get(first))
+    lane, handlers = [entry.queue], [entry.handler] if entry.handler else []
+    await queue.remove(entry)
+    await queue.redis.zadd(queue.keys.queue(entry.queue, entry.handler), {entry.member: 0})
+    legacy = await queue.pop(lane, 1, backends.store.clock.now(), 1, handlers)
+    assert (legacy.run_ids, legacy.windows) == ([first], {})
+    assert await claimed(legacy.run_ids, legacy) == []
+    assert await queue.missing([entry]) == [], "back in its rated set"
+    popped = await queue.pop(lane, 5, backends.store.clock.now(), handlers=handlers)
+    assert popped.windows == {first: True} and len(popped.refused) == 1
+    assert await claimed(popped.run_ids, popped) == [first]
+    assert (await service.get(second)).status == RunStatus.QUEUED
 
 
 async def test_the_shipped_flow_control_template_runs(

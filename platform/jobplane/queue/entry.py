@@ -43,6 +43,14 @@ class QueueEntry:
         return limits.template_type if limits and limits.max_running is not None else None
 
     @property
+    def rated(self) -> bool:
+        """It waits in its lane's rated set while ready (`Keys.rated`): it has a rate window
+        to pass and no fair group (a fair run waits in its group, and the pop takes its window
+        all the same)."""
+        limits = self.limits
+        return self.group is None and limits is not None and limits.rate is not None
+
+    @property
     def member(self) -> str:
         """The run in a ready, delayed or bell set: its id, then its limits when it has some."""
         if self.limits is None:

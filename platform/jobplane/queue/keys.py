@@ -1,19 +1,24 @@
 """Every Redis key name jobplane uses, in one place.
 
 On a Redis Cluster a command, pipeline step or script may touch keys of one hash slot only.
-Two groups of keys are used together and share a hash tag (the part in braces, which alone
+Three groups of keys are used together and share a hash tag (the part in braces, which alone
 decides the slot):
 - every queue's ready and delayed sets, tagged `{<prefix>queues}`: a worker's blocking pop
-  waits on all its lanes in one BZPOPMIN, and one claim script promotes and pops them all;
+  waits on all its lanes in one BZPOPMIN, and one pop script promotes and pops them all;
+- the resource locks and their token counter, tagged `{<prefix>locks}`: one script takes a
+  step's locks together;
 - the worker registry's keys, tagged `{<prefix>workers}`: its scripts read and prune them.
 
 A queue is split into lanes, one per handler: a run waits in the lane of its current step's
 handler, and a worker pops only the lanes of the handlers it offers. A run whose current
 step is external (any worker hands it on) waits in the queue's own lane, `handler` None.
 A fair lane (a template's `fairness: round_robin`) keeps its runs in one sorted set per group
-(a scope and scope id), which take turns through the lane's ring (`lua/fair.lua`); its bell
-holds every one of them, for a worker blocked in BZPOPMIN to wake on. The pause mirror and the
-ring turn counter share the queues' tag, so a pop reads them in the same script.
+(a scope and scope id), which take turns through the lane's ring (`lua/fair.lua`). A run with
+a rate window waits in its lane's rated set, apart from the ready set a blocking pop takes
+from, so that only the pop script takes it, past its window. The lane's bell holds every run
+of its fair groups and rated set, for a worker blocked in BZPOPMIN to wake on. The pause
+mirror, the ring turn counter and the rate windows share the queues' tag, so a pop reads
+them in the same script.
 
 The singletons' locks (the scheduler's, the notifier's) carry no tag. Why one slot for all
 queues rather than one per queue is in docs/architecture.md.
@@ -49,13 +54,20 @@ class Keys:
         `<id>|<priority>`."""
         return f"{self.prefix}jobs:delayed:{{{self.prefix}queues}}:{queue}{_lane(handler)}"
 
+    def rated(self, queue: str, handler: str | None = None) -> str:
+        """Ready runs of a lane that have a rate window to pass: a sorted set like a ready
+        set. No blocking pop waits on it (its runs ring the lane's bell instead), so only the
+        pop script takes them, and it takes each one's window in the same step."""
+        return f"{self.prefix}jobs:rated:{{{self.prefix}queues}}:{queue}{_lane(handler)}"
+
     def ring(self, queue: str, handler: str | None = None) -> str:
         """A fair lane's groups in turn: a sorted set, score priority class and turn, member
         the group's key."""
         return f"{self.prefix}jobs:ring:{{{self.prefix}queues}}:{queue}{_lane(handler)}"
 
     def bell(self, queue: str, handler: str | None = None) -> str:
-        """Every ready run of a fair lane: a sorted set, score `-priority`, member the run id."""
+        """Every ready run of a lane's fair groups and of its rated set: a sorted set, score
+        `-priority`, member the run id."""
         return f"{self.prefix}jobs:bell:{{{self.prefix}queues}}:{queue}{_lane(handler)}"
 
     def group(self, queue: str, handler: str | None, group: str) -> str:
@@ -87,16 +99,19 @@ class Keys:
         """The template types whose runs were ever held back by `maxRunning`: a set."""
         return f"{self.prefix}jobs:held:{{{self.prefix}queues}}"
 
+    @property
+    def rates(self) -> str:
+        """What the key of every rate window begins with (`rate`): the pop script, which
+        takes a popped run's window, appends the window's digest itself."""
+        return f"{self.prefix}jobs:rate:{{{self.prefix}queues}}:"
+
     def rate(self, window: str) -> str:
         """One rate window's starts: a sorted set, member the run id, score when it started.
         A window (a template type and its key's values) may hold any character, so it is
-        hashed; each window has its own slot, its hint beside it."""
+        hashed; beside it, `:next` appended, the latest time a run it refused was told to come
+        back (`lua/rate.lua`)."""
         digest = hashlib.sha1(window.encode(), usedforsecurity=False).hexdigest()[:24]
-        return f"{self.prefix}jobs:rate:{{{self.prefix}rate:{digest}}}"
-
-    def rate_hint(self, window: str) -> str:
-        """The latest time a run refused by the window was told to come back."""
-        return f"{self.rate(window)}:next"
+        return self.rates + digest
 
     def lanes(self, queue: str) -> str:
         """The handlers a queue's runs were ever pushed for: a set, read by the metrics."""

@@ -1,33 +1,20 @@
 """What Redis keeps for the limits a run passes as it starts: the runs a template's
-`maxRunning` holds back, and the sliding logs of `rateLimit` windows (`lua/rate.lua`).
+`maxRunning` holds back, and the starts counted in `rateLimit` windows that did not happen.
 
 MongoDB decides a claim under `maxRunning` (docs/architecture.md, "Admission"); the held runs
 here only say which runs to put back in their lanes as room frees. A rate window's log is the
-limit itself: it trusts the clocks of the workers that write it.
+limit itself (`lua/rate.lua`, taken by the pop script as it pops the run): it trusts the
+clocks of the workers that write it.
 """
 
 from collections.abc import Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass
 from datetime import datetime
 from typing import cast
 
-from jobplane.queue.calls import answered_within, bounded, epoch_ms, eval_in, script, text
+from jobplane.queue.calls import answered_within, bounded, text
 from jobplane.queue.connect import RedisClient
 from jobplane.queue.entry import QueueEntry
 from jobplane.queue.keys import Keys
-
-
-@dataclass(frozen=True)
-class RateAnswer:
-    """A rate window's answer to one start."""
-
-    # The start was recorded by this answer: it is given back (`rate_return`) if the run is not
-    # claimed after all. A start recorded before (the run started since it was pushed, and
-    # this pop of it is stale) is the run's own, and stays.
-    counted: bool
-    # Refused: when the run should try again.
-    retry_at: datetime | None = None
-
 
 # Makes runs visible to workers in their lanes (`RedisQueue.push`).
 Push = Callable[[Iterable[QueueEntry], datetime], Awaitable[None]]
@@ -39,7 +26,6 @@ class RedisLimits:
         self.keys = keys
         self.timeout_seconds = timeout_seconds
         self._push = push
-        self._rate = script(redis, "rate")
 
     # -- runs held back by their template's maxRunning -------------------------------------------
 
@@ -92,30 +78,10 @@ class RedisLimits:
     # -- rate limits -------------------------------------------------------------------------
 
     @bounded
-    async def rate_take(
-        self, starts: Sequence[tuple[str, str, int, float]], now: datetime
-    ) -> list[RateAnswer]:
-        """For each (run id, window, limit, period in seconds): whether the run may start now
-        (its start counts in the window from `now`), or when it should try again."""
-        async with self.redis.pipeline(transaction=False) as pipe:
-            for run_id, window, limit, period in starts:
-                keys = [self.keys.rate(window), self.keys.rate_hint(window)]
-                args = [epoch_ms(now), limit, int(period * 1000), run_id]
-                eval_in(pipe, self._rate, keys, args)
-            replies = await pipe.execute()
-        return [_answer(int(at), now) for at in replies]
-
-    @bounded
     async def rate_return(self, starts: Sequence[tuple[str, str]]) -> None:
-        """Take back starts counted for (run id, window) that did not happen (the run was not
-        claimed after all)."""
+        """Take back starts a pop counted for (run id, window) that did not happen (the run's
+        `maxRunning` held it back)."""
         async with self.redis.pipeline(transaction=False) as pipe:
             for run_id, window in starts:
                 pipe.zrem(self.keys.rate(window), run_id)
             await pipe.execute()
-
-
-def _answer(at: int, now: datetime) -> RateAnswer:
-    if at <= 0:
-        return RateAnswer(counted=at == 0)
-    return RateAnswer(counted=False, retry_at=datetime.fromtimestamp(at / 1000, now.tzinfo))

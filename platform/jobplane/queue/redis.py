@@ -10,7 +10,7 @@ import json
 from collections.abc import AsyncIterator, Collection, Iterable, Sequence
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 from bson import ObjectId
 from redis.asyncio import RedisCluster
@@ -49,6 +49,54 @@ class Popped:
     mirrored: bool = True
     # The limits of those of `run_ids` whose runs have some to pass as they start.
     limits: dict[str, StartLimits] = field(default_factory=dict)
+    # Those of `run_ids` whose rate window the pop took: True where it counted their start,
+    # False where the window had counted it before (a stale pop of a run started since).
+    windows: dict[str, bool] = field(default_factory=dict)
+    # When the pop took the windows (its `now`): a claim starts their runs at that time.
+    at: datetime | None = None
+    # The runs the pop found over their rate window, sent back to their delayed sets: each
+    # one's limits and when it tries again.
+    refused: tuple[tuple[StartLimits, datetime], ...] = ()
+
+
+@dataclass(frozen=True)
+class _PopAnswer:
+    """The pop script's answer, decoded (`lua/pop.lua` says what each part is)."""
+
+    members: list[str]
+    due: int | None
+    paused: frozenset[str]
+    mirrored: bool
+    windows: dict[str, bool]
+    # Each member refused by its window, and when it tries again (epoch ms).
+    refused: dict[str, int]
+
+    @classmethod
+    def of(cls, reply: list[Any]) -> "_PopAnswer":
+        popped, due, paused, mirrored, windows, refused = reply
+        return cls(
+            [text(m) for m in popped],
+            int(float(text(due))) if due else None,
+            frozenset(text(q) for q in paused),
+            bool(mirrored),
+            {text(windows[i]): int(windows[i + 1]) == 0 for i in range(0, len(windows), 2)},
+            {text(refused[i]): int(refused[i + 1]) for i in range(0, len(refused), 2)},
+        )
+
+    def then(self, later: "_PopAnswer") -> "_PopAnswer":
+        """This answer followed by a later pop's, taken at once."""
+        due = min((d for d in (self.due, later.due) if d is not None), default=None)
+        return _PopAnswer(
+            [*self.members, *later.members],
+            due,
+            later.paused,
+            later.mirrored,
+            self.windows | later.windows,
+            self.refused | later.refused,
+        )
+
+    def next_due(self, now: datetime) -> datetime | None:
+        return None if self.due is None else datetime.fromtimestamp(self.due / 1000, now.tzinfo)
 
 
 @dataclass(frozen=True)
@@ -79,7 +127,7 @@ class RedisQueue:
         self.keys = keys
         # The longest any call may take, beyond the wait of a blocking pop (see `bounded`).
         self.timeout_seconds = timeout_seconds
-        self._pop_script = script(redis, "pop", "fair")
+        self._pop_script = script(redis, "pop", "fair", "rate")
         self._enter = script(redis, "enter", "fair")
         self._pauses = script(redis, "pauses")
         self._alive = script(redis, "alive")
@@ -120,6 +168,12 @@ class RedisQueue:
                 ring, bell = self.keys.ring(e.queue, e.handler), self.keys.bell(e.queue, e.handler)
                 group = self.keys.group(e.queue, e.handler, e.group)
                 placed.append((e.queue, e.handler, ring, group, bell, e.member, e.priority))
+            elif e.rated:
+                # Out of a blocking pop's reach: its bell wakes a worker, whose pop script
+                # takes the run and its window together (pop.lua promotes one alike).
+                for lane_set in (self.keys.rated, self.keys.bell):
+                    key = lane_set(e.queue, e.handler)
+                    placed.append((e.queue, e.handler, key, e.member, -e.priority))
             else:
                 key = self.keys.queue(e.queue, e.handler)
                 placed.append((e.queue, e.handler, key, e.member, -e.priority))
@@ -177,6 +231,8 @@ class RedisQueue:
         Of each queue, the lanes popped are its own and those of `handlers`; within a queue,
         its lanes' runs come out by priority as if they were one set (a fair lane's in turns
         across its groups). A paused queue's runs stay; the answer names the paused queues.
+        A popped run with a rate limit passes its window in the same script; one over it
+        goes back to its delayed set, due when the window allows (`Popped.refused`).
 
         With `block_seconds` (and `n` > 0) a BZPOPMIN over the ready sets and bells of the
         queues not in `paused` (the caller's last answer) goes first: it takes a ready id at
@@ -211,8 +267,8 @@ class RedisQueue:
         keys = [self.keys.paused, self.keys.turn]
         for q, h in lanes:
             keys += [self.keys.queue(q, h), self.keys.delayed(q, h)]
-            keys += [self.keys.ring(q, h), self.keys.bell(q, h)]
-        args: list[str | int] = [epoch_ms(now), n, 1000]
+            keys += [self.keys.ring(q, h), self.keys.bell(q, h), self.keys.rated(q, h)]
+        args: list[str | int] = [epoch_ms(now), n, 1000, self.keys.rates]
         for q in queues:
             args += [q, len(handlers) + 1]
         # Redis truncates a timeout to whole milliseconds (0.001 s can come out as 0.999 ms)
@@ -227,39 +283,50 @@ class RedisQueue:
             args[1] = n - 1 if blocking else n
             eval_in(pipe, self._pop_script, keys, args)
             replies = await pipe.execute()
-        waited, (popped, due_text, paused_now, mirrored) = (
-            replies[0] if blocking else None,
-            replies[-1],
-        )
-        members = [text(v) for v in popped]
-        paused_now = frozenset(text(q) for q in paused_now)
+        waited = replies[0] if blocking else None
+        answer = _PopAnswer.of(replies[-1])
+        members = list(answer.members)
         if waited:
             key, member, score = text(waited[0]), text(waited[1]), waited[2]
-            stays = not mirrored or self._queue_of(key, lanes) in paused_now
+            stays = not answer.mirrored or self._queue_of(key, lanes) in answer.paused
             if stays or key in self._bells(awake):
-                # A fair run's bell only woke this worker (the run is still in its group,
+                # A bell only woke this worker (the run is still in its group or rated set,
                 # unless the pop took it), or the queue may not be popped (paused since the
                 # last answer, or Redis has no copy of the pauses): the member goes back.
-                if member not in members:
+                if member not in members and member not in answer.refused:
                     async with self.redis.pipeline(transaction=False) as pipe:
                         pipe.zadd(key, {member: score})
                         if not stays and not members:
-                            # Woken for a fair run, and the pop after the wait took none (it
+                            # Woken for a bell's run, and the pop after the wait took none (it
                             # was asked for one less): pop now, rather than at the next call.
                             args[1] = n
                             eval_in(pipe, self._pop_script, keys, args)
                         again = await pipe.execute()
                     if len(again) > 1:
-                        members = [text(v) for v in again[1][0]]
+                        answer = answer.then(_PopAnswer.of(again[1]))
+                        members = list(answer.members)
             else:
                 members.insert(0, member)
         elif block_seconds > 0 and n > 0 and not waiting and not members:
             await asyncio.sleep(block_seconds)  # every queue paused: wait as a pop would
-        due = int(float(text(due_text))) if due_text else None
-        next_due = datetime.fromtimestamp(due / 1000, now.tzinfo) if due is not None else None
+        next_due = answer.next_due(now)
         runs = [run_of(m) for m in members]
         limits = {run_id: limit for run_id, limit in runs if limit is not None}
-        return Popped([run_id for run_id, _ in runs], next_due, paused_now, bool(mirrored), limits)
+        refused = tuple(
+            (limit, datetime.fromtimestamp(at / 1000, now.tzinfo))
+            for m, at in answer.refused.items()
+            if (limit := run_of(m)[1]) is not None
+        )
+        return Popped(
+            [run_id for run_id, _ in runs],
+            next_due,
+            answer.paused,
+            answer.mirrored,
+            limits,
+            answer.windows,
+            now,
+            refused,
+        )
 
     def _bells(self, lanes: Sequence[tuple[str, str | None]]) -> set[str]:
         return {self.keys.bell(q, h) for q, h in lanes}
@@ -287,7 +354,7 @@ class RedisQueue:
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.zrem(self._ready(entry), entry.member)
             pipe.zrem(self.keys.delayed(entry.queue, entry.handler), self._delayed(entry))
-            if entry.group is not None:
+            if entry.group is not None or entry.rated:
                 pipe.zrem(self.keys.bell(entry.queue, entry.handler), entry.member)
             if entry.capped is not None:
                 pipe.zrem(self.keys.held(entry.capped), entry.held())
@@ -317,9 +384,12 @@ class RedisQueue:
         return [None if s is None else datetime.fromtimestamp(s / 1000, UTC) for s in scores]
 
     def _ready(self, entry: QueueEntry) -> str:
-        """The sorted set that holds the entry while it is ready: its lane's, or its group's."""
+        """The sorted set that holds the entry while it is ready: its lane's, its group's, or
+        its lane's rated set."""
         if entry.group is not None:
             return self.keys.group(entry.queue, entry.handler, entry.group)
+        if entry.rated:
+            return self.keys.rated(entry.queue, entry.handler)
         return self.keys.queue(entry.queue, entry.handler)
 
     def _delayed(self, entry: QueueEntry) -> str:

@@ -12,15 +12,14 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from datetime import timedelta
 
 from jobplane import metrics
 from jobplane.clock import Clock, SystemClock
-from jobplane.model import RunStatus, StartLimits
+from jobplane.model import RunStatus
 from jobplane.process import CANCEL_SECONDS, finish_within, log_context
-from jobplane.queue.redis import RedisQueue
+from jobplane.queue.redis import Popped, RedisQueue
 from jobplane.runs.admission.locks import Locks, holder
 from jobplane.runs.admission.pause import Pauses
 from jobplane.runs.lifecycle import Lifecycle
@@ -221,24 +220,24 @@ class Worker:
                         lent.append(step)
                 if lent:
                     await self.borrow(lent)
+                for limits, due in popped.refused:
+                    metrics.rate_delayed(limits.template_type, (due - now).total_seconds())
                 if runs:
-                    await self.claim(runs, popped.limits)
+                    await self.claim(runs, popped)
             except Exception:
                 # MongoDB or Redis unreachable: back off, the runs wait safely where they are.
                 log.exception("claim failed; retrying")
                 await asyncio.sleep(self.settings.poll_seconds)
 
-    async def claim(
-        self, run_ids: list[str], limits: Mapping[str, StartLimits] | None = None
-    ) -> None:
-        """Take the leases MongoDB grants among `run_ids` (`limits`: those of the runs that
-        have some to pass as they start) and start their runs.
+    async def claim(self, run_ids: list[str], popped: Popped | None = None) -> None:
+        """Take the leases MongoDB grants among `run_ids` (`popped`, the pop that took them:
+        the limits of the runs that have some to pass as they start) and start their runs.
 
         The locks of the first steps of runs claimed plainly are taken beside their claim,
         under the lease token it grants them: a run's step then starts without a round trip to
         Redis after MongoDB's. Those of runs the claim did not lease under that token are let
         go after it."""
-        limits = limits or {}
+        limits = popped.limits if popped else {}
         seconds = self.settings.lease_seconds
         token = lease_token()
         ahead = {i: sl.locks for i, sl in limits.items() if sl.locks and not sl.gated}
@@ -247,7 +246,7 @@ class Worker:
         adopted: set[str] = set()
         try:
             async for claimed in self.lifecycle.starts.claim(
-                run_ids, self.id, seconds, limits, token
+                run_ids, self.id, seconds, popped, token
             ):
                 for run, lease in claimed:
                     metrics.run_claimed(run)

@@ -1,29 +1,40 @@
 -- Promote due delayed runs into their lanes, then pop up to N ready run ids: queue by queue in
 -- order, skipping paused queues, and within a queue its lanes' runs merged in the order one
 -- sorted set would give (score, that is -priority, then id); a fair lane's runs come out by
--- its ring (fair.lua, prepended), in turns across groups within a priority.
+-- its ring (fair.lua, prepended), in turns across groups within a priority. Each popped run
+-- with a rate limit then passes its window (rate.lua, prepended): one over it goes back to its
+-- lane's delayed set, due when the window allows.
 -- KEYS[1] the pause mirror (hash), KEYS[2] the ring turn counter, then per lane its ready set,
--- delayed set, ring and bell, the lanes of each queue together
+-- delayed set, ring, bell and rated set, the lanes of each queue together
 -- ARGV[1] now (epoch ms), ARGV[2] how many to pop, ARGV[3] most delayed runs to promote per
--- lane, then per queue its name and how many lanes it has, in order
--- Returns {popped ids, earliest delayed due time in ms ("" when none), paused queues,
--- 1 if the pause mirror is loaded}. Until it is (a new or wiped Redis) nothing is popped:
--- the caller loads it from MongoDB and pops again.
+-- lane, ARGV[4] what the keys of rate windows begin with, then per queue its name and how
+-- many lanes it has, in order
+-- Returns {popped members, earliest delayed due time in ms ("" when none), paused queues,
+-- 1 if the pause mirror is loaded, {run id, 0 or -1 (rate.lua)} flat for each popped run
+-- whose window was taken, {member, due time} flat for each run its window refused}. Until
+-- the pause mirror is loaded (a new or wiped Redis) nothing is popped: the caller loads it
+-- from MongoDB and pops again.
 local paused_key, turn_key = KEYS[1], KEYS[2]
-local now, n, limit = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3])
+local now, n, limit, rates = ARGV[1], tonumber(ARGV[2]), tonumber(ARGV[3]), ARGV[4]
 local loaded = redis.call('HEXISTS', paused_key, '_loaded') == 1
+local LANE = 5
 
 local next_due, next_due_text = nil, ''
-for i = 3, #KEYS, 4 do
-  local ready, delayed, ring, bell = KEYS[i], KEYS[i + 1], KEYS[i + 2], KEYS[i + 3]
+for i = 3, #KEYS, LANE do
+  local ready, delayed, ring, bell, rated = KEYS[i], KEYS[i + 1], KEYS[i + 2], KEYS[i + 3], KEYS[i + 4]
   for _, member in ipairs(redis.call('ZRANGEBYSCORE', delayed, '-inf', now, 'LIMIT', 0, limit)) do
-    -- <id>|<priority>, or <id>|<priority>|<group key> in a fair lane
+    -- <member>|<priority>, or <member>|<priority>|<group key> in a fair lane
     local first = string.find(member, '|', 1, true)
     local second = string.find(member, '|', first + 1, true)
     local id = string.sub(member, 1, first - 1)
     if second then
       local priority = tonumber(string.sub(member, first + 1, second - 1))
       enter(ring, string.sub(member, second + 1), bell, turn_key, id, priority)
+    elseif window_of(id) then
+      -- As `RedisQueue.push` places it: out of reach of a blocking pop, its bell rung.
+      local score = -tonumber(string.sub(member, first + 1))
+      redis.call('ZADD', rated, score, id)
+      redis.call('ZADD', bell, score, id)
     else
       redis.call('ZADD', ready, -tonumber(string.sub(member, first + 1)), id)
     end
@@ -33,6 +44,11 @@ for i = 3, #KEYS, 4 do
   if head[2] and (next_due == nil or tonumber(head[2]) < next_due) then
     next_due, next_due_text = tonumber(head[2]), head[2]
   end
+end
+
+-- A popped run: {member, its lane's delayed set, its score, its fair group's key or false}.
+local function taken(member, delayed, score, group)
+  return {member, delayed, tonumber(score), group or false}
 end
 
 -- The first run of a lane's fair part: {score, id, group}, or nil. Groups a cancel emptied
@@ -47,8 +63,8 @@ local function fair_head(ring)
   end
 end
 
-local function plain_head(ready)
-  local run = redis.call('ZRANGE', ready, 0, 0, 'WITHSCORES')
+local function set_head(set)
+  local run = redis.call('ZRANGE', set, 0, 0, 'WITHSCORES')
   if run[1] then return {tonumber(run[2]), run[1]} end
   return nil
 end
@@ -57,12 +73,15 @@ local function before(a, b)
   return a[1] < b[1] or (a[1] == b[1] and a[2] < b[2])
 end
 
--- Pop `want` runs from lanes first..last of one queue, fair parts among them.
-local function pop_fair(first, last, want, result)
+-- Pop `want` runs from lanes first..last of one queue, where some hold fair or rated runs:
+-- the heads of every ready, rated and fair set compared run by run.
+local function pop_merged(first, last, want, result)
   local sources = {}
-  for i = first, last, 4 do
-    sources[#sources + 1] = {ready = KEYS[i], head = plain_head(KEYS[i])}
-    sources[#sources + 1] = {ring = KEYS[i + 2], bell = KEYS[i + 3], head = fair_head(KEYS[i + 2])}
+  for i = first, last, LANE do
+    local delayed, bell = KEYS[i + 1], KEYS[i + 3]
+    sources[#sources + 1] = {set = KEYS[i], delayed = delayed, head = set_head(KEYS[i])}
+    sources[#sources + 1] = {set = KEYS[i + 4], delayed = delayed, bell = bell, head = set_head(KEYS[i + 4])}
+    sources[#sources + 1] = {ring = KEYS[i + 2], delayed = delayed, bell = bell, head = fair_head(KEYS[i + 2])}
   end
   for _ = 1, want do
     local best = nil
@@ -70,15 +89,16 @@ local function pop_fair(first, last, want, result)
       if source.head and (best == nil or before(source.head, best.head)) then best = source end
     end
     if best == nil then return end
-    local id = best.head[2]
-    result[#result + 1] = id
-    if best.ready then
-      redis.call('ZREM', best.ready, id)
-      best.head = plain_head(best.ready)
+    local score, id = best.head[1], best.head[2]
+    if best.bell then redis.call('ZREM', best.bell, id) end
+    if best.set then
+      result[#result + 1] = taken(id, best.delayed, score)
+      redis.call('ZREM', best.set, id)
+      best.head = set_head(best.set)
     else
       local group = best.head[3]
+      result[#result + 1] = taken(id, best.delayed, score, group)
       redis.call('ZREM', group, id)
-      redis.call('ZREM', best.bell, id)
       local rest = redis.call('ZRANGE', group, 0, 0, 'WITHSCORES')
       if rest[1] then
         redis.call('ZADD', best.ring, ring_score(turn_key, -tonumber(rest[2])), group)
@@ -91,7 +111,7 @@ local function pop_fair(first, last, want, result)
 end
 
 local result, paused = {}, {}
-local k, q = 3, 4
+local k, q = 3, 5
 while q <= #ARGV do
   local name, lanes = ARGV[q], tonumber(ARGV[q + 1])
   local want = n - #result
@@ -99,34 +119,62 @@ while q <= #ARGV do
   if mirrored and string.sub(mirrored, -2) == ':1' then
     paused[#paused + 1] = name
   elseif loaded and want > 0 then
-    local fair = false
+    local merged = false
     for l = 0, lanes - 1 do
-      if redis.call('EXISTS', KEYS[k + 4 * l + 2]) == 1 then fair = true end
+      local lane = k + LANE * l
+      if redis.call('EXISTS', KEYS[lane + 2], KEYS[lane + 4]) > 0 then merged = true end
     end
-    if fair then
-      pop_fair(k, k + 4 * (lanes - 1), want, result)
+    if merged then
+      pop_merged(k, k + LANE * (lanes - 1), want, result)
     elseif lanes == 1 then
       local popped = redis.call('ZPOPMIN', KEYS[k], want)
       for j = 1, #popped, 2 do
-        result[#result + 1] = popped[j]
+        result[#result + 1] = taken(popped[j], KEYS[k + 1], popped[j + 1])
       end
     else
       local heads = {}
       for l = 0, lanes - 1 do
-        local key = KEYS[k + 4 * l]
+        local key = KEYS[k + LANE * l]
         local top = redis.call('ZRANGE', key, 0, want - 1, 'WITHSCORES')
         for j = 1, #top, 2 do
-          heads[#heads + 1] = {tonumber(top[j + 1]), top[j], key}
+          heads[#heads + 1] = {tonumber(top[j + 1]), top[j], key, KEYS[k + LANE * l + 1]}
         end
       end
       table.sort(heads, before)
       for j = 1, math.min(want, #heads) do
         redis.call('ZREM', heads[j][3], heads[j][2])
-        result[#result + 1] = heads[j][2]
+        result[#result + 1] = taken(heads[j][2], heads[j][4], heads[j][1])
       end
     end
   end
-  k = k + 4 * lanes
+  k = k + LANE * lanes
   q = q + 2
 end
-return {result, next_due_text, paused, loaded and 1 or 0}
+
+-- Each popped run passes its rate window, if it has one (a run pushed before its lane kept
+-- rated runs apart may come from a ready set too).
+local popped, windows, refused = {}, {}, {}
+for _, run in ipairs(result) do
+  local member = run[1]
+  local window = window_of(member)
+  local at = 0
+  if window then
+    at = window_take(rates, tonumber(now), window[2], window[3], window[4], window[1])
+  end
+  if at > 0 then
+    local back = member .. '|' .. string.format('%d', -run[3]) .. (run[4] and ('|' .. run[4]) or '')
+    redis.call('ZADD', run[2], at, back)
+    refused[#refused + 1] = member
+    refused[#refused + 1] = at
+    if next_due == nil or at < next_due then
+      next_due, next_due_text = at, string.format('%d', at)
+    end
+  else
+    popped[#popped + 1] = member
+    if window then
+      windows[#windows + 1] = window[1]
+      windows[#windows + 1] = at
+    end
+  end
+end
+return {popped, next_due_text, paused, loaded and 1 or 0, windows, refused}

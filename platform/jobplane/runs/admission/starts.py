@@ -5,9 +5,10 @@ template with `rateLimit` or `maxRunning` is left out of that update and starts 
 
 - **`rateLimit`**: at most `limit` starts in any `periodSeconds` of its window (the template,
   or one window per value of the limit's key). The window lives in Redis (`queue/lua/rate.lua`,
-  a log of the starts of the last period); a run over the limit goes back to its lane's delayed
-  set until the window allows it, a share of the period after the run refused before it, so a
-  backlog comes back at the limit's pace. It never holds a worker and is never refused.
+  a log of the starts of the last period), and the pop that takes a run takes its window in
+  the same script: a run over the limit goes back to its lane's delayed set until the window
+  allows it, a share of the period after the run refused before it, so a backlog comes back at
+  the limit's pace. It never reaches a worker's claim and is never refused.
 - **`maxRunning`**: at most that many runs of the template (all versions, all scopes) started
   at once. MongoDB decides: the template's gate gives a run a place before its claim takes it
   (`store/gates.py`, `transitions.claim_limited`), so no loss of Redis lets more start. A run
@@ -24,14 +25,13 @@ than the limit allows (at most one window's over-admission).
 import logging
 import time
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import replace
 from datetime import datetime
 
 from jobplane import metrics
 from jobplane.clock import Clock
 from jobplane.model import Run, StartLimits, WaitingFor
 from jobplane.queue.entry import QueueEntry
-from jobplane.queue.redis import RedisQueue
+from jobplane.queue.redis import Popped, RedisQueue
 from jobplane.store import Lease, Store
 
 log = logging.getLogger("jobplane.runs")
@@ -57,7 +57,7 @@ class Starts:
         run_ids: Sequence[str],
         worker_id: str,
         lease_seconds: float,
-        limits: Mapping[str, StartLimits],
+        popped: Popped | None = None,
         token: str | None = None,
     ) -> AsyncIterator[list[tuple[Run, Lease]]]:
         """Lease the runs among `run_ids` that may start, to `worker_id`, a batch at a time:
@@ -66,11 +66,13 @@ class Starts:
         belong again (delayed by their rate window, or held back by `maxRunning`), or were not
         claimable (cancelled, claimed by another worker).
 
-        `limits` are what the pop said the runs with limits must pass: those gated skip the
-        plain claim, and nothing is read to check them. A run whose limits the pop did not know
-        of (pushed before it had them) is found among the ids the plain claim left, which are
-        read only then. The plain claim leases under `token` when given (the one its caller
-        took the runs' locks for), else a fresh one."""
+        `popped` says what the runs with limits must pass, and which rate windows the pop took:
+        those gated skip the plain claim, and nothing is read to check them. A run whose limits
+        the pop did not know of (pushed before it had them, or claimed by id alone) is found
+        among the ids the plain claim left, which are read only then. The plain claim leases
+        under `token` when given (the one its caller took the runs' locks for), else a fresh
+        one."""
+        limits = popped.limits if popped else {}
         plain = [i for i in run_ids if i not in limits or not limits[i].gated]
         claimed = await self.store.transitions.claim(plain, worker_id, lease_seconds, token)
         if claimed:
@@ -80,22 +82,30 @@ class Starts:
         if rest := [i for i in plain if i not in won]:
             unknown = await self.store.runs.limited(rest)
             limited += [(r.id, sl) for r in unknown if (sl := r.start_limits)]
-        if limited and (also := await self._claim_limited(limited, worker_id, lease_seconds)):
-            yield also
+        if limited:
+            windows, at = (popped.windows, popped.at) if popped else ({}, None)
+            also = await self._claim_limited(limited, worker_id, lease_seconds, windows, at)
+            if also:
+                yield also
 
     async def _claim_limited(
-        self, runs: Sequence[tuple[str, StartLimits]], worker_id: str, lease_seconds: float
+        self,
+        runs: Sequence[tuple[str, StartLimits]],
+        worker_id: str,
+        lease_seconds: float,
+        windows: Mapping[str, bool],
+        at: datetime | None,
     ) -> list[tuple[Run, Lease]]:
         now = self.clock.now()
-        rated = [(i, limits.rate) for i, limits in runs if limits.rate is not None]
-        windows = [(i, rate.key, rate.limit, rate.period_seconds) for i, rate in rated]
-        answers = await self.queue.limits.rate_take(windows, now) if rated else []
-        told = list(zip(rated, answers, strict=True))
-        back = {i: a.retry_at for (i, _), a in told if a.retry_at is not None}
-        counted = {i: rate.key for (i, rate), a in told if a.counted}
-        going = [(i, limits) for i, limits in runs if i not in back]
+        # A rated run whose window the pop did not take (a member pushed before rated runs
+        # waited apart, or a run claimed by id alone) goes back to its lane, for a pop to take
+        # it past its window: the pop is the one place a window is taken.
+        back = [i for i, limits in runs if limits.rate is not None and i not in windows]
+        going = [(i, limits) for i, limits in runs if limits.rate is None or i in windows]
+        counted = {i: limits.rate.key for i, limits in going if limits.rate and windows[i]}
+        # A rated run starts when its window counted it.
         claimed, held = await self.store.transitions.claim_limited(
-            going, worker_id, lease_seconds, now
+            going, worker_id, lease_seconds, at or now
         )
         # From here on the claims stand: nothing that fails below may keep their runs from
         # starting (their leases would run out unused).
@@ -110,11 +120,7 @@ class Starts:
             if back or held:
                 # Their lanes are needed to put them back: read only for those.
                 found = {r.id: r for r in await self.store.runs.limited([*back, *held])}
-                later_runs = [found[i] for i in back if i in found]
-                delayed = [replace(QueueEntry.of(r), not_before=back[r.id]) for r in later_runs]
-                await self.queue.push(delayed, now)
-                for run in later_runs:
-                    metrics.rate_delayed(run, (back[run.id] - now).total_seconds())
+                await self.queue.push([QueueEntry.of(found[i]) for i in back if i in found], now)
                 if over := [found[i] for i in held if i in found]:
                     await self._hold(over)
         except Exception:
