@@ -73,15 +73,18 @@ local function before(a, b)
   return a[1] < b[1] or (a[1] == b[1] and a[2] < b[2])
 end
 
--- Pop `want` runs from lanes first..last of one queue, where some hold fair or rated runs:
--- the heads of every ready, rated and fair set compared run by run.
-local function pop_merged(first, last, want, result)
+-- Pop `want` runs from the lanes of one queue (their first keys' indexes), where some
+-- (`mixed`, the same indexes) hold fair or rated runs: the heads of every ready set, and of
+-- those lanes' rated sets and rings, compared run by run.
+local function pop_merged(lanes, mixed, want, result)
   local sources = {}
-  for i = first, last, LANE do
+  for _, i in ipairs(lanes) do
     local delayed, bell = KEYS[i + 1], KEYS[i + 3]
     sources[#sources + 1] = {set = KEYS[i], delayed = delayed, head = set_head(KEYS[i])}
-    sources[#sources + 1] = {set = KEYS[i + 4], delayed = delayed, bell = bell, head = set_head(KEYS[i + 4])}
-    sources[#sources + 1] = {ring = KEYS[i + 2], delayed = delayed, bell = bell, head = fair_head(KEYS[i + 2])}
+    if mixed[i] then
+      sources[#sources + 1] = {set = KEYS[i + 4], delayed = delayed, bell = bell, head = set_head(KEYS[i + 4])}
+      sources[#sources + 1] = {ring = KEYS[i + 2], delayed = delayed, bell = bell, head = fair_head(KEYS[i + 2])}
+    end
   end
   for _ = 1, want do
     local best = nil
@@ -119,13 +122,16 @@ while q <= #ARGV do
   if mirrored and string.sub(mirrored, -2) == ':1' then
     paused[#paused + 1] = name
   elseif loaded and want > 0 then
-    local merged = false
+    local all, mixed, merged = {}, {}, false
     for l = 0, lanes - 1 do
       local lane = k + LANE * l
-      if redis.call('EXISTS', KEYS[lane + 2], KEYS[lane + 4]) > 0 then merged = true end
+      all[#all + 1] = lane
+      if redis.call('EXISTS', KEYS[lane + 2], KEYS[lane + 4]) > 0 then
+        mixed[lane], merged = true, true
+      end
     end
     if merged then
-      pop_merged(k, k + LANE * (lanes - 1), want, result)
+      pop_merged(all, mixed, want, result)
     elseif lanes == 1 then
       local popped = redis.call('ZPOPMIN', KEYS[k], want)
       for j = 1, #popped, 2 do
