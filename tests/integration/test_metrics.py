@@ -37,6 +37,7 @@ from jobplane.schedules import ScheduleService
 from jobplane.settings import Settings
 from tests.integration.conftest import Client, Register, template_spec
 from tests.integration.db import raw
+from tests.integration.flow import until
 from tests.integration.processes import spawn, terminate
 from tests.integration.runs import run_in
 from tests.integration.workers import running, settled
@@ -136,6 +137,34 @@ async def test_runs_drained_by_a_worker_move_the_counters_and_histograms(
     assert value(samples, "jobplane_run_start_delay_seconds_sum", queue=queue) >= 0
     assert value(samples, "jobplane_queue_depth", queue=queue, state="ready") == 0
     assert value(samples, "jobplane_queue_depth", queue=queue, state="delayed") == 0
+
+
+async def test_starts_a_rate_window_refused_are_counted_with_their_wait(
+    backends: Backends, settings: Settings, register: Register, client_for: Client
+) -> None:
+    """The worker's pop refuses two of three runs of a window of one start per 30 s: each is
+    counted once, with the wait it was told."""
+    queue = unique()
+    rated = f"{queue}_rated"
+    await register(rated, queue=queue, rateLimit={"limit": 1, "periodSeconds": 30})
+    service = RunService(backends.store, backends.queue)
+    ids = [(await service.create(RunRequest(rated, "user", "u", {}), "t"))[0].id for _ in "abc"]
+    api = client_for(settings.admin_key or "")
+    async with running(backends, settings.model_copy(update={"queues": [queue]})):
+        await settled(backends.store, ids[:1])
+
+        async def both_counted() -> bool:
+            samples = await scrape(api)
+            return value(samples, "jobplane_rate_limit_delays_total", template=rated) >= 2
+
+        await until(both_counted)
+    samples = await scrape(api)
+    assert value(samples, "jobplane_rate_limit_delays_total", template=rated) == 2
+    delays = "jobplane_rate_limit_delay_seconds"
+    assert value(samples, f"{delays}_count", template=rated) == 2
+    # Told to come back as the window frees, each a period after the one before: 30 s, 60 s.
+    assert 85 < value(samples, f"{delays}_sum", template=rated) <= 90
+    assert {(await service.get(i)).status for i in ids[1:]} == {RunStatus.QUEUED}
 
 
 @pytest.fixture

@@ -408,6 +408,36 @@ async def test_a_blocking_pop_wakes_for_a_rated_run_and_takes_its_window(
     assert await queue.delayed_until(runs[1:]) == [due for _, due in refused.refused + last.refused]
 
 
+async def test_a_bell_rung_for_a_run_another_pop_took_rings_no_more(
+    queue: RedisQueue, store: MongoStore
+) -> None:
+    """Two workers race for a run: one's BZPOPMIN takes the bell's member, the other's pop takes
+    the run. The first must not put the member back, or every wake-up after it would find
+    nothing and put it back again: the workers would spin."""
+    now = store.clock.now()
+    rate = RunRate(key='["t"]', limit=100, period_seconds=1)
+    rated = QueueEntry(_ids(1)[0], "q", 0, limits=StartLimits("t", rate=rate))
+    fair = QueueEntry(_ids(1, 2)[0], "q", 0, group="user:u")
+    await queue.push([rated, fair], now)
+    bell = queue.keys.bell("q")
+    rung = await queue.redis.zrange(bell, 0, -1, withscores=True)
+    assert len(rung) == 2
+    assert (await queue.pop(["q"], 5, now)).run_ids == [rated.run_id, fair.run_id]
+    # As the race leaves it: the bell's members back, their runs gone.
+    await queue.redis.zadd(bell, dict(rung))
+    for _ in rung:
+        woken = await queue.pop(["q"], 1, now, 5)
+        assert woken.run_ids == []
+    assert await queue.redis.zcard(bell) == 0, "no member left for a run gone"
+    began = time.monotonic()
+    assert (await queue.pop(["q"], 1, now, 0.2)).run_ids == []
+    assert time.monotonic() - began >= 0.2, "the next pop waits, woken by nothing"
+    # A run that still waits when its wake-up had no slot for it rings again, and is taken.
+    await queue.push([fair], now)
+    assert (await queue.pop(["q"], 1, now, 5)).run_ids == [fair.run_id]
+    assert await queue.redis.zcard(bell) == 0
+
+
 async def test_held_runs_go_back_by_priority_then_age(queue: RedisQueue, store: MongoStore) -> None:
     now = store.clock.now()
     capped = StartLimits("capped", 5)

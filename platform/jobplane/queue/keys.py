@@ -67,7 +67,7 @@ class Keys:
 
     def bell(self, queue: str, handler: str | None = None) -> str:
         """Every ready run of a lane's fair groups and of its rated set: a sorted set, score
-        `-priority`, member the run id."""
+        `-priority`, member the run's (`bell_member`)."""
         return f"{self.prefix}jobs:bell:{{{self.prefix}queues}}:{queue}{_lane(handler)}"
 
     def group(self, queue: str, handler: str | None, group: str) -> str:
@@ -173,6 +173,17 @@ class Keys:
 
 def _lane(handler: str | None) -> str:
     return "" if handler is None else f":{handler}"
+
+
+def bell_member(member: str, group_key: str | None = None) -> str:
+    """A ready run in its lane's bell: its member, and in a fair lane the key of its group, so
+    that a worker its ring woke can tell whether the run still waits (`lua/ring.lua`)."""
+    return member + (f"|{group_key}" if group_key else "")
+
+
+def bell_run(member: str) -> str:
+    """The queue member of the run a bell's member names."""
+    return member.partition("|")[0]
 
 
 def delayed_member(run_id: str, priority: int, group_key: str | None = None) -> str:

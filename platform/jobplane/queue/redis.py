@@ -20,7 +20,7 @@ from jobplane.model import StartLimits
 from jobplane.queue.calls import answered_within, bounded, epoch_ms, eval_in, script, text
 from jobplane.queue.connect import RedisClient
 from jobplane.queue.entry import QueueEntry, run_of
-from jobplane.queue.keys import Keys, delayed_member
+from jobplane.queue.keys import Keys, bell_member, bell_run, delayed_member
 from jobplane.queue.limits import RedisLimits
 from jobplane.queue.locks import RedisLocks
 
@@ -129,6 +129,7 @@ class RedisQueue:
         self.timeout_seconds = timeout_seconds
         self._pop_script = script(redis, "pop", "fair", "rate")
         self._enter = script(redis, "enter", "fair")
+        self._ring = script(redis, "ring")
         self._pauses = script(redis, "pauses")
         self._alive = script(redis, "alive")
         self._workers = script(redis, "workers")
@@ -289,13 +290,20 @@ class RedisQueue:
         if waited:
             key, member, score = text(waited[0]), text(waited[1]), waited[2]
             stays = not answer.mirrored or self._queue_of(key, lanes) in answer.paused
-            if stays or key in self._bells(awake):
+            # A bell's member: the lane's rated set for its run's.
+            bells = {self.keys.bell(q, h): self.keys.rated(q, h) for q, h in awake}
+            if stays or key in bells:
                 # A bell only woke this worker (the run is still in its group or rated set,
-                # unless the pop took it), or the queue may not be popped (paused since the
-                # last answer, or Redis has no copy of the pauses): the member goes back.
-                if member not in members and member not in answer.refused:
+                # unless a pop took it), or the queue may not be popped (paused since the last
+                # answer, or Redis has no copy of the pauses): the member goes back, a bell's
+                # only while its run waits (`lua/ring.lua`).
+                run = bell_run(member)
+                if run not in members and run not in answer.refused:
                     async with self.redis.pipeline(transaction=False) as pipe:
-                        pipe.zadd(key, {member: score})
+                        if key in bells:
+                            eval_in(pipe, self._ring, [key, bells[key]], [member, score])
+                        else:
+                            pipe.zadd(key, {member: score})
                         if not stays and not members:
                             # Woken for a bell's run, and the pop after the wait took none (it
                             # was asked for one less): pop now, rather than at the next call.
@@ -328,9 +336,6 @@ class RedisQueue:
             refused,
         )
 
-    def _bells(self, lanes: Sequence[tuple[str, str | None]]) -> set[str]:
-        return {self.keys.bell(q, h) for q, h in lanes}
-
     def _queue_of(self, key: str, lanes: Sequence[tuple[str, str | None]]) -> str | None:
         return next((q for q, h in lanes if self.keys.queue(q, h) == key), None)
 
@@ -355,7 +360,8 @@ class RedisQueue:
             pipe.zrem(self._ready(entry), entry.member)
             pipe.zrem(self.keys.delayed(entry.queue, entry.handler), self._delayed(entry))
             if entry.group is not None or entry.rated:
-                pipe.zrem(self.keys.bell(entry.queue, entry.handler), entry.member)
+                bell = self.keys.bell(entry.queue, entry.handler)
+                pipe.zrem(bell, bell_member(entry.member, self._group(entry)))
             if entry.capped is not None:
                 pipe.zrem(self.keys.held(entry.capped), entry.held())
             await pipe.execute()
@@ -422,7 +428,7 @@ class RedisQueue:
                 key, after, "+inf", start=0, num=1, withscores=True
             ):
                 member, score = cast(tuple[bytes, float], head[0])
-                if ObjectId.is_valid(run_id := run_of(text(member))[0]):
+                if ObjectId.is_valid(run_id := run_of(bell_run(text(member)))[0]):
                     times.append(ObjectId(run_id).generation_time)
                 after = f"({score}"
         return LaneDepth(plain + fair, due, delayed, min(times, default=None))

@@ -6,7 +6,9 @@
 -- score in the ring is its first run's priority class (100 - priority, best first) times
 -- TURN, plus the turn it last joined in (a counter shared by every ring): groups of one
 -- class take turns, and a group that was just served goes to the back of its class. Every
--- ready run of the lane is also in its bell, which a worker blocked in BZPOPMIN waits on.
+-- ready run of the lane is also in its bell, which a worker blocked in BZPOPMIN waits on, as
+-- `<member>|<group key>`: a worker woken by it can tell whether the run still waits
+-- (ring.lua).
 local TURN = 1099511627776 -- 2^40: a million turns a second for 34 years before classes mix
 
 local function ring_score(turn_key, priority)
@@ -17,5 +19,5 @@ end
 local function enter(ring, group, bell, turn_key, id, priority)
   redis.call('ZADD', group, -priority, id)
   redis.call('ZADD', ring, 'LT', ring_score(turn_key, priority), group)
-  redis.call('ZADD', bell, -priority, id)
+  redis.call('ZADD', bell, -priority, id .. '|' .. group)
 end

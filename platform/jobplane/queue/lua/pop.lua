@@ -93,15 +93,16 @@ local function pop_merged(lanes, mixed, want, result)
     end
     if best == nil then return end
     local score, id = best.head[1], best.head[2]
-    if best.bell then redis.call('ZREM', best.bell, id) end
     if best.set then
       result[#result + 1] = taken(id, best.delayed, score)
       redis.call('ZREM', best.set, id)
+      if best.bell then redis.call('ZREM', best.bell, id) end
       best.head = set_head(best.set)
     else
       local group = best.head[3]
       result[#result + 1] = taken(id, best.delayed, score, group)
       redis.call('ZREM', group, id)
+      redis.call('ZREM', best.bell, id .. '|' .. group)
       local rest = redis.call('ZRANGE', group, 0, 0, 'WITHSCORES')
       if rest[1] then
         redis.call('ZADD', best.ring, ring_score(turn_key, -tonumber(rest[2])), group)
