@@ -20,8 +20,9 @@ local loaded = redis.call('HEXISTS', paused_key, '_loaded') == 1
 local LANE = 5
 
 local next_due, next_due_text = nil, ''
-for i = 3, #KEYS, LANE do
-  local ready, delayed, ring, bell, rated = KEYS[i], KEYS[i + 1], KEYS[i + 2], KEYS[i + 3], KEYS[i + 4]
+
+-- Promote a lane's due delayed runs into its ready set, rated set or fair groups.
+local function promote(ready, delayed, ring, bell, rated)
   for _, member in ipairs(redis.call('ZRANGEBYSCORE', delayed, '-inf', now, 'LIMIT', 0, limit)) do
     -- <member>|<priority>, or <member>|<priority>|<group key> in a fair lane
     local first = string.find(member, '|', 1, true)
@@ -43,6 +44,16 @@ for i = 3, #KEYS, LANE do
   local head = redis.call('ZRANGE', delayed, 0, 0, 'WITHSCORES')
   if head[2] and (next_due == nil or tonumber(head[2]) < next_due) then
     next_due, next_due_text = tonumber(head[2]), head[2]
+  end
+end
+
+-- A worker offers many handlers, and most of its lanes are empty: one EXISTS says so, and an
+-- empty lane costs the pop nothing more.
+local empty = {}
+for i = 3, #KEYS, LANE do
+  empty[i] = redis.call('EXISTS', KEYS[i], KEYS[i + 1], KEYS[i + 2], KEYS[i + 4]) == 0
+  if not empty[i] then
+    promote(KEYS[i], KEYS[i + 1], KEYS[i + 2], KEYS[i + 3], KEYS[i + 4])
   end
 end
 
@@ -123,28 +134,29 @@ while q <= #ARGV do
   if mirrored and string.sub(mirrored, -2) == ':1' then
     paused[#paused + 1] = name
   elseif loaded and want > 0 then
-    local all, mixed, merged = {}, {}, false
+    local live, mixed, merged = {}, {}, false
     for l = 0, lanes - 1 do
       local lane = k + LANE * l
-      all[#all + 1] = lane
-      if redis.call('EXISTS', KEYS[lane + 2], KEYS[lane + 4]) > 0 then
-        mixed[lane], merged = true, true
+      if not empty[lane] then
+        live[#live + 1] = lane
+        if redis.call('EXISTS', KEYS[lane + 2], KEYS[lane + 4]) > 0 then
+          mixed[lane], merged = true, true
+        end
       end
     end
     if merged then
-      pop_merged(all, mixed, want, result)
-    elseif lanes == 1 then
-      local popped = redis.call('ZPOPMIN', KEYS[k], want)
+      pop_merged(live, mixed, want, result)
+    elseif #live == 1 then
+      local popped = redis.call('ZPOPMIN', KEYS[live[1]], want)
       for j = 1, #popped, 2 do
-        result[#result + 1] = taken(popped[j], KEYS[k + 1], popped[j + 1])
+        result[#result + 1] = taken(popped[j], KEYS[live[1] + 1], popped[j + 1])
       end
-    else
+    elseif #live > 1 then
       local heads = {}
-      for l = 0, lanes - 1 do
-        local key = KEYS[k + LANE * l]
-        local top = redis.call('ZRANGE', key, 0, want - 1, 'WITHSCORES')
+      for _, lane in ipairs(live) do
+        local top = redis.call('ZRANGE', KEYS[lane], 0, want - 1, 'WITHSCORES')
         for j = 1, #top, 2 do
-          heads[#heads + 1] = {tonumber(top[j + 1]), top[j], key, KEYS[k + LANE * l + 1]}
+          heads[#heads + 1] = {tonumber(top[j + 1]), top[j], KEYS[lane], KEYS[lane + 1]}
         end
       end
       table.sort(heads, before)
