@@ -290,7 +290,7 @@ class RedisQueue:
         if waited:
             key, member, score = text(waited[0]), text(waited[1]), waited[2]
             stays = not answer.mirrored or self._queue_of(key, lanes) in answer.paused
-            # A bell's member: the lane's rated set for its run's.
+            # The bells waited on, each with its lane's rated set, where a rated run waits.
             bells = {self.keys.bell(q, h): self.keys.rated(q, h) for q, h in awake}
             if stays or key in bells:
                 # A bell only woke this worker (the run is still in its group or rated set,
