@@ -4,9 +4,11 @@ pops its queue's own lane plus one lane per handler it offers (`queue/keys.py`).
 For each handler count H, a worker offering H handlers pops a backlog that waits in one of
 its lanes, in batches (`--batch`), and then pops an empty queue (what an idle worker's
 non-blocking pop costs); printed are microseconds per pop call and per run, and Redis's own
-CPU per pop call.
+CPU per pop call. `--limits` repeats it for runs of a template with a limit that never binds:
+`capped` (`maxRunning`) or `rated` (`rateLimit`, whose window the pop takes).
 
     python bench/lanes.py [--runs 20000] [--batch 16] [--handlers 0,1,10,50,200]
+        [--limits plain,capped,rated]
 """
 
 import argparse
@@ -18,6 +20,7 @@ from datetime import UTC, datetime
 from pathlib import Path
 
 from jobplane.devstack import RedisServer, free_port
+from jobplane.model import RunRate, StartLimits
 from jobplane.queue.connect import open_redis, parse_redis_url
 from jobplane.queue.entry import QueueEntry
 from jobplane.queue.keys import Keys
@@ -29,13 +32,25 @@ async def _redis_cpu(queue: RedisQueue) -> float:
     return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
 
 
-async def measure(url: str, handlers: int, runs: int, batch: int) -> dict[str, float]:
+LIMITS: dict[str, StartLimits | None] = {
+    "plain": None,
+    "capped": StartLimits("bench", 10**9),
+    "rated": StartLimits("bench", rate=RunRate(key='["bench"]', limit=10**9, period_seconds=1)),
+}
+
+
+async def measure(url: str, handlers: int, runs: int, batch: int, variant: str) -> dict[str, float]:
     offered = [f"bench.h{i:03d}" for i in range(handlers)]
     lane = offered[-1] if offered else None
+    limits = LIMITS[variant]
     async with open_redis(parse_redis_url(url)) as redis:
-        queue = RedisQueue(redis, Keys(f"lanes{handlers}:"))
+        queue = RedisQueue(redis, Keys(f"lanes{handlers}{variant}:"))
+        # A Redis without the copy of the queues' pauses pops nothing (`RedisQueue.pop`).
+        await queue.mirror_pauses([], complete=True)
         now = datetime.now(UTC)
-        entries = [QueueEntry(f"{i:024x}", "q", 0, handler=lane) for i in range(runs)]
+        entries = [
+            QueueEntry(f"{i:024x}", "q", 0, handler=lane, limits=limits) for i in range(runs)
+        ]
         for i in range(0, runs, 1000):
             await queue.push(entries[i : i + 1000], now)
         cpu, began, calls, popped = await _redis_cpu(queue), time.perf_counter(), 0, 0
@@ -64,20 +79,22 @@ async def main() -> None:
     parser.add_argument("--runs", type=int, default=20000)
     parser.add_argument("--batch", type=int, default=16)
     parser.add_argument("--handlers", default="0,1,10,50,200")
+    parser.add_argument("--limits", default="plain", help="of plain, capped, rated")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory() as tmp, contextlib.ExitStack() as stack:
         server = RedisServer(Path(tmp), free_port(), Path(tmp) / "redis.log")
         server.start()
         stack.callback(server.stop)
         print(f"runs {args.runs}, pops of {args.batch}; one Redis, one connection")
-        print("handlers  us/pop  us/run  redis us/pop  idle us/pop  idle redis us/pop")
-        for h in map(int, args.handlers.split(",")):
-            m = await measure(server.url, h, args.runs, args.batch)
-            print(
-                f"{h:8d}  {m['us_per_pop']:6.0f}  {m['us_per_run']:6.1f}  "
-                f"{m['redis_us_per_pop']:12.0f}  {m['idle_us_per_pop']:11.0f}  "
-                f"{m['idle_redis_us_per_pop']:17.0f}"
-            )
+        print("limits  handlers  us/pop  us/run  redis us/pop  idle us/pop  idle redis us/pop")
+        for variant in args.limits.split(","):
+            for h in map(int, args.handlers.split(",")):
+                m = await measure(server.url, h, args.runs, args.batch, variant)
+                print(
+                    f"{variant:<6}  {h:8d}  {m['us_per_pop']:6.0f}  {m['us_per_run']:6.1f}  "
+                    f"{m['redis_us_per_pop']:12.0f}  {m['idle_us_per_pop']:11.0f}  "
+                    f"{m['idle_redis_us_per_pop']:17.0f}"
+                )
 
 
 if __name__ == "__main__":

@@ -86,10 +86,13 @@ def bounded(
 
 
 def script(redis: RedisClient, name: str, *preludes: str) -> AsyncScript:
-    """The script `lua/<name>.lua`, after the `preludes` it shares functions with."""
+    """The script `lua/<name>.lua`, after the `preludes` it shares functions with, without its
+    comment lines: `eval_in` sends the source with every call, and Redis reads and hashes it
+    each time (the pop's comments were a third of its 12 KB, and of its cost to Redis)."""
     lua = resources.files("jobplane.queue") / "lua"
     source = "\n".join((lua / f"{part}.lua").read_text() for part in [*preludes, name])
-    return redis.register_script(source)
+    code = [line for line in source.splitlines() if not line.lstrip().startswith("--")]
+    return redis.register_script("\n".join(code))
 
 
 def eval_in(

@@ -63,7 +63,7 @@ class Popped:
 class _PopAnswer:
     """The pop script's answer, decoded (`lua/pop.lua` says what each part is)."""
 
-    members: list[str]
+    members: tuple[str, ...]
     due: int | None
     paused: frozenset[str]
     mirrored: bool
@@ -75,7 +75,7 @@ class _PopAnswer:
     def of(cls, reply: list[Any]) -> "_PopAnswer":
         popped, due, paused, mirrored, windows, refused = reply
         return cls(
-            [text(m) for m in popped],
+            tuple(text(m) for m in popped),
             int(float(text(due))) if due else None,
             frozenset(text(q) for q in paused),
             bool(mirrored),
@@ -87,7 +87,7 @@ class _PopAnswer:
         """This answer followed by a later pop's, taken at once."""
         due = min((d for d in (self.due, later.due) if d is not None), default=None)
         return _PopAnswer(
-            [*self.members, *later.members],
+            (*self.members, *later.members),
             due,
             later.paused,
             later.mirrored,

@@ -15,9 +15,14 @@ local function ring_score(turn_key, priority)
   return (100 - priority) * TURN + redis.call('INCR', turn_key)
 end
 
+-- A fair run's member in its lane's bell (`bell_member` in queue/keys.py).
+local function rung(id, group)
+  return id .. '|' .. group
+end
+
 -- A ready run enters its group; the group joins the ring, or moves up to the run's class.
 local function enter(ring, group, bell, turn_key, id, priority)
   redis.call('ZADD', group, -priority, id)
   redis.call('ZADD', ring, 'LT', ring_score(turn_key, priority), group)
-  redis.call('ZADD', bell, -priority, id .. '|' .. group)
+  redis.call('ZADD', bell, -priority, rung(id, group))
 end

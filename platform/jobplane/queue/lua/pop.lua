@@ -113,7 +113,7 @@ local function pop_merged(lanes, mixed, want, result)
       local group = best.head[3]
       result[#result + 1] = taken(id, best.delayed, score, group)
       redis.call('ZREM', group, id)
-      redis.call('ZREM', best.bell, id .. '|' .. group)
+      redis.call('ZREM', best.bell, rung(id, group))
       local rest = redis.call('ZRANGE', group, 0, 0, 'WITHSCORES')
       if rest[1] then
         redis.call('ZADD', best.ring, ring_score(turn_key, -tonumber(rest[2])), group)
