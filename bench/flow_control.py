@@ -24,7 +24,9 @@ drain       a backlog of B runs (100,000 by default) created first, then drained
             against `round_robin` (the price of taking groups in turns under a backlog)
 
 Rounds interleave the variants (variant by variant within a round), so a machine that speeds
-up or slows down moves them all. The summary gives each variant's median beside plain's.
+up or slows down moves them all, and their order turns (A B, B A, B A, A B, ...), so that each
+runs first as often as the others: this VM runs slower later in a round. The summary gives each
+variant's median, and against plain the median of its rounds each paired with plain's.
 
     .venv/bin/python bench/flow_control.py [--runs N] [--rate R] [--backlog B] [--repeat K]
 """
@@ -138,7 +140,10 @@ async def main_async(args: argparse.Namespace, mongo: str, redis: str, procs: An
     rates: dict[tuple[str, str], list[float]] = {}
     for round_ in range(args.repeat):
         print(f"round {round_ + 1} of {args.repeat}", flush=True)
-        for variant in args.variants:
+        # Later in a round runs slower on a VM that slows as it heats: the order goes A B, B A,
+        # B A, A B, ... so each variant runs first as often as the others.
+        ahead = round_ % 4 in (0, 3)
+        for variant in args.variants if ahead else args.variants[::-1]:
             if "e2e" in args.workloads:
                 print(f"[{variant}] end to end", flush=True)
                 bench = EndToEnd(args, mongo, redis, procs, variant=variant)
@@ -168,7 +173,9 @@ def summary(rates: dict[tuple[str, str], list[float]]) -> None:
     for (figure, variant), values in rates.items():
         median = statistics.median(values)
         plain = rates.get((figure, "plain"))
-        versus = f"{median / statistics.median(plain) - 1:+.0%}" if plain else "-"
+        # Each round against plain's in the same round, then the median of those.
+        paired = [v / p - 1 for v, p in zip(values, plain, strict=True)] if plain else []
+        versus = f"{statistics.median(paired):+.0%}" if paired else "-"
         each = " ".join(f"{v:,.1f}" for v in values)
         print(f"{figure:26} {variant:18} {median:9,.1f} {versus:>9}  {each}")
 
