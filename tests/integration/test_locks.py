@@ -15,7 +15,7 @@ from jobplane.groupcommit import GroupCommit
 from jobplane.model import RunStatus, StartLimits, StepStatus
 from jobplane.queue.entry import QueueEntry, run_of
 from jobplane.queue.locks import Blocked, Taken
-from jobplane.queue.redis import Popped
+from jobplane.queue.pop import Popped
 from jobplane.runs import RunRequest, RunService
 from jobplane.runs.admission.locks import Locks
 from jobplane.runs.waiting import Waiting

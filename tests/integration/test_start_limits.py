@@ -8,7 +8,7 @@ from pathlib import Path
 from jobplane.backends import Backends
 from jobplane.model import RunStatus
 from jobplane.queue.entry import QueueEntry
-from jobplane.queue.redis import Popped
+from jobplane.queue.pop import Popped
 from jobplane.runs import RunRequest, RunService
 from jobplane.runs.admission.starts import NONE_HELD_SECONDS, Starts
 from jobplane.runs.waiting import Waiting

@@ -19,7 +19,8 @@ from jobplane import metrics
 from jobplane.clock import Clock, SystemClock
 from jobplane.model import RunStatus
 from jobplane.process import CANCEL_SECONDS, finish_within, log_context
-from jobplane.queue.redis import Popped, RedisQueue
+from jobplane.queue.pop import Popped
+from jobplane.queue.redis import RedisQueue
 from jobplane.runs.admission.locks import Locks, holder
 from jobplane.runs.admission.pause import Pauses
 from jobplane.runs.lifecycle import Lifecycle

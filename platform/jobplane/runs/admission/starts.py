@@ -31,7 +31,8 @@ from jobplane import metrics
 from jobplane.clock import Clock
 from jobplane.model import Run, StartLimits, WaitingFor
 from jobplane.queue.entry import QueueEntry
-from jobplane.queue.redis import Popped, RedisQueue
+from jobplane.queue.pop import Popped
+from jobplane.queue.redis import RedisQueue
 from jobplane.store import Lease, Store
 
 log = logging.getLogger("jobplane.runs")
