@@ -424,7 +424,7 @@ async def test_watch_polls_while_the_stream_is_down_then_follows_it_again(
     monkeypatch: pytest.MonkeyPatch,
     how: str,
 ) -> None:
-    monkeypatch.setattr("jobplane.cli.STREAM_RETRY_SECONDS", 0.5)
+    monkeypatch.setattr("jobplane.cli.runs.STREAM_RETRY_SECONDS", 0.5)
     await register("t_nap", steps=NAP)
     async with running(backends, settings):
         run_id = await created(cli, "t_nap", "--payload", '{"sleepSeconds": 1.5}')
@@ -447,7 +447,7 @@ async def test_watch_polls_to_the_end_when_the_stream_is_always_refused(
     wire: Wire,
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    monkeypatch.setattr("jobplane.cli.STREAM_RETRY_SECONDS", 0.3)
+    monkeypatch.setattr("jobplane.cli.runs.STREAM_RETRY_SECONDS", 0.3)
     steps = [{"id": "nap", "handler": "builtin.sleep"}, {"id": "boom", "handler": "builtin.fail"}]
     await register("t_nap_fail", steps=steps)
     wire.breaks = 1000

@@ -1,40 +1,23 @@
-"""`jobplane` command line: each subcommand parses its arguments and calls one service."""
+"""`jobplane` command line: each subcommand parses its arguments and calls one service.
+
+The commands that start processes are here; those that call the API live in a module per
+group: `runs` (and `events`), `schedules`, `templates`, and `admin` (`keys`, `queues`)."""
 
 import argparse
 import json
 import os
 import sys
-import time
-from collections.abc import Callable, Coroutine, Iterator
+from collections.abc import Callable, Coroutine
 from datetime import datetime
 from functools import partial
 from pathlib import Path
 from typing import Any, NoReturn, TypeVar
 
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
-from jobplane.cli import templates
-from jobplane.cli.client import APIClient, CLIError, segment
-from jobplane.cli.render import (
-    KEY_HEADER,
-    QUEUE_HEADER,
-    RUN_HEADER,
-    LiveView,
-    event_line,
-    key_row,
-    queue_row,
-    run_row,
-    schedule_line,
-)
-from jobplane.model import (
-    CLAIMABLE,
-    TERMINAL,
-    ApiKeyPublic,
-    Event,
-    Run,
-    RunStatus,
-    Schedule,
-)
+from jobplane.cli import admin, runs, schedules, templates
+from jobplane.cli.client import APIClient, CLIError
+from jobplane.model import RunStatus
 from jobplane.settings import Settings, refusal
 
 
@@ -192,252 +175,14 @@ def _db_shard(args: argparse.Namespace) -> None:
         print(f"sharded {namespace}")
 
 
-# -- API commands --------------------------------------------------------------------------------
+# -- API commands (their modules: runs, schedules, templates, admin) ---------------------------
 
 APICommand = Callable[[argparse.Namespace, APIClient], None]
-M = TypeVar("M", bound=BaseModel)
 
 
 def _with_client(command: APICommand, args: argparse.Namespace) -> None:
     with _client(args) as client:
         command(args, client)
-
-
-def _present(**fields: Any) -> dict[str, Any]:
-    """Only the options given: the API tells an absent field from a null one."""
-    return {k: v for k, v in fields.items() if v is not None}
-
-
-def _scope_of(args: argparse.Namespace, client: APIClient) -> tuple[str, str]:
-    """The scope a new run or schedule is made in: as given; else the key's only scope (a user
-    key's with one); else system:cli."""
-    if args.scope is None and args.scope_id is None:
-        me = client.call("GET", "/v1/api-keys/me")
-        if len(me["scopes"]) == 1:
-            scope, _, scope_id = me["scopes"][0].partition(":")
-            return scope, scope_id
-    return args.scope or "system", args.scope_id or "cli"
-
-
-def _made_in_scope(client: APIClient, path: str, body: dict[str, Any]) -> Any:
-    """POST `body` to `path`; a refusal of the scope says how to name another."""
-    try:
-        return client.call("POST", path, json=body)
-    except CLIError as exc:
-        if exc.code != "Forbidden" or "scope" not in exc.message:
-            raise
-        raise CLIError(exc.code, f"{exc.message} (pass --scope and --scope-id)") from None
-
-
-def _runs_create(args: argparse.Namespace, client: APIClient) -> None:
-    scope, scope_id = _scope_of(args, client)
-    body = _present(
-        templateType=args.template,
-        scope=scope,
-        scopeId=scope_id,
-        payload=args.payload,
-        priority=args.priority,
-        delaySeconds=args.delay_seconds,
-        idempotencyKey=args.idempotency_key,
-    )
-    run = _made_in_scope(client, "/v1/runs", body)
-    print(run["id"])
-    if args.watch:
-        _watch(client, run["id"], args.interval)
-
-
-def _runs_get(args: argparse.Namespace, client: APIClient) -> None:
-    print(json.dumps(client.call("GET", f"/v1/runs/{segment(args.run_id)}"), indent=2))
-
-
-def _runs_list(args: argparse.Namespace, client: APIClient) -> None:
-    params = _present(
-        status=args.status,
-        templateType=args.template,
-        scope=args.scope,
-        scopeId=args.scope_id,
-        scheduleId=args.schedule_id,
-        parentRunId=args.parent,
-        limit=args.limit,
-    )
-    _print_pages(client, "/v1/runs", params, args.all, Run, run_row, header=RUN_HEADER)
-
-
-def _runs_cancel(args: argparse.Namespace, client: APIClient) -> None:
-    path = f"/v1/runs/{segment(args.run_id)}/cancel"
-    run = client.call("POST", path, json=_present(reason=args.reason))
-    print(f"{run['id']} {run['status']}")
-
-
-def _runs_rerun(args: argparse.Namespace, client: APIClient) -> None:
-    run = client.call("POST", f"/v1/runs/{segment(args.run_id)}/rerun")
-    print(run["id"])
-    if args.watch:
-        _watch(client, run["id"], args.interval)
-
-
-def _runs_watch(args: argparse.Namespace, client: APIClient) -> None:
-    _watch(client, args.run_id, args.interval)
-
-
-# How long after a run's stream broke `runs watch` opens it again; it polls meanwhile.
-STREAM_RETRY_SECONDS = 5.0
-
-
-def _watch(client: APIClient, run_id: str, interval: float) -> None:
-    view = LiveView(sys.stdout.isatty())
-    for run in _followed(client, run_id, interval):
-        view.show(run)
-        if run.status == RunStatus.SUCCEEDED:
-            return
-        if run.status in TERMINAL:  # a script waiting on the run learns it from the exit code
-            raise CLIError("RunNotSucceeded", f"run {run.id} ended {run.status.value}")
-
-
-def _followed(client: APIClient, run_id: str, interval: float) -> Iterator[Run]:
-    """The run now, then each time it changes, for as long as the caller reads.
-
-    Its stream says each change as it happens. While the run waits to start, it is read every
-    `interval` seconds instead: why it waits (`waitingFor`) changes without the run (a queue
-    paused, a worker gone), which its stream looks at only once a second. A stream that broke,
-    or ended before the run did, is polled for too, and opened again STREAM_RETRY_SECONDS
-    later, so that a long watch outlives a restart of the API without polling to the end."""
-    path = f"/v1/runs/{segment(run_id)}"
-    retry_at = 0.0
-    while True:
-        run = Run.model_validate(client.call("GET", path))
-        yield run
-        if run.status not in CLAIMABLE and time.monotonic() >= retry_at:
-            try:
-                for data in client.messages(f"{path}/stream"):
-                    run = Run.model_validate_json(data)
-                    yield run
-                    if run.status in CLAIMABLE:
-                        break
-                else:  # it ended before the run did
-                    retry_at = time.monotonic() + STREAM_RETRY_SECONDS
-            except CLIError:  # it broke, or was refused; a poll says if the run is gone
-                retry_at = time.monotonic() + STREAM_RETRY_SECONDS
-        time.sleep(interval)
-
-
-def _events(args: argparse.Namespace, client: APIClient) -> None:
-    params = _present(
-        jobId=args.job_id,
-        type=args.type,
-        scope=args.scope,
-        scopeId=args.scope_id,
-        actor=args.actor,
-        limit=args.limit,
-        **{"from": args.since, "to": args.until},
-    )
-    _print_pages(client, "/v1/events", params, args.all, Event, event_line)
-
-
-def _print_pages(
-    client: APIClient,
-    path: str,
-    params: dict[str, Any],
-    every: bool,
-    model: type[M],
-    line: Callable[[M], str],
-    header: str | None = None,
-) -> None:
-    more = False
-    for page in client.pages(path, params, every):
-        if header is not None:  # only once the API has answered: a refusal prints no table
-            print(header)
-            header = None
-        for item in page["items"]:
-            print(line(model.model_validate(item)), flush=True)
-        more = page.get("nextCursor") is not None
-    if more and not every:
-        # On stderr, so a script reading the rows sees only rows.
-        print("(more on the next page: --all lists them all)", file=sys.stderr)
-
-
-def _keys_create(args: argparse.Namespace, client: APIClient) -> None:
-    body = {"name": args.name, "role": args.role, "scopes": args.scope}
-    key = client.call("POST", "/v1/api-keys", json=body)
-    print(f"id:     {key['id']}")
-    print(f"name:   {key['name']}")
-    print(f"role:   {key['role']}")
-    print(f"scopes: {' '.join(key['scopes']) or '(all)'}")
-    print(f"secret: {key['key']}")
-    print("The secret is shown only this once: only its hash is stored. Keep it safe.")
-
-
-def _keys_list(args: argparse.Namespace, client: APIClient) -> None:
-    params = _present(limit=args.limit)
-    _print_pages(client, "/v1/api-keys", params, args.all, ApiKeyPublic, key_row, KEY_HEADER)
-
-
-def _keys_revoke(args: argparse.Namespace, client: APIClient) -> None:
-    key = client.call("DELETE", f"/v1/api-keys/{segment(args.key_id)}")
-    print(f"revoked {key['id']} ({key['name']}) at {key['revokedAt']} by {key['revokedBy']}")
-
-
-def _queues_list(args: argparse.Namespace, client: APIClient) -> None:
-    queues = client.call("GET", "/v1/queues")["items"]
-    print(QUEUE_HEADER)
-    for queue in queues:
-        print(queue_row(queue))
-
-
-def _queues_act(args: argparse.Namespace, client: APIClient) -> None:
-    """pause, resume: a POST to the queue's action, with the reason when given."""
-    body = _present(reason=args.reason)
-    queue = client.call("POST", f"/v1/queues/{segment(args.queue)}/{args.action}", json=body)
-    print(QUEUE_HEADER)
-    print(queue_row(queue))
-
-
-def _schedules_create(args: argparse.Namespace, client: APIClient) -> None:
-    scope, scope_id = _scope_of(args, client)
-    body = _present(
-        templateType=args.template,
-        scope=scope,
-        scopeId=scope_id,
-        cron=args.cron,
-        timezone=args.timezone,
-        payloadTemplate=args.payload_template,
-        misfirePolicy=args.misfire,
-        overlapPolicy=args.overlap,
-        enabled=False if args.paused else None,
-    )
-    made = _made_in_scope(client, "/v1/schedules", body)
-    print(schedule_line(Schedule.model_validate(made)))
-
-
-def _schedules_list(args: argparse.Namespace, client: APIClient) -> None:
-    params = _present(
-        templateType=args.template, scope=args.scope, scopeId=args.scope_id, limit=args.limit
-    )
-    _print_pages(client, "/v1/schedules", params, args.all, Schedule, schedule_line)
-
-
-def _schedules_get(args: argparse.Namespace, client: APIClient) -> None:
-    print(json.dumps(client.call("GET", f"/v1/schedules/{segment(args.schedule_id)}"), indent=2))
-
-
-def _schedules_delete(args: argparse.Namespace, client: APIClient) -> None:
-    client.call("DELETE", f"/v1/schedules/{segment(args.schedule_id)}")
-    print(f"deleted {args.schedule_id}")
-
-
-def _schedules_act(args: argparse.Namespace, client: APIClient) -> None:
-    """pause, resume, trigger: a POST to the schedule's action."""
-    answer = client.call("POST", f"/v1/schedules/{segment(args.schedule_id)}/{args.action}")
-    if args.action == "trigger":
-        print(answer["id"])  # the run it created
-    else:
-        print(schedule_line(Schedule.model_validate(answer)))
-
-
-def _schedules_preview(args: argparse.Namespace, client: APIClient) -> None:
-    path = f"/v1/schedules/{segment(args.schedule_id)}/preview"
-    for t in client.call("GET", path, params={"count": args.count})["times"]:
-        print(f"{t['utc']}  {t['local']}")
 
 
 # -- argument types: bad input stops here, before any request -------------------------------------
@@ -551,9 +296,10 @@ def _parser() -> argparse.ArgumentParser:
         toggle.add_argument("type", metavar="TYPE")
         toggle.set_defaults(action=action)
 
-    runs = sub.add_parser("runs", help="create, list, watch, cancel and rerun runs")
-    rsub = runs.add_subparsers(required=True, metavar="ACTION")
-    create = client_command(rsub, "create", _runs_create, "create a run of TEMPLATE")
+    rsub = sub.add_parser("runs", help="create, list, watch, cancel and rerun runs").add_subparsers(
+        required=True, metavar="ACTION"
+    )
+    create = client_command(rsub, "create", runs.create, "create a run of TEMPLATE")
     create.add_argument("template", metavar="TEMPLATE")
     create.add_argument("--scope", choices=scopes, help=default_scope)
     create.add_argument("--scope-id", help="default cli, or the key's only scope's id")
@@ -562,9 +308,9 @@ def _parser() -> argparse.ArgumentParser:
     create.add_argument("--delay-seconds", type=float, help="not before this many seconds")
     create.add_argument("--idempotency-key", help="a repeat returns the first run")
     watchable(create)
-    get = client_command(rsub, "get", _runs_get, "a run as JSON")
+    get = client_command(rsub, "get", runs.get, "a run as JSON")
     get.add_argument("run_id", metavar="ID")
-    listing = client_command(rsub, "list", _runs_list, "runs, newest first")
+    listing = client_command(rsub, "list", runs.list_runs, "runs, newest first")
     listing.add_argument("--status", choices=[s.value for s in RunStatus])
     listing.add_argument("--template", help="template type")
     listing.add_argument("--scope", choices=scopes)
@@ -573,17 +319,17 @@ def _parser() -> argparse.ArgumentParser:
     listing.add_argument("--parent", metavar="RUN_ID", help="a map step's children of this run")
     listing.add_argument("--limit", type=int, help="runs per page")
     listing.add_argument("--all", action="store_true", help="every page, not just the first")
-    cancel = client_command(rsub, "cancel", _runs_cancel, "cancel a run")
+    cancel = client_command(rsub, "cancel", runs.cancel, "cancel a run")
     cancel.add_argument("run_id", metavar="ID")
     cancel.add_argument("--reason")
-    rerun = client_command(rsub, "rerun", _runs_rerun, "a new run like a finished one")
+    rerun = client_command(rsub, "rerun", runs.rerun, "a new run like a finished one")
     rerun.add_argument("run_id", metavar="ID")
     watchable(rerun)
-    watch = client_command(rsub, "watch", _runs_watch, "progress bars until the run ends")
+    watch = client_command(rsub, "watch", runs.watch, "progress bars until the run ends")
     watch.add_argument("run_id", metavar="ID")
     watchable(watch, default=True)
 
-    events = client_command(sub, "events", _events, "the audit trail, oldest first")
+    events = client_command(sub, "events", runs.events, "the audit trail, oldest first")
     events.add_argument("--job-id", help="one run's events")
     events.add_argument("--type", help="e.g. status_changed, cancel_requested")
     events.add_argument("--scope", choices=scopes)
@@ -594,9 +340,10 @@ def _parser() -> argparse.ArgumentParser:
     events.add_argument("--limit", type=int, help="events per page")
     events.add_argument("--all", action="store_true", help="every page, not just the first")
 
-    schedules = sub.add_parser("schedules", help="cron schedules in a time zone")
-    ssub = schedules.add_subparsers(required=True, metavar="ACTION")
-    screate = client_command(ssub, "create", _schedules_create, "run TEMPLATE on a cron")
+    ssub = sub.add_parser("schedules", help="cron schedules in a time zone").add_subparsers(
+        required=True, metavar="ACTION"
+    )
+    screate = client_command(ssub, "create", schedules.create, "run TEMPLATE on a cron")
     screate.add_argument("template", metavar="TEMPLATE")
     screate.add_argument("--cron", required=True, help="e.g. '30 2 * * *' or @daily")
     screate.add_argument("--timezone", help="IANA zone, e.g. Asia/Taipei (default UTC)")
@@ -608,51 +355,53 @@ def _parser() -> argparse.ArgumentParser:
     screate.add_argument("--misfire", choices=["skip", "run_once", "catch_up"])
     screate.add_argument("--overlap", choices=["allow", "skip", "queue"])
     screate.add_argument("--paused", action="store_true", help="create it disabled")
-    slist = client_command(ssub, "list", _schedules_list, "schedules, newest first")
+    slist = client_command(ssub, "list", schedules.list_schedules, "schedules, newest first")
     slist.add_argument("--template", help="template type")
     slist.add_argument("--scope", choices=scopes)
     slist.add_argument("--scope-id")
     slist.add_argument("--limit", type=int, help="schedules per page")
     slist.add_argument("--all", action="store_true", help="every page, not just the first")
-    sget = client_command(ssub, "get", _schedules_get, "a schedule as JSON")
+    sget = client_command(ssub, "get", schedules.get, "a schedule as JSON")
     sget.add_argument("schedule_id", metavar="ID")
-    sdelete = client_command(ssub, "delete", _schedules_delete, "delete a schedule")
+    sdelete = client_command(ssub, "delete", schedules.delete, "delete a schedule")
     sdelete.add_argument("schedule_id", metavar="ID")
     for action, what in (
         ("pause", "stop firing"),
         ("resume", "fire again"),
         ("trigger", "a run now; prints its id"),
     ):
-        act = client_command(ssub, action, _schedules_act, what)
+        act = client_command(ssub, action, schedules.act, what)
         act.add_argument("schedule_id", metavar="ID")
         act.set_defaults(action=action)
-    spreview = client_command(ssub, "preview", _schedules_preview, "the next fire times")
+    spreview = client_command(ssub, "preview", schedules.preview, "the next fire times")
     spreview.add_argument("schedule_id", metavar="ID")
     spreview.add_argument("--count", type=int, default=10)
 
     queues = sub.add_parser("queues", help="queues: what they hold; pause and resume (admin)")
     qsub = queues.add_subparsers(required=True, metavar="ACTION")
-    client_command(qsub, "list", _queues_list, "each queue's runs, and whether it is paused")
+    client_command(qsub, "list", admin.queues_list, "each queue's runs, and whether it is paused")
     for action, what in (
         ("pause", "start none of the queue's runs; it still accepts them"),
         ("resume", "start the queue's runs again"),
     ):
-        act = client_command(qsub, action, _queues_act, what)
+        act = client_command(qsub, action, admin.queues_act, what)
         act.add_argument("queue", metavar="QUEUE")
         act.add_argument("--reason", help="why, for the audit trail (at most 500 characters)")
         act.set_defaults(action=action)
 
     keys = sub.add_parser("keys", help="API keys")
     ksub = keys.add_subparsers(required=True, metavar="ACTION")
-    key = client_command(ksub, "create", _keys_create, "create a key; its secret is shown once")
+    key = client_command(
+        ksub, "create", admin.keys_create, "create a key; its secret is shown once"
+    )
     key.add_argument("name", metavar="NAME")
     key.add_argument("--role", required=True, choices=["admin", "author", "user", "auditor"])
     key.add_argument(
         "--scope", action="append", default=[], help="for a user key: user:u1 (repeatable)"
     )
-    klist = client_command(ksub, "list", _keys_list, "keys, newest first, revoked ones too")
+    klist = client_command(ksub, "list", admin.keys_list, "keys, newest first, revoked ones too")
     klist.add_argument("--limit", type=int, help="keys per page")
     klist.add_argument("--all", action="store_true", help="every page, not just the first")
-    revoke = client_command(ksub, "revoke", _keys_revoke, "refuse a key from now on")
+    revoke = client_command(ksub, "revoke", admin.keys_revoke, "refuse a key from now on")
     revoke.add_argument("key_id", metavar="ID")
     return parser

@@ -1,12 +1,18 @@
-"""The CLI's HTTP client: one call per command, errors as one readable line."""
+"""The CLI's HTTP client: one call per command, errors as one readable line; and what the
+commands that call the API share (the options given, the scope to make in, pages printed)."""
 
+import argparse
 import json
-from collections.abc import Iterator
+import sys
+from collections.abc import Callable, Iterator
 from types import TracebackType
-from typing import Any
+from typing import Any, TypeVar
 from urllib.parse import quote
 
 import httpx
+from pydantic import BaseModel
+
+M = TypeVar("M", bound=BaseModel)
 
 
 class CLIError(Exception):
@@ -125,3 +131,51 @@ def _said_once(message: str, details: dict[str, Any]) -> str:
     notes += [f"{k}: {v if isinstance(v, str) else json.dumps(v)}" for k, v in rest.items()]
     said = f"{', '.join(repeated)}: {message}" if repeated else message
     return f"{said} ({'; '.join(notes)})" if notes else said
+
+
+def present(**fields: Any) -> dict[str, Any]:
+    """Only the options given: the API tells an absent field from a null one."""
+    return {k: v for k, v in fields.items() if v is not None}
+
+
+def scope_of(args: argparse.Namespace, client: APIClient) -> tuple[str, str]:
+    """The scope a new run or schedule is made in: as given; else the key's only scope (a user
+    key's with one); else system:cli."""
+    if args.scope is None and args.scope_id is None:
+        me = client.call("GET", "/v1/api-keys/me")
+        if len(me["scopes"]) == 1:
+            scope, _, scope_id = me["scopes"][0].partition(":")
+            return scope, scope_id
+    return args.scope or "system", args.scope_id or "cli"
+
+
+def made_in_scope(client: APIClient, path: str, body: dict[str, Any]) -> Any:
+    """POST `body` to `path`; a refusal of the scope says how to name another."""
+    try:
+        return client.call("POST", path, json=body)
+    except CLIError as exc:
+        if exc.code != "Forbidden" or "scope" not in exc.message:
+            raise
+        raise CLIError(exc.code, f"{exc.message} (pass --scope and --scope-id)") from None
+
+
+def print_pages(
+    client: APIClient,
+    path: str,
+    params: dict[str, Any],
+    every: bool,
+    model: type[M],
+    line: Callable[[M], str],
+    header: str | None = None,
+) -> None:
+    more = False
+    for page in client.pages(path, params, every):
+        if header is not None:  # only once the API has answered: a refusal prints no table
+            print(header)
+            header = None
+        for item in page["items"]:
+            print(line(model.model_validate(item)), flush=True)
+        more = page.get("nextCursor") is not None
+    if more and not every:
+        # On stderr, so a script reading the rows sees only rows.
+        print("(more on the next page: --all lists them all)", file=sys.stderr)
