@@ -100,6 +100,7 @@ class Popper:
         block_seconds: float,
         paused: Collection[str],
     ) -> Popped:
+        """`RedisQueue.pop`, which says what it takes, without its bound on time."""
         lanes = [(q, h) for q in queues for h in [None, *handlers]]
         keys = [self.keys.paused, self.keys.turn]
         for q, h in lanes:
