@@ -3,9 +3,11 @@ pops its queue's own lane plus one lane per handler it offers (`queue/keys.py`).
 
 For each handler count H, a worker offering H handlers pops a backlog that waits in one of
 its lanes, in batches (`--batch`), and then pops an empty queue (what an idle worker's
-non-blocking pop costs); printed are microseconds per pop call and per run, and Redis's own
-CPU per pop call. `--limits` repeats it for runs of a template with a limit that never binds:
-`capped` (`maxRunning`) or `rated` (`rateLimit`, whose window the pop takes).
+non-blocking pop costs); printed are microseconds per pop call and per run, Redis's own CPU
+per pop call, and of that the time in the pop's script (`INFO commandstats`, without the
+network's share). `--limits` repeats it for runs of a template with a limit that never binds:
+`capped` (`maxRunning`) or `rated` (`rateLimit`, whose window the pop takes). To compare two
+versions of the pop's script, `bench/pop_script.py` is steadier.
 
     python bench/lanes.py [--runs 20000] [--batch 16] [--handlers 0,1,10,50,200]
         [--limits plain,capped,rated]
@@ -32,6 +34,13 @@ async def _redis_cpu(queue: RedisQueue) -> float:
     return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
 
 
+async def _script_us(queue: RedisQueue) -> float:
+    """The time Redis has spent in scripts, µs: the pop's own, without its network work, and
+    much steadier than its CPU on a VM."""
+    info = await queue.redis.info("commandstats")
+    return float(info.get("cmdstat_eval", {}).get("usec", 0))
+
+
 LIMITS: dict[str, StartLimits | None] = {
     "plain": None,
     "capped": StartLimits("bench", 10**9),
@@ -53,12 +62,14 @@ async def measure(url: str, handlers: int, runs: int, batch: int, variant: str) 
         ]
         for i in range(0, runs, 1000):
             await queue.push(entries[i : i + 1000], now)
-        cpu, began, calls, popped = await _redis_cpu(queue), time.perf_counter(), 0, 0
+        script, cpu = await _script_us(queue), await _redis_cpu(queue)
+        began, calls, popped = time.perf_counter(), 0, 0
         while popped < runs:
             popped += len((await queue.pop(["q"], batch, now, handlers=offered)).run_ids)
             calls += 1
         busy = time.perf_counter() - began
         busy_cpu = await _redis_cpu(queue) - cpu
+        busy_script = await _script_us(queue) - script
         idle_calls = 2000
         cpu, began = await _redis_cpu(queue), time.perf_counter()
         for _ in range(idle_calls):
@@ -69,6 +80,7 @@ async def measure(url: str, handlers: int, runs: int, batch: int, variant: str) 
         "us_per_pop": 1e6 * busy / calls,
         "us_per_run": 1e6 * busy / runs,
         "redis_us_per_pop": 1e6 * busy_cpu / calls,
+        "script_us_per_pop": busy_script / calls,
         "idle_us_per_pop": 1e6 * idle / idle_calls,
         "idle_redis_us_per_pop": 1e6 * idle_cpu / idle_calls,
     }
@@ -86,14 +98,17 @@ async def main() -> None:
         server.start()
         stack.callback(server.stop)
         print(f"runs {args.runs}, pops of {args.batch}; one Redis, one connection")
-        print("limits  handlers  us/pop  us/run  redis us/pop  idle us/pop  idle redis us/pop")
+        print(
+            "limits  handlers  us/pop  us/run  redis us/pop  script us/pop  idle us/pop"
+            "  idle redis us/pop"
+        )
         for variant in args.limits.split(","):
             for h in map(int, args.handlers.split(",")):
                 m = await measure(server.url, h, args.runs, args.batch, variant)
                 print(
                     f"{variant:<6}  {h:8d}  {m['us_per_pop']:6.0f}  {m['us_per_run']:6.1f}  "
-                    f"{m['redis_us_per_pop']:12.0f}  {m['idle_us_per_pop']:11.0f}  "
-                    f"{m['idle_redis_us_per_pop']:17.0f}"
+                    f"{m['redis_us_per_pop']:12.0f}  {m['script_us_per_pop']:13.0f}  "
+                    f"{m['idle_us_per_pop']:11.0f}  {m['idle_redis_us_per_pop']:17.0f}"
                 )
 
 

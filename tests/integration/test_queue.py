@@ -380,6 +380,27 @@ async def test_a_pop_takes_each_popped_runs_rate_window(
     assert later.run_ids == _ids(2, 3) and later.windows == dict.fromkeys(_ids(2, 3), True)
 
 
+async def test_a_pop_counts_a_window_again_for_a_run_of_another_period(
+    queue: RedisQueue, store: MongoStore
+) -> None:
+    """A pop counts a window once for all its runs, but a run of another template version,
+    with another period, has the window counted again over its own period."""
+    now = store.clock.now()
+    long = StartLimits("t", rate=RunRate(key='["t"]', limit=2, period_seconds=60.0))
+    short = StartLimits("t", rate=RunRate(key='["t"]', limit=2, period_seconds=1.0))
+    earlier = QueueEntry(_ids(1)[0], "q", 0, limits=long)
+    await queue.push([earlier], now - timedelta(seconds=5))
+    assert (await queue.pop(["q"], 1, now - timedelta(seconds=5))).run_ids == _ids(1)
+    first, second = _ids(2, 2)
+    runs = [QueueEntry(first, "q", 0, limits=long), QueueEntry(second, "q", 0, limits=short)]
+    await queue.push(runs, now)
+    popped = await queue.pop(["q"], 5, now)
+    # Over 60 s the window holds the earlier start and then the first run's: full. Over 1 s
+    # only the first run's: room for the second.
+    assert popped.windows == {first: True, second: True}
+    assert popped.refused == ()
+
+
 async def test_a_blocking_pop_wakes_for_a_rated_run_and_takes_its_window(
     queue: RedisQueue, store: MongoStore
 ) -> None:
