@@ -21,6 +21,7 @@ from pymongo import MongoClient
 from pymongo.write_concern import WriteConcern
 
 from jobplane.devstack import LocalStack, MongoServer, RedisServer, free_port
+from jobplane.devstack.topologies import RedisClusterNodes
 
 
 def _mongo(url: str) -> MongoClient[dict[str, Any]]:
@@ -164,6 +165,23 @@ def test_redis_start_ping_stop(tmp_path: Path) -> None:
     with pytest.raises(redis.ConnectionError):
         _redis_pings(server.url)
     server.stop()  # idempotent
+
+
+def test_a_cluster_node_whose_bus_port_was_taken_starts_on_new_ports(tmp_path: Path) -> None:
+    """A port found free can be taken before the node binds it (a parallel test run's
+    server): the cluster starts its nodes again on new ports rather than failing."""
+    cluster = RedisClusterNodes(tmp_path / "cluster")
+    first = cluster.nodes[0].port
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as taken:
+        taken.bind(("127.0.0.1", first + 10_000))
+        taken.listen()
+        cluster.start()
+        try:
+            assert first not in [node.port for node in cluster.nodes]
+            with redis.RedisCluster.from_url(f"redis://127.0.0.1:{cluster.nodes[0].port}") as rc:
+                assert rc.ping()
+        finally:
+            cluster.stop()
 
 
 def test_local_stack_reuses_running_servers(tmp_path: Path) -> None:

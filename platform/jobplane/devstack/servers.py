@@ -26,7 +26,7 @@ from pymongo.errors import OperationFailure, PyMongoError
 
 _HOST = "127.0.0.1"
 # Where free_port starts looking: above the ports well-known services use.
-_LOWEST_PORT = 20000
+LOWEST_PORT = 20000
 _REPLSET = "rs0"
 _INSTALL_HINT = "pip install 'jobplane[local]'"
 _LOG_TAIL_LINES = 20
@@ -68,10 +68,10 @@ def free_port() -> int:
     may be taken by any outgoing connection (a client of MongoDB or Redis) before the server
     meant for it binds it, which a test suite opening thousands of connections did meet.
     """
-    low = _ephemeral_floor()
-    if low - _LOWEST_PORT >= 1000:
+    low = ephemeral_floor()
+    if low - LOWEST_PORT >= 1000:
         for _ in range(50):
-            port = random.randrange(_LOWEST_PORT, low)
+            port = random.randrange(LOWEST_PORT, low)
             if port_is_free(port):
                 return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
@@ -80,7 +80,7 @@ def free_port() -> int:
         return chosen
 
 
-def _ephemeral_floor() -> int:
+def ephemeral_floor() -> int:
     """The lowest port the kernel hands to outgoing connections (Linux; 32768 elsewhere)."""
     try:
         return int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])

@@ -12,9 +12,18 @@ from pathlib import Path
 
 import redis
 
-from jobplane.devstack.servers import RedisServer, free_port, port_is_free, redis_binary
+from jobplane.devstack.servers import (
+    LOWEST_PORT,
+    RedisServer,
+    ephemeral_floor,
+    free_port,
+    port_is_free,
+    redis_binary,
+)
 
 _HOST = "127.0.0.1"
+# Redis 6.2 puts a cluster node's bus this far above its port, with no setting to move it.
+_BUS_OFFSET = 10_000
 _POLL_INTERVAL = 0.05
 
 
@@ -47,10 +56,7 @@ class RedisClusterNodes:
     def start(self, timeout: float = 60) -> None:
         """Start every node, assign the slots, and return once each node sees the cluster ok."""
         try:
-            for node in self.nodes:
-                # A new cluster: a node that finds an earlier cluster's config joins no other.
-                (node.dir / "nodes.conf").unlink(missing_ok=True)
-                node.start()
+            self._start_nodes()
             addresses = [f"{_HOST}:{n.port}" for n in self.nodes]
             create = ["--cluster", "create", *addresses, "--cluster-replicas", "0"]
             created = subprocess.run(
@@ -66,6 +72,23 @@ class RedisClusterNodes:
         except BaseException:
             self.stop()
             raise
+
+    def _start_nodes(self, attempts: int = 3) -> None:
+        """Start every node. Ports found free can be taken before a node binds them (by the
+        servers of a test run in parallel): nodes that met one start again on new ports."""
+        for attempt in range(attempts):
+            try:
+                for node in self.nodes:
+                    # A new cluster: a node that finds an earlier cluster's config joins no other.
+                    (node.dir / "nodes.conf").unlink(missing_ok=True)
+                    node.start()
+                return
+            except RuntimeError as exc:
+                # The node's log, which the error quotes, names the bind that failed.
+                if "Address already in use" not in str(exc) or attempt == attempts - 1:
+                    raise
+                self.stop()
+                self.nodes = [self._node(i, _cluster_port()) for i in range(len(self.nodes))]
 
     def wait_ok(self, timeout: float = 60) -> None:
         """Return once every node reports `cluster_state:ok`."""
@@ -172,10 +195,14 @@ class SentinelGroup:
 
 
 def _cluster_port() -> int:
-    """A free port whose cluster bus port (10000 above it, fixed in Redis 6.2) is free too."""
+    """A free port whose cluster bus port (10000 above it, fixed in Redis 6.2) is free too:
+    both below the kernel's ephemeral range where there is room, where no outgoing connection
+    takes them (see `free_port`)."""
+    top = ephemeral_floor() - _BUS_OFFSET
+    top = top if top - LOWEST_PORT >= 1000 else 50_000
     for _ in range(1000):
-        port = random.randrange(20_000, 50_000)
-        if all(port_is_free(p) for p in (port, port + 10_000)):
+        port = random.randrange(LOWEST_PORT, top)
+        if all(port_is_free(p) for p in (port, port + _BUS_OFFSET)):
             return port
     raise RuntimeError("found no free pair of ports for a Redis Cluster node")
 
