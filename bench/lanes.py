@@ -23,7 +23,7 @@ from pathlib import Path
 
 from jobplane.devstack import RedisServer, free_port
 from jobplane.model import RunRate, StartLimits
-from jobplane.queue.connect import open_redis, parse_redis_url
+from jobplane.queue.connect import RedisClient, open_redis, parse_redis_url
 from jobplane.queue.entry import QueueEntry
 from jobplane.queue.keys import Keys
 from jobplane.queue.redis import RedisQueue
@@ -34,10 +34,10 @@ async def _redis_cpu(queue: RedisQueue) -> float:
     return float(info["used_cpu_sys"]) + float(info["used_cpu_user"])
 
 
-async def _script_us(queue: RedisQueue) -> float:
+async def script_us(redis: RedisClient) -> float:
     """The time Redis has spent in scripts, µs: the pop's own, without its network work, and
-    much steadier than its CPU on a VM."""
-    info = await queue.redis.info("commandstats")
+    much steadier than its CPU on a VM (bench/pop_script.py reads it too)."""
+    info = await redis.info("commandstats")
     return float(info.get("cmdstat_eval", {}).get("usec", 0))
 
 
@@ -62,14 +62,14 @@ async def measure(url: str, handlers: int, runs: int, batch: int, variant: str) 
         ]
         for i in range(0, runs, 1000):
             await queue.push(entries[i : i + 1000], now)
-        script, cpu = await _script_us(queue), await _redis_cpu(queue)
+        script, cpu = await script_us(redis), await _redis_cpu(queue)
         began, calls, popped = time.perf_counter(), 0, 0
         while popped < runs:
             popped += len((await queue.pop(["q"], batch, now, handlers=offered)).run_ids)
             calls += 1
         busy = time.perf_counter() - began
         busy_cpu = await _redis_cpu(queue) - cpu
-        busy_script = await _script_us(queue) - script
+        busy_script = await script_us(redis) - script
         idle_calls = 2000
         cpu, began = await _redis_cpu(queue), time.perf_counter()
         for _ in range(idle_calls):

@@ -27,6 +27,7 @@ from jobplane.queue.connect import RedisClient, open_redis, parse_redis_url
 from jobplane.queue.entry import QueueEntry
 from jobplane.queue.keys import Keys
 from jobplane.queue.redis import RedisQueue
+from lanes import script_us
 
 PARTS = ("fair", "rate", "pop")  # as `Popper` loads them: the preludes, then the pop
 LUA = "platform/jobplane/queue/lua"
@@ -62,11 +63,6 @@ def at_revision(revision: str) -> str:
     return _source([show(part) for part in PARTS])
 
 
-async def _script_us(redis: RedisClient) -> float:
-    info = await redis.info("commandstats")
-    return float(info.get("cmdstat_eval", {}).get("usec", 0))
-
-
 async def one_pop(redis: RedisClient, prefix: str, source: str, variant: str) -> float:
     limits, taken = VARIANTS[variant]
     queue = RedisQueue(redis, Keys(prefix))
@@ -74,9 +70,9 @@ async def one_pop(redis: RedisClient, prefix: str, source: str, variant: str) ->
     await queue.mirror_pauses([], complete=True)
     now = datetime.now(UTC)
     await queue.push([QueueEntry(f"{i:024x}", "q", 0, limits=limits) for i in range(16)], now)
-    before = await _script_us(redis)
+    before = await script_us(redis)
     popped = await queue.pop(["q"], 16, now)
-    spent = await _script_us(redis) - before
+    spent = await script_us(redis) - before
     assert len(popped.run_ids) == taken, popped
     return spent
 
